@@ -1,0 +1,35 @@
+# draftline: prompts -> synthetic responses -> dataset -> hidden states -> EAGLE-3 draft
+# -> deployment benchmark -> verifiable bundle. Stages and artifacts: README.md.
+from snakemake.utils import min_version, validate
+
+min_version("9.0")
+
+
+configfile: "config.yaml"
+
+
+validate(config, "src/draftline/schemas/config.schema.yaml")
+
+
+include: "rules/common.smk"
+include: "rules/target.smk"
+include: "rules/prompts.smk"
+include: "rules/profile.smk"
+include: "rules/generate.smk"
+include: "rules/dataset.smk"
+include: "rules/hidden.smk"
+include: "rules/draft.smk"
+
+
+rule all:
+    input:
+        final_outputs(),
+    default_target: True
+
+
+onsuccess:
+    stop_shared_servers()
+
+
+onerror:
+    stop_shared_servers()

@@ -1,0 +1,105 @@
+# Helpers shared by the rules. Deliberately light: no draftline or heavy imports here, so the
+# workflow parses, validates and dry-runs with only Snakemake installed (GPU host orchestrator).
+import hashlib
+import json
+import os
+import signal
+from pathlib import Path
+
+
+
+def _check_config(cfg):
+    """What the JSON schema cannot say: files that must exist, cross-key rules."""
+    for i, src in enumerate(cfg["prompts"]["sources"]):
+        path = src["path"]
+        if path != "bundled" and not path.startswith("hf:") and not Path(path).exists():
+            raise ValueError(f"config key 'prompts.sources[{i}].path': file not found: {path}")
+    toy = cfg["target"]["toy"]
+    if toy["hidden_size"] % toy["num_heads"]:
+        raise ValueError("config key 'target.toy.num_heads': must divide target.toy.hidden_size")
+    ids = cfg["hidden"]["layer_ids"]
+    if ids is not None and len(set(ids)) != len(ids):
+        raise ValueError(f"config key 'hidden.layer_ids': ids must be distinct, got {ids}")
+    if cfg["server"]["mode"] == "external" and not cfg["server"]["external"]["base_urls"]:
+        raise ValueError(
+            "config key 'server.external.base_urls': required when server.mode is external"
+        )
+
+
+_check_config(config)
+
+RESULTS = config["results"]
+SHARDS = list(range(config["prompts"]["num_shards"]))
+SERVER_STATE = f"{RESULTS}/.servers"
+
+
+def res(path):
+    return f"{RESULTS}/{path}"
+
+
+def code_hash(*modules):
+    """Content hash of the library modules behind a stage. It is passed as a param, so
+    editing the code of a stage makes that stage (and what depends on it) stale."""
+    digest = hashlib.sha256()
+    for name in modules:
+        path = Path(workflow.basedir) / "src" / "draftline" / f"{name}.py"
+        digest.update(path.read_bytes() if path.exists() else name.encode())
+    return digest.hexdigest()[:16]
+
+
+def target_dir():
+    model = config["target"]["model"]
+    return res("target") if model == "toy" else model
+
+
+def target_path(wildcards, input):
+    """The target model directory: the built toy target, or the configured model."""
+    return input.target if config["target"]["model"] == "toy" else config["target"]["model"]
+
+
+def target_input():
+    """The toy target is an artifact of this workflow; a real target is not."""
+    return res("target") if config["target"]["model"] == "toy" else []
+
+
+def prompt_source_files():
+    return [
+        s["path"]
+        for s in config["prompts"]["sources"]
+        if s["path"] != "bundled" and not s["path"].startswith("hf:")
+    ]
+
+
+def profile_input():
+    """generate.concurrency: auto reads the measured profile; an integer needs none."""
+    return res("profile/concurrency.json") if config["generate"]["concurrency"] == "auto" else []
+
+
+def sampling_params():
+    gen = config["generate"]
+    keys = ("temperature", "top_p", "max_tokens", "seed", "chat_template_kwargs")
+    return {k: gen[k] for k in keys}
+
+
+def server_params():
+    """Everything that defines the served target (part of the workload fingerprint)."""
+    return {"server": config["server"], "trust_remote_code": config["target"]["trust_remote_code"]}
+
+
+def final_outputs():
+    return [
+        res("draft/checkpoint/config.json"),
+        res("draft/eval.json"),
+        res("vocab/coverage.json"),
+    ]
+
+
+def stop_shared_servers():
+    """Stop the run's shared vLLM servers now instead of after their idle timeout."""
+    for state_path in Path(SERVER_STATE).glob("*.json"):
+        try:
+            pid = json.loads(state_path.read_text()).get("supervisor_pid")
+            if pid:
+                os.kill(pid, signal.SIGTERM)
+        except (OSError, ValueError):
+            pass

@@ -1,0 +1,37 @@
+rule dataset:
+    input:
+        responses=expand(res("responses/shard-{i}.jsonl"), i=SHARDS),
+        target=target_input(),
+    output:
+        directory(res("dataset")),
+    params:
+        model=target_path,
+        eval_fraction=config["dataset"]["eval_fraction"],
+        max_length=config["dataset"]["max_length"],
+        trust_remote_code=config["target"]["trust_remote_code"],
+        code=code_hash("dataset", "render"),
+    conda:
+        "../envs/draftline.yaml"
+    log:
+        "logs/dataset/build.log",
+    script:
+        "../scripts/dataset.py"
+
+
+rule vocab_map:
+    input:
+        dataset=res("dataset"),
+        target=target_input(),
+    output:
+        vocab_map=res("vocab/vocab_map.safetensors"),
+        coverage=res("vocab/coverage.json"),
+    params:
+        model=target_path,
+        draft_vocab_size=config["vocab"]["draft_vocab_size"],
+        code=code_hash("vocab"),
+    conda:
+        "../envs/draftline.yaml"
+    log:
+        "logs/vocab_map/build.log",
+    script:
+        "../scripts/vocab_map.py"

@@ -1,0 +1,41 @@
+rule train_draft:
+    input:
+        hidden=res("hidden/index.json"),
+        vocab_map=res("vocab/vocab_map.safetensors"),
+        target=target_input(),
+    output:
+        best=directory(res("draft/best")),
+        metrics=res("draft/metrics.jsonl"),
+        eval=res("draft/eval.json"),
+    params:
+        train=config["train"],
+        model=target_path,
+        out_dir=lambda wildcards, output: os.path.dirname(output.eval),
+        code=code_hash("model", "train"),
+    conda:
+        "../envs/draftline.yaml"
+    log:
+        "logs/train_draft/train.log",
+    threads: workflow.cores
+    script:
+        "../scripts/train_draft.py"
+
+
+rule export_draft:
+    input:
+        best=res("draft/best"),
+        hidden=res("hidden/index.json"),
+        vocab_map=res("vocab/vocab_map.safetensors"),
+        target=target_input(),
+    output:
+        config=res("draft/checkpoint/config.json"),
+        weights=res("draft/checkpoint/model.safetensors"),
+    params:
+        model=target_path,
+        code=code_hash("export", "model"),
+    conda:
+        "../envs/draftline.yaml"
+    log:
+        "logs/export_draft/export.log",
+    script:
+        "../scripts/export_draft.py"

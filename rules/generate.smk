@@ -1,0 +1,22 @@
+rule generate:
+    input:
+        shard=res("prompts/shard-{i}.jsonl"),
+        profile=profile_input(),
+        target=target_input(),
+    output:
+        responses=res("responses/shard-{i}.jsonl"),
+        errors=res("responses/shard-{i}.errors.jsonl"),
+        summary=res("responses/shard-{i}.summary.json"),
+    params:
+        generate=config["generate"],
+        server=server_params(),
+        model=target_path,
+        state_dir=SERVER_STATE,
+        slot_dir=res(".slots/generate"),
+        code=code_hash("generate", "slots", "server", "render"),
+    conda:
+        "../envs/draftline.yaml"
+    log:
+        "logs/generate/shard-{i}.log",
+    script:
+        "../scripts/generate.py"

@@ -1,0 +1,15 @@
+from draftline.profile import run_stage
+from draftline.runlog import logged
+
+with logged(snakemake.log[0]):
+    run_stage(
+        snakemake.input.shards,
+        snakemake.output.json,
+        snakemake.output.png,
+        profile_cfg=snakemake.params.profile,
+        sampling=snakemake.params.sampling,
+        server_cfg=snakemake.params.server["server"],
+        model=snakemake.params.model,
+        state_dir=snakemake.params.state_dir,
+        trust_remote_code=snakemake.params.server["trust_remote_code"],
+    )

@@ -1,0 +1,11 @@
+from draftline.dataset import build_dataset
+from draftline.runlog import logged
+
+with logged(snakemake.log[0]):
+    build_dataset(
+        snakemake.input.responses,
+        snakemake.params.model,
+        snakemake.output[0],
+        eval_fraction=snakemake.params.eval_fraction,
+        max_length=snakemake.params.max_length,
+    )

@@ -1,0 +1,13 @@
+from pathlib import Path
+
+from draftline.hidden import extract
+from draftline.runlog import logged
+
+with logged(snakemake.log[0]):
+    extract(
+        snakemake.input.dataset,
+        snakemake.params.model,
+        Path(snakemake.output.index).parent,
+        snakemake.params.hidden,
+        server_cfg=snakemake.params.server["server"],
+    )

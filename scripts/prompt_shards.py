@@ -1,0 +1,13 @@
+from pathlib import Path
+
+from draftline.prompts import build_shards
+from draftline.runlog import logged
+
+with logged(snakemake.log[0]):
+    build_shards(
+        snakemake.params.sources,
+        Path(snakemake.output.summary).parent,
+        num_shards=snakemake.params.num_shards,
+        max_samples=snakemake.params.max_samples,
+        seed=snakemake.params.seed,
+    )

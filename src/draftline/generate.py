@@ -1,0 +1,490 @@
+"""Synthetic responses: every prompt answered exactly once by the served target.
+
+One shard job = a fixed pool of worker coroutines (never one task per prompt) over the
+official ``AsyncOpenAI`` client. Each request holds a machine-wide slot (``SlotPool``) so that
+shard jobs running side by side share the chosen concurrency and keep the server full.
+
+Durability: results are appended and flushed to ``<out_dir>/.partial/shard-{i}.jsonl`` as they
+arrive (Snakemake deletes declared outputs of failed jobs; the partial file survives). A rerun
+reads the ids already done, drops a torn last line, and only asks for the rest. At the end the
+shard is written once, sorted in prompt order, by atomic rename.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hashlib
+import json
+import os
+import random
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+import openai
+from tqdm import tqdm
+
+from draftline.server import Endpoint
+from draftline.slots import SlotPool
+
+RETRYABLE_STATUS = {408, 409, 429}
+
+
+class EndpointsDown(RuntimeError):
+    """No endpoint answered for too long; partial results are kept for the rerun."""
+
+
+@dataclass(frozen=True)
+class GenerateSettings:
+    concurrency: int
+    temperature: float = 0.7
+    top_p: float = 0.95
+    max_tokens: int = 2048
+    seed: int = 0
+    chat_template_kwargs: dict = field(default_factory=dict)
+    multi_turn: bool = False
+    max_retries: int = 6
+    request_timeout_s: float = 600.0
+    endpoint_down_timeout_s: float = 300.0
+    backoff_base_s: float = 1.0
+    backoff_cap_s: float = 30.0
+
+    @classmethod
+    def from_config(cls, gen_cfg: dict, concurrency: int) -> GenerateSettings:
+        keys = ("temperature", "top_p", "max_tokens", "seed", "chat_template_kwargs",
+                "multi_turn", "max_retries", "request_timeout_s", "endpoint_down_timeout_s")
+        return cls(concurrency=concurrency, **{k: gen_cfg[k] for k in keys if k in gen_cfg})
+
+
+def resolve_concurrency(setting: int | str, profile_json: Path | None) -> int:
+    """``auto`` reads ``chosen_concurrency`` from the profile; an integer overrides it."""
+    if setting != "auto":
+        return int(setting)
+    if profile_json is None or not Path(profile_json).exists():
+        raise FileNotFoundError("config key 'generate.concurrency' is auto but no concurrency "
+                                f"profile exists at {profile_json}")
+    return int(json.loads(Path(profile_json).read_text())["chosen_concurrency"])
+
+
+def prompt_seed(base_seed: int, prompt_id: str) -> int:
+    """Per-prompt sampling seed: stable across runs, shards and concurrency."""
+    digest = hashlib.sha256(f"{base_seed}:{prompt_id}".encode()).digest()
+    return int.from_bytes(digest[:4], "big") & 0x7FFFFFFF
+
+
+def request_kwargs(messages: list[dict], settings: GenerateSettings, prompt_id: str,
+                   model: str) -> dict:
+    extra: dict = {"return_token_ids": True}
+    if settings.chat_template_kwargs:
+        extra["chat_template_kwargs"] = settings.chat_template_kwargs
+    return {
+        "model": model,
+        "messages": messages,
+        "temperature": settings.temperature,
+        "top_p": settings.top_p,
+        "max_tokens": settings.max_tokens,
+        "seed": prompt_seed(settings.seed, prompt_id),
+        "extra_body": extra,
+    }
+
+
+def parse_completion(resp) -> dict:
+    """The fields we keep from a vLLM chat completion (reasoning under either name)."""
+    choice = resp.choices[0]
+    message = choice.message
+    extra_msg = message.model_extra or {}
+    reasoning = extra_msg.get("reasoning") or extra_msg.get("reasoning_content")
+    return {
+        "reasoning": reasoning,
+        "content": message.content,
+        "finish_reason": choice.finish_reason,
+        "prompt_token_ids": (resp.model_extra or {}).get("prompt_token_ids"),
+        "output_token_ids": (choice.model_extra or {}).get("token_ids"),
+        "usage": resp.usage.model_dump() if resp.usage else None,
+    }
+
+
+def assistant_message(parsed: dict) -> dict:
+    """The assistant turn as the chat template renders it (reasoning in its own field)."""
+    return {"role": "assistant", "content": parsed["content"] or "",
+            "reasoning_content": parsed["reasoning"]}
+
+
+def is_retryable(exc: BaseException) -> bool:
+    if isinstance(exc, openai.APIStatusError):
+        return exc.status_code in RETRYABLE_STATUS or exc.status_code >= 500
+    return isinstance(exc, openai.APIConnectionError | openai.APIResponseValidationError |
+                      httpx.HTTPError | json.JSONDecodeError)
+
+
+def is_connection_failure(exc: BaseException) -> bool:
+    return isinstance(exc, openai.APIConnectionError | httpx.TransportError)
+
+
+def backoff_delay(attempt: int, settings: GenerateSettings, rng: random.Random) -> float:
+    """Exponential backoff with full-range jitter in [d/2, d]."""
+    delay = min(settings.backoff_cap_s, settings.backoff_base_s * 2**attempt)
+    return delay * (0.5 + 0.5 * rng.random())
+
+
+# ---------------------------------------------------------------- endpoints
+
+
+class EndpointPool:
+    """Least-in-flight balancing; an endpoint that fails to connect is set aside for a while."""
+
+    COOLDOWN_S = 5.0
+
+    def __init__(self, endpoints: list[Endpoint], timeout_s: float, max_connections: int):
+        limits = httpx.Limits(max_connections=max_connections,
+                              max_keepalive_connections=max_connections)
+        self.endpoints = endpoints
+        self.clients = [
+            openai.AsyncOpenAI(base_url=ep.base_url, api_key=ep.api_key, max_retries=0,
+                               timeout=timeout_s,
+                               http_client=httpx.AsyncClient(limits=limits, timeout=timeout_s))
+            for ep in endpoints
+        ]
+        self.in_flight = [0] * len(endpoints)
+        self.down_until = [0.0] * len(endpoints)
+        self.sent = [0] * len(endpoints)
+        self.all_down_since: float | None = None
+
+    def pick(self) -> int | None:
+        now = time.monotonic()
+        healthy = [i for i in range(len(self.endpoints)) if self.down_until[i] <= now]
+        if not healthy:
+            self.all_down_since = self.all_down_since or now
+            return None
+        self.all_down_since = None
+        return min(healthy, key=lambda i: (self.in_flight[i], self.sent[i]))
+
+    def set_aside(self, i: int) -> None:
+        self.down_until[i] = time.monotonic() + self.COOLDOWN_S
+
+    async def close(self) -> None:
+        for client in self.clients:
+            await client.close()
+
+
+# ---------------------------------------------------------------- durable results
+
+
+def read_jsonl_ids(path: Path) -> dict[str, dict]:
+    """Records of a JSONL file by id; a torn last line (killed writer) is cut off the file."""
+    records: dict[str, dict] = {}
+    if not path.exists():
+        return records
+    data = path.read_bytes()
+    keep = data.rfind(b"\n") + 1
+    if keep < len(data):
+        with open(path, "r+b") as fh:
+            fh.truncate(keep)
+    for line in data[:keep].splitlines():
+        if line.strip():
+            rec = json.loads(line)
+            records[rec["id"]] = rec
+    return records
+
+
+class AppendLog:
+    """Append-and-flush JSONL writer: every finished record survives a kill."""
+
+    def __init__(self, path: Path):
+        path.parent.mkdir(parents=True, exist_ok=True)
+        self.fh = open(path, "a", encoding="utf-8")
+
+    def write(self, record: dict) -> None:
+        self.fh.write(json.dumps(record, ensure_ascii=False) + "\n")
+        self.fh.flush()
+
+    def close(self) -> None:
+        with contextlib.suppress(OSError):
+            os.fsync(self.fh.fileno())
+        self.fh.close()
+
+
+def write_jsonl_atomic(path: Path, records: Iterable[dict]) -> None:
+    tmp = path.with_name(f".{path.name}.tmp")
+    with open(tmp, "w", encoding="utf-8") as fh:
+        for rec in records:
+            fh.write(json.dumps(rec, ensure_ascii=False) + "\n")
+        fh.flush()
+        os.fsync(fh.fileno())
+    os.replace(tmp, path)
+
+
+# ---------------------------------------------------------------- the shard run
+
+
+@dataclass
+class ShardStats:
+    total: int = 0
+    resumed: int = 0
+    done: int = 0
+    errors: int = 0
+    retries: int = 0
+    prompt_tokens: int = 0
+    output_tokens: int = 0
+    inflight_area: float = 0.0  # integral of machine-wide in-flight over the fill phase
+    fill_seconds: float = 0.0
+
+
+class ShardRun:
+    def __init__(self, prompts: list[dict], endpoints: list[Endpoint],
+                 settings: GenerateSettings, slots: SlotPool, results: AppendLog,
+                 errors: AppendLog, seed: int = 0):
+        self.queue = iter(prompts)
+        self.settings = settings
+        self.slots = slots
+        self.pool = EndpointPool(endpoints, settings.request_timeout_s, slots.size)
+        self.results = results
+        self.errors = errors
+        self.stats = ShardStats()
+        self.rng = random.Random(seed)
+        self.queue_empty = False
+        self.bar: tqdm | None = None
+
+    async def run(self, total: int) -> ShardStats:
+        self.bar = tqdm(total=total, desc="generate", unit="req", dynamic_ncols=True,
+                        mininterval=1.0)
+        sampler = asyncio.create_task(self._sample_inflight())
+        t0 = time.monotonic()
+        try:
+            workers = [asyncio.create_task(self._worker()) for _ in range(self.slots.size)]
+            await asyncio.gather(*workers)
+        finally:
+            sampler.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await sampler
+            await self.pool.close()
+            self.bar.close()
+        self.stats.duration_s = time.monotonic() - t0
+        return self.stats
+
+    async def _sample_inflight(self, every_s: float = 0.1) -> None:
+        """Machine-wide in-flight over the fill phase (until this shard's queue is empty)."""
+        last = time.monotonic()
+        while True:
+            await asyncio.sleep(every_s)
+            now = time.monotonic()
+            if not self.queue_empty:
+                self.stats.inflight_area += self.slots.held_anywhere() * (now - last)
+                self.stats.fill_seconds += now - last
+            last = now
+
+    async def _worker(self) -> None:
+        for item in self.queue:
+            await self._answer(item)
+        self.queue_empty = True
+
+    async def _answer(self, item: dict) -> None:
+        messages = item["messages"]
+        if self.settings.multi_turn:
+            messages = await self._regenerate_history(item, messages)
+            if messages is None:
+                return
+        outcome = await self._complete(item["id"], messages)
+        if outcome is None:
+            return
+        parsed, latency, endpoint = outcome
+        self._record(item, messages, parsed, latency, endpoint)
+
+    async def _regenerate_history(self, item: dict, messages: list[dict]) -> list[dict] | None:
+        """Regenerate every earlier assistant turn in order, feeding the new history back."""
+        history: list[dict] = []
+        for msg in messages[:-1]:
+            if msg["role"] != "assistant":
+                history.append(msg)
+                continue
+            outcome = await self._complete(item["id"], history)
+            if outcome is None:
+                return None
+            history.append(assistant_message(outcome[0]))
+        return history + [messages[-1]]
+
+    def _record(self, item: dict, messages: list[dict], parsed: dict, latency: float,
+                endpoint: str) -> None:
+        record = {
+            "id": item["id"],
+            "messages": messages + [assistant_message(parsed)],
+            "prompt_token_ids": parsed["prompt_token_ids"],
+            "output_token_ids": parsed["output_token_ids"],
+            "finish_reason": parsed["finish_reason"],
+            "usage": parsed["usage"],
+            "latency_s": round(latency, 4),
+            "endpoint": endpoint,
+        }
+        self.results.write(record)
+        self.stats.done += 1
+        usage = parsed["usage"] or {}
+        self.stats.prompt_tokens += usage.get("prompt_tokens", 0)
+        self.stats.output_tokens += usage.get("completion_tokens", 0)
+        self._progress()
+
+    def _progress(self) -> None:
+        elapsed = max(self.bar.format_dict["elapsed"], 1e-6)
+        self.bar.set_postfix(tok_s=f"{self.stats.output_tokens / elapsed:.0f}",
+                             inflight=self.slots.held_here, retries=self.stats.retries,
+                             errors=self.stats.errors, refresh=False)
+        self.bar.update(1)
+
+    async def _complete(self, prompt_id: str, messages: list[dict]):
+        """One chat completion with retries; None when it ended in the errors file."""
+        attempt = 0
+        while True:
+            index = await self._endpoint()
+            endpoint = self.pool.endpoints[index]
+            kwargs = request_kwargs(messages, self.settings, prompt_id, endpoint.model)
+            async with self.slots.slot():
+                self.pool.in_flight[index] += 1
+                self.pool.sent[index] += 1
+                t0 = time.monotonic()
+                try:
+                    resp = await self.pool.clients[index].chat.completions.create(**kwargs)
+                    return parse_completion(resp), time.monotonic() - t0, endpoint.base_url
+                except Exception as exc:  # classified below; nothing is swallowed silently
+                    error = exc
+                finally:
+                    self.pool.in_flight[index] -= 1
+            if is_connection_failure(error):
+                self.pool.set_aside(index)
+                await asyncio.sleep(backoff_delay(0, self.settings, self.rng))
+                continue  # a dead endpoint is not this prompt's fault: no retry is spent
+            if is_retryable(error) and attempt < self.settings.max_retries:
+                self.stats.retries += 1
+                await asyncio.sleep(backoff_delay(attempt, self.settings, self.rng))
+                attempt += 1
+                continue
+            self._fail(prompt_id, error, attempt + 1)
+            return None
+
+    async def _endpoint(self) -> int:
+        while True:
+            index = self.pool.pick()
+            if index is not None:
+                return index
+            down_for = time.monotonic() - self.pool.all_down_since
+            if down_for > self.settings.endpoint_down_timeout_s:
+                raise EndpointsDown(
+                    f"no endpoint answered for {down_for:.0f}s "
+                    f"({', '.join(e.base_url for e in self.pool.endpoints)}); results so far "
+                    "are kept, rerun to resume")
+            await asyncio.sleep(0.5)
+
+    def _fail(self, prompt_id: str, error: BaseException, attempts: int) -> None:
+        status = getattr(error, "status_code", None)
+        message = getattr(error, "message", None) or str(error) or type(error).__name__
+        self.errors.write({"id": prompt_id, "error": f"{type(error).__name__}: {message}"[:2000],
+                           "status": status, "retryable": is_retryable(error),
+                           "attempts": attempts})
+        self.stats.errors += 1
+        self._progress()
+
+
+def load_prompts(prompt_file: Path) -> list[dict]:
+    with open(prompt_file, encoding="utf-8") as fh:
+        return [json.loads(line) for line in fh if line.strip()]
+
+
+def partial_paths(out_file: Path) -> tuple[Path, Path]:
+    partial = out_file.parent / ".partial"
+    stem = out_file.name.removesuffix(".jsonl")
+    return partial / f"{stem}.jsonl", partial / f"{stem}.errors.jsonl"
+
+
+def generate_shard(prompt_file: Path, out_file: Path, errors_file: Path, summary_file: Path,
+                   endpoints: list[Endpoint], settings: GenerateSettings, slot_dir: Path,
+                   tokenizer_dir: str | None = None) -> dict:
+    """Answer every prompt of a shard once; resume from partial results; write the summary."""
+    prompts = load_prompts(prompt_file)
+    partial, partial_errors = partial_paths(out_file)
+    done = read_jsonl_ids(partial)
+    # Final errors (e.g. 400: prompt too long) stay; retryable ones get another chance.
+    errors = {k: v for k, v in read_jsonl_ids(partial_errors).items()
+              if not v.get("retryable") and k not in done}
+    write_jsonl_atomic(partial_errors, errors.values())
+    todo = [p for p in prompts if p["id"] not in done and p["id"] not in errors]
+    print(f"{prompt_file}: {len(prompts)} prompts, {len(done)} done, {len(errors)} failed "
+          f"before, {len(todo)} to ask at concurrency {settings.concurrency} over "
+          f"{len(endpoints)} endpoint(s)")
+    slots = SlotPool(slot_dir, settings.concurrency * len(endpoints))
+    results_log, errors_log = AppendLog(partial), AppendLog(partial_errors)
+    try:
+        run = ShardRun(todo, endpoints, settings, slots, results_log, errors_log)
+        stats = asyncio.run(run.run(total=len(todo)))
+        sent_by_endpoint = dict(zip([e.base_url for e in endpoints], run.pool.sent, strict=True))
+    finally:
+        results_log.close()
+        errors_log.close()
+        slots.close()
+    return finish_shard(prompts, partial, partial_errors, out_file, errors_file, summary_file,
+                        stats, settings, sent_by_endpoint, tokenizer_dir)
+
+
+def finish_shard(prompts, partial, partial_errors, out_file, errors_file, summary_file, stats,
+                 settings, sent_by_endpoint, tokenizer_dir) -> dict:
+    order = {p["id"]: i for i, p in enumerate(prompts)}
+    done = read_jsonl_ids(partial)
+    errors = {k: v for k, v in read_jsonl_ids(partial_errors).items() if k not in done}
+    mismatches = count_render_mismatches(done.values(), tokenizer_dir) if tokenizer_dir else None
+    write_jsonl_atomic(out_file, sorted(done.values(), key=lambda r: order[r["id"]]))
+    write_jsonl_atomic(errors_file, sorted(errors.values(), key=lambda r: order[r["id"]]))
+    fill = stats.fill_seconds
+    summary = {
+        "prompts": len(prompts),
+        "responses": len(done),
+        "errors": len(errors),
+        "unanswered": len(prompts) - len(done) - len(errors),
+        "resumed": len(done) - stats.done,
+        "retries": stats.retries,
+        "prompt_tokens": stats.prompt_tokens,
+        "output_tokens": stats.output_tokens,
+        "duration_s": round(stats.duration_s, 3),
+        "output_tok_s": round(stats.output_tokens / max(stats.duration_s, 1e-9), 2),
+        "concurrency": settings.concurrency,
+        "inflight_utilization": round(stats.inflight_area / fill / slots_total(
+            settings, sent_by_endpoint), 4) if fill > 0 else None,
+        "requests_by_endpoint": sent_by_endpoint,
+        "finish_reasons": _count(r["finish_reason"] for r in done.values()),
+        "render_mismatches": mismatches,
+    }
+    summary_file.write_text(json.dumps(summary, indent=2) + "\n")
+    print(json.dumps(summary))
+    return summary
+
+
+def slots_total(settings: GenerateSettings, sent_by_endpoint: dict) -> int:
+    return settings.concurrency * max(len(sent_by_endpoint), 1)
+
+
+def _count(values: Iterable) -> dict:
+    counts: dict = {}
+    for v in values:
+        counts[str(v)] = counts.get(str(v), 0) + 1
+    return counts
+
+
+def count_render_mismatches(records: Iterable[dict], tokenizer_dir: str) -> int:
+    """Responses whose re-rendered assistant turn is not the target's own token stream."""
+    from draftline.render import render_matches_ids, load_tokenizer
+
+    tokenizer = load_tokenizer(tokenizer_dir)
+    return sum(not render_matches_ids(tokenizer, rec) for rec in records)
+
+
+def run_stage(prompt_file: Path, out_file: Path, errors_file: Path, summary_file: Path,
+              gen_cfg: dict, server_cfg: dict, model: str, state_dir: Path, slot_dir: Path,
+              profile_json: Path | None = None, trust_remote_code: bool = False) -> dict:
+    """The generate stage: resolve concurrency, get endpoints (shared or external), run."""
+    from draftline.server import endpoints_for
+
+    concurrency = resolve_concurrency(gen_cfg["concurrency"], profile_json)
+    settings = GenerateSettings.from_config(gen_cfg, concurrency)
+    with endpoints_for(server_cfg, model, Path(state_dir), trust_remote_code) as endpoints:
+        return generate_shard(Path(prompt_file), Path(out_file), Path(errors_file),
+                              Path(summary_file), endpoints, settings, Path(slot_dir),
+                              tokenizer_dir=model)

@@ -1,0 +1,345 @@
+"""On-disk format of the hidden-state stage: part files, their sidecars, the index, checks.
+
+Layout under ``out_dir`` (docs/contracts.md, "Hidden states"):
+
+* ``{split}/part-{k:05d}.safetensors`` - whole samples concatenated along tokens: ``aux [N, 3H]``,
+  ``final [N, H]``, ``input_ids [N]`` int64, ``loss_mask [N]`` uint8, ``offsets [n + 1]`` int64,
+  metadata ``sample_ids`` (JSON list) plus ``layer_ids``, ``final_layer_id``.
+* ``{split}/part-{k:05d}.json`` - the part's index entry, its rejected samples and a fingerprint
+  of everything that determines its content; it makes resuming cheap (no re-hashing).
+* ``index.json`` - written last: target facts and one entry per part file.
+
+Part files are written by our own small safetensors writer: the Rust writer stores metadata in a
+hash map whose order changes from process to process, so the same tensors would not give the
+same bytes (and checksums) twice. Ours is deterministic and hashes while it writes.
+
+Only torch is needed here (imported inside functions).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+INDEX_NAME = "index.json"
+FORMAT_VERSION = 1
+# Bytes per token besides the states: input_ids (int64) and loss_mask (uint8).
+TOKEN_SIDE_BYTES = 8 + 1
+_HASH_CHUNK = 8 << 20
+
+_SAFETENSORS_DTYPES = {
+    "bfloat16": "BF16",
+    "float16": "F16",
+    "float32": "F32",
+    "int64": "I64",
+    "int32": "I32",
+    "uint8": "U8",
+    "int8": "I8",
+    "bool": "BOOL",
+}
+DTYPE_SIZES = {"bfloat16": 2, "float16": 2, "float32": 4}
+
+
+class DiskSpaceError(RuntimeError):
+    """Not enough free disk for the planned output (raised before anything is written)."""
+
+
+# ----------------------------------------------------------------------------- sizes
+
+
+def state_bytes_per_token(hidden_size: int, dtype: str = "bfloat16", num_aux: int = 3) -> int:
+    """Bytes of stored states per token: ``num_aux`` aux layers plus the final layer."""
+    return (num_aux + 1) * hidden_size * DTYPE_SIZES[dtype]
+
+
+def stored_bytes_per_token(hidden_size: int, dtype: str = "bfloat16", num_aux: int = 3) -> int:
+    """State bytes plus the token ids and loss mask stored next to them."""
+    return state_bytes_per_token(hidden_size, dtype, num_aux) + TOKEN_SIDE_BYTES
+
+
+def free_disk_bytes(path: Path) -> int:
+    """Free bytes on the file system that holds ``path`` (or its nearest existing parent)."""
+    probe = Path(path).absolute()
+    while not probe.exists():
+        probe = probe.parent
+    return shutil.disk_usage(probe).free
+
+
+def check_capacity(need_bytes: int, out_dir: Path, free_bytes: int | None, margin: float) -> dict:
+    """Fail early when ``need_bytes * margin`` exceeds the free disk; return the figures."""
+    measured = free_bytes is None
+    free = free_disk_bytes(out_dir) if measured else int(free_bytes)
+    required = int(need_bytes * margin)
+    figures = {"need_bytes": int(need_bytes), "required_bytes": required, "free_bytes": free,
+               "margin": margin, "free_source": "measured" if measured else "hidden.free_bytes"}
+    if required > free:
+        where = f"free on the disk of {out_dir}" if measured else "free (config hidden.free_bytes)"
+        raise DiskSpaceError(
+            f"hidden states need {human_bytes(need_bytes)} ({need_bytes:,} bytes), "
+            f"{human_bytes(required)} with the margin hidden.disk_margin={margin}, but only "
+            f"{human_bytes(free)} ({free:,} bytes) are {where}. Free disk space, point "
+            "'results' at a larger disk, or reduce prompts.max_samples / dataset.max_length."
+        )
+    return figures
+
+
+def human_bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:,.1f} {unit}" if unit != "B" else f"{int(n):,} B"
+        n /= 1024
+    raise AssertionError("unreachable")
+
+
+# ----------------------------------------------------------------------------- parts
+
+
+@dataclass(frozen=True)
+class PartSpec:
+    """One part file: which rows of which split it holds (fixed by the dataset and config)."""
+
+    split: str
+    index: int
+    rows: tuple[int, ...]
+
+    @property
+    def stem(self) -> str:
+        return f"{self.split}/part-{self.index:05d}"
+
+    @property
+    def path(self) -> str:
+        return f"{self.stem}.safetensors"
+
+    @property
+    def sidecar(self) -> str:
+        return f"{self.stem}.json"
+
+
+def plan_parts(lengths: dict[str, Sequence[int]], samples_per_file: int,
+               max_file_tokens: int) -> list[PartSpec]:
+    """Cut each split, in dataset order, into parts of at most ``samples_per_file`` samples and
+    ``max_file_tokens`` tokens (a longer sample gets a part of its own).
+
+    The cut depends only on the dataset and config, so a resumed run recomputes exactly the
+    parts that are missing, with the same content.
+    """
+    parts: list[PartSpec] = []
+    for split, split_lengths in lengths.items():
+        rows: list[int] = []
+        tokens = 0
+        k = 0
+        for row, n in enumerate(split_lengths):
+            if rows and (len(rows) >= samples_per_file or tokens + n > max_file_tokens):
+                parts.append(PartSpec(split, k, tuple(rows)))
+                k, rows, tokens = k + 1, [], 0
+            rows.append(row)
+            tokens += n
+        if rows:
+            parts.append(PartSpec(split, k, tuple(rows)))
+    return parts
+
+
+def part_fingerprint(settings: dict, sample_ids: Sequence[str],
+                     input_ids: Iterable[Sequence[int]]) -> str:
+    """Hash of everything that determines a part's content (target, layers, dtype, tokens)."""
+    digest = hashlib.sha256(json.dumps(settings, sort_keys=True).encode())
+    digest.update(json.dumps(list(sample_ids)).encode())
+    for ids in input_ids:
+        digest.update(json.dumps(list(ids)).encode())
+    return digest.hexdigest()
+
+
+def load_complete_part(out_dir: Path, part: PartSpec, fingerprint: str) -> dict | None:
+    """The sidecar of a finished part whose content is still valid, else None.
+
+    A part counts as finished when its sidecar (written after the atomic rename of the part
+    file) matches the fingerprint and the part file has the recorded size.
+    """
+    sidecar = out_dir / part.sidecar
+    try:
+        record = json.loads(sidecar.read_text())
+    except (OSError, ValueError):
+        return None
+    if record.get("fingerprint") != fingerprint:
+        return None
+    part_file = out_dir / part.path
+    if not part_file.is_file() or part_file.stat().st_size != record["entry"]["bytes"]:
+        return None
+    return record
+
+
+def remove_stale_temp_files(out_dir: Path) -> int:
+    """Delete temp files left by a killed run; return how many."""
+    count = 0
+    for tmp in Path(out_dir).rglob(".*.tmp-*"):
+        tmp.unlink(missing_ok=True)
+        count += 1
+    return count
+
+
+# ----------------------------------------------------------------------------- writing
+
+
+def _dtype_name(tensor) -> str:
+    name = str(tensor.dtype).removeprefix("torch.")
+    if name not in _SAFETENSORS_DTYPES:
+        raise ValueError(f"dtype {tensor.dtype} cannot be stored in a part file")
+    return _SAFETENSORS_DTYPES[name]
+
+
+def _header_bytes(tensors: dict, metadata: dict[str, str]) -> bytes:
+    header: dict[str, Any] = {"__metadata__": {k: metadata[k] for k in sorted(metadata)}}
+    offset = 0
+    for name in sorted(tensors):
+        tensor = tensors[name]
+        nbytes = tensor.numel() * tensor.element_size()
+        header[name] = {"dtype": _dtype_name(tensor), "shape": list(tensor.shape),
+                        "data_offsets": [offset, offset + nbytes]}
+        offset += nbytes
+    blob = json.dumps(header, separators=(",", ":")).encode()
+    # The data section must start 8-byte aligned; safetensors pads the header with spaces.
+    return blob + b" " * (-len(blob) % 8)
+
+
+def _tensor_bytes(tensor) -> memoryview:
+    import torch
+
+    flat = tensor.detach().to("cpu").contiguous().reshape(-1)
+    return memoryview(flat.view(torch.uint8).numpy())
+
+
+def write_safetensors(path: Path, tensors: dict, metadata: dict[str, str]) -> tuple[int, str]:
+    """Write a safetensors file atomically and deterministically; return (bytes, sha256).
+
+    Same tensors and metadata give the same bytes. The file appears under its final name only
+    once complete and synced (temp name in the same folder, then rename).
+    """
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    header = _header_bytes(tensors, metadata)
+    digest = hashlib.sha256()
+    tmp = path.parent / f".{path.name}.tmp-{os.getpid()}"
+    size = 0
+    with open(tmp, "wb") as fh:
+        for chunk in (len(header).to_bytes(8, "little"), header):
+            fh.write(chunk)
+            digest.update(chunk)
+            size += len(chunk)
+        for name in sorted(tensors):
+            data = _tensor_bytes(tensors[name])
+            fh.write(data)
+            digest.update(data)
+            size += data.nbytes
+        fh.flush()
+        os.fsync(fh.fileno())
+    os.replace(tmp, path)
+    _fsync_dir(path.parent)
+    return size, digest.hexdigest()
+
+
+def write_json_atomic(path: Path, obj: Any) -> None:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.parent / f".{path.name}.tmp-{os.getpid()}"
+    with open(tmp, "w") as fh:
+        json.dump(obj, fh, indent=1)
+        fh.write("\n")
+        fh.flush()
+        os.fsync(fh.fileno())
+    os.replace(tmp, path)
+    _fsync_dir(path.parent)
+
+
+def _fsync_dir(directory: Path) -> None:
+    fd = os.open(directory, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+# ----------------------------------------------------------------------------- reading, checks
+
+
+def sha256_file(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as fh:
+        while chunk := fh.read(_HASH_CHUNK):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def load_part(path: Path) -> tuple[dict, list[str]]:
+    """Tensors of a part file and its sample ids (in file order)."""
+    from safetensors import safe_open
+
+    with safe_open(str(path), framework="pt") as fh:
+        tensors = {name: fh.get_tensor(name) for name in fh.keys()}
+        sample_ids = json.loads(fh.metadata()["sample_ids"])
+    return tensors, sample_ids
+
+
+def read_index(out_dir: Path) -> dict:
+    return json.loads((Path(out_dir) / INDEX_NAME).read_text())
+
+
+def _check_structure(path: Path, entry: dict, hidden_size: int, num_aux: int) -> list[str]:
+    """Shapes and metadata of a part file against its index entry (header only, cheap)."""
+    from safetensors import SafetensorError, safe_open
+
+    try:
+        with safe_open(str(path), framework="pt") as fh:
+            shapes = {name: list(fh.get_slice(name).get_shape()) for name in fh.keys()}
+            sample_ids = json.loads((fh.metadata() or {}).get("sample_ids", "null"))
+            offsets = fh.get_tensor("offsets") if "offsets" in shapes else None
+    except (SafetensorError, OSError, ValueError) as exc:
+        return [f"{entry['path']}: not a readable safetensors file ({exc})"]
+    n, n_samples = entry["num_tokens"], len(entry["sample_ids"])
+    expected = {"aux": [n, num_aux * hidden_size], "final": [n, hidden_size], "input_ids": [n],
+                "loss_mask": [n], "offsets": [n_samples + 1]}
+    problems = [f"{entry['path']}: tensor {name} has shape {shapes.get(name)}, expected {shape}"
+                for name, shape in expected.items() if shapes.get(name) != shape]
+    if sample_ids != entry["sample_ids"]:
+        problems.append(f"{entry['path']}: sample_ids in the file differ from the index")
+    if offsets is not None and not problems and (int(offsets[0]) != 0 or int(offsets[-1]) != n):
+        problems.append(f"{entry['path']}: offsets do not span the {n} tokens")
+    return problems
+
+
+def verify_index(out_dir: Path) -> list[str]:
+    """Check every part file listed in ``index.json``: present, size, sha256, shapes, ids.
+
+    Returns the problems found (empty list: all good). Reads every byte (checksums).
+    """
+    out_dir = Path(out_dir)
+    try:
+        index = read_index(out_dir)
+    except (OSError, ValueError) as exc:
+        return [f"{out_dir / INDEX_NAME}: cannot read the index ({exc})"]
+    problems: list[str] = []
+    num_aux = len(index.get("layer_ids", [])) or 3
+    seen: set[str] = set()
+    for entry in index.get("files", []):
+        path = out_dir / entry["path"]
+        if not path.is_file():
+            problems.append(f"{entry['path']}: missing")
+            continue
+        size = path.stat().st_size
+        if size != entry["bytes"]:
+            problems.append(f"{entry['path']}: {size} bytes on disk, index says {entry['bytes']}")
+            continue
+        if sha256_file(path) != entry["sha256"]:
+            problems.append(f"{entry['path']}: sha256 mismatch (file corrupted or replaced)")
+            continue
+        problems += _check_structure(path, entry, index["hidden_size"], num_aux)
+        duplicates = seen.intersection(entry["sample_ids"])
+        if duplicates:
+            problems.append(f"{entry['path']}: sample ids stored twice: {sorted(duplicates)[:5]}")
+        seen.update(entry["sample_ids"])
+    return problems

@@ -1,0 +1,567 @@
+"""Prompt shards: read prompt sources, normalize them to OpenAI chat messages, shard them.
+
+Stage 1 of the pipeline. ``build_shards`` reads every configured source, turns each record into
+``{"id": str, "messages": [...]}`` whose last message is a user turn, drops duplicates, keeps at
+most ``max_samples`` and splits the rest into ``num_shards`` balanced, deterministic shards.
+
+Rules (see docs/contracts.md for the file formats):
+
+* Sources: local ``.jsonl`` / ``.json`` (a list of records or ``{"data": [...]}``) / ``.parquet``
+  files, a directory written by ``datasets.save_to_disk`` (``split`` picks from a DatasetDict),
+  ``hf:<hub id>`` (``datasets.load_dataset(id, split=split)``; a local data folder works too) and
+  ``bundled`` (the prompts shipped in ``draftline/data/prompts.jsonl``, ids taken from its
+  ``id`` field).
+* Record shapes, tried in this order: OpenAI ``messages`` (role/content), ShareGPT
+  ``conversations`` (from/value), then a single string field named by ``prompt_field``.
+  Only the roles system, user and assistant are kept (``developer`` counts as system; ShareGPT
+  human/gpt map to user/assistant). Contents are stripped of surrounding whitespace and other
+  message keys are dropped. Trailing turns after the last user turn are removed; a system turn
+  may only come first. ``system_prompt`` is prepended when a record has no system turn.
+* Ids: the ``id_field`` value (a non-empty string or integer) when configured, otherwise
+  ``h-`` + the first 16 hex digits of the sha256 of the canonical JSON of the normalized
+  messages. Records with the same normalized messages are duplicates (the first one wins); a
+  repeated explicit id on different content is rejected.
+* Selection: the first ``max_samples`` unique records in source order (sources in config order,
+  records in file order).
+* Sharding: the selected records are sorted by ``sha256(f"{seed}:{id}")`` and dealt round-robin,
+  so shard sizes differ by at most one and the same inputs give byte-identical files.
+* A bad record never stops the run: it goes to ``rejected.jsonl`` with its source, index, line,
+  reason and an excerpt. A missing or unreadable source raises an error naming its path.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import os
+import re
+import secrets
+from collections import Counter
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+from importlib import resources
+from pathlib import Path
+from typing import IO, Any
+
+from tqdm import tqdm
+
+BUNDLED = "bundled"
+HF_PREFIX = "hf:"
+BUNDLED_ID_FIELD = "id"
+HASH_ID_PREFIX = "h-"
+HASH_ID_HEX_DIGITS = 16
+EXCERPT_CHARS = 200
+
+OPENAI_ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
+SHAREGPT_ROLES = {
+    "system": "system",
+    "human": "user",
+    "user": "user",
+    "gpt": "assistant",
+    "assistant": "assistant",
+    "chatgpt": "assistant",
+    "model": "assistant",
+}
+
+SELECTION_RULE = "first max_samples unique records in source order"
+SHARDING_RULE = "sorted by sha256('{seed}:{id}'), dealt round-robin"
+_SHARD_NAME = re.compile(r"shard-(\d+)\.jsonl")
+
+
+class PromptSourceError(ValueError):
+    """A prompt source that cannot be read as a whole (bad format, unreadable file, bad split)."""
+
+
+class RecordError(Exception):
+    """One record that cannot be used; ``reason`` is a short code, ``detail`` explains it."""
+
+    def __init__(self, reason: str, detail: str):
+        super().__init__(f"{reason}: {detail}")
+        self.reason = reason
+        self.detail = detail
+
+
+@dataclass(frozen=True)
+class SourceSpec:
+    """One ``prompts.sources`` item with its defaults filled in."""
+
+    path: str
+    split: str = "train"
+    id_field: str | None = None
+    prompt_field: str = "prompt"
+    system_prompt: str | None = None
+
+    @classmethod
+    def from_config(cls, item: dict[str, Any]) -> SourceSpec:
+        if "path" not in item:
+            raise PromptSourceError(f"prompt source {item!r}: missing key 'path'")
+        path = str(item["path"])
+        id_field = item.get("id_field")
+        if path == BUNDLED and id_field is None:
+            id_field = BUNDLED_ID_FIELD  # bundled prompts carry stable ids "bundled-0001", ...
+        return cls(
+            path=path,
+            split=item.get("split") or "train",
+            id_field=id_field,
+            prompt_field=item.get("prompt_field") or "prompt",
+            system_prompt=item.get("system_prompt"),
+        )
+
+
+@dataclass(frozen=True)
+class RawRecord:
+    """A record as read from a source, before normalization.
+
+    ``error`` is set when the record could not even be parsed (bad JSON, empty line).
+    """
+
+    index: int  # 0-based position in the source (for .jsonl: line number - 1)
+    line: int | None  # 1-based line number, only for .jsonl sources
+    value: Any = None
+    raw_text: str | None = None
+    error: RecordError | None = None
+
+
+@dataclass(frozen=True)
+class Prompt:
+    id: str
+    messages: list[dict[str, str]]
+    content_hash: str  # full sha256 hex digest of the canonical messages
+
+
+# ---------------------------------------------------------------------------------------------
+# Reading sources
+
+
+def bundled_prompts_path() -> Path:
+    """Path of the prompts shipped with draftline."""
+    return Path(str(resources.files("draftline") / "data" / "prompts.jsonl"))
+
+
+def iter_source(spec: SourceSpec) -> Iterator[RawRecord]:
+    """Yield the raw records of one source; raise for a source that cannot be read at all."""
+    if spec.path.startswith(HF_PREFIX):
+        yield from _iter_hub_dataset(spec.path[len(HF_PREFIX) :], spec.split)
+        return
+    path = bundled_prompts_path() if spec.path == BUNDLED else Path(spec.path)
+    if not path.exists():
+        raise FileNotFoundError(f"prompt source not found: {path}")
+    if path.is_dir():
+        yield from _iter_saved_dataset(path, spec.split)
+    elif path.suffix == ".jsonl":
+        yield from _iter_jsonl(path)
+    elif path.suffix == ".json":
+        yield from _iter_json(path)
+    elif path.suffix == ".parquet":
+        yield from _iter_parquet(path)
+    else:
+        raise PromptSourceError(
+            f"prompt source {path}: unsupported format '{path.suffix}' "
+            "(expected .jsonl, .json, .parquet, a saved HF dataset dir, hf:<id> or bundled)"
+        )
+
+
+def _iter_jsonl(path: Path) -> Iterator[RawRecord]:
+    # Binary mode: one badly encoded line is rejected instead of aborting the whole file.
+    with path.open("rb") as f:
+        for line_no, raw in enumerate(f, start=1):
+            index = line_no - 1
+            try:
+                text = raw.decode("utf-8")
+            except UnicodeDecodeError as exc:
+                excerpt = raw[:EXCERPT_CHARS].decode("utf-8", errors="replace")
+                error = RecordError("invalid_utf8", f"line is not valid UTF-8: {exc.reason}")
+                yield RawRecord(index, line_no, raw_text=excerpt, error=error)
+                continue
+            text = text.rstrip("\r\n")
+            if not text.strip():
+                error = RecordError("empty_line", "blank line")
+                yield RawRecord(index, line_no, raw_text=text, error=error)
+                continue
+            try:
+                value = json.loads(text)
+            except json.JSONDecodeError as exc:
+                error = RecordError(
+                    "malformed_json", f"invalid JSON: {exc.msg} at column {exc.colno}"
+                )
+                yield RawRecord(index, line_no, raw_text=text, error=error)
+                continue
+            yield RawRecord(index, line_no, value=value, raw_text=text)
+
+
+def _iter_json(path: Path) -> Iterator[RawRecord]:
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise PromptSourceError(f"prompt source {path}: not valid JSON: {exc}") from exc
+    if isinstance(data, dict) and isinstance(data.get("data"), list):
+        data = data["data"]
+    if not isinstance(data, list):
+        raise PromptSourceError(
+            f'prompt source {path}: expected a list of records or {{"data": [...]}}, '
+            f"got {type(data).__name__}"
+        )
+    for index, value in enumerate(data):
+        yield RawRecord(index, None, value=value)
+
+
+def _iter_parquet(path: Path) -> Iterator[RawRecord]:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    try:
+        parquet = pq.ParquetFile(path)
+    except (pa.ArrowException, OSError) as exc:
+        raise PromptSourceError(
+            f"prompt source {path}: not a readable parquet file: {exc}"
+        ) from exc
+    index = 0
+    for batch in parquet.iter_batches(batch_size=1024):
+        for row in batch.to_pylist():
+            yield RawRecord(index, None, value=row)
+            index += 1
+
+
+def _iter_saved_dataset(path: Path, split: str) -> Iterator[RawRecord]:
+    import datasets
+
+    try:
+        loaded = datasets.load_from_disk(str(path))
+    except (FileNotFoundError, ValueError, OSError) as exc:
+        raise PromptSourceError(
+            f"prompt source {path}: not a dataset saved with save_to_disk: {exc}"
+        ) from exc
+    yield from _iter_dataset_rows(loaded, split, str(path))
+
+
+def _iter_hub_dataset(hub_id: str, split: str) -> Iterator[RawRecord]:
+    import datasets
+
+    try:
+        loaded = datasets.load_dataset(hub_id, split=split)
+    except Exception as exc:  # the hub client raises many unrelated types; name the source
+        raise PromptSourceError(
+            f"prompt source {HF_PREFIX}{hub_id} (split {split!r}): cannot load: {exc}"
+        ) from exc
+    yield from _iter_dataset_rows(loaded, split, f"{HF_PREFIX}{hub_id}")
+
+
+def _iter_dataset_rows(loaded: Any, split: str, name: str) -> Iterator[RawRecord]:
+    import datasets
+
+    if isinstance(loaded, datasets.DatasetDict):
+        if split not in loaded:
+            raise PromptSourceError(
+                f"prompt source {name}: no split {split!r} (available: {sorted(loaded)})"
+            )
+        loaded = loaded[split]
+    if not isinstance(loaded, datasets.Dataset):
+        raise PromptSourceError(f"prompt source {name}: expected a Dataset, got {type(loaded)}")
+    for index, row in enumerate(loaded):
+        yield RawRecord(index, None, value=row)
+
+
+# ---------------------------------------------------------------------------------------------
+# Normalizing records
+
+
+def normalize_messages(record: Any, spec: SourceSpec) -> list[dict[str, str]]:
+    """Turn one record into chat messages ending with a user turn; raise RecordError if unusable."""
+    if not isinstance(record, dict):
+        raise RecordError("not_an_object", f"expected a JSON object, got {type(record).__name__}")
+    # Rows of columnar sources (parquet, datasets) hold None for fields a record lacks.
+    present = {key: value for key, value in record.items() if value is not None}
+    if not present:
+        raise RecordError("empty_record", "record has no fields")
+    if "messages" in present:
+        turns = _parse_turns(present["messages"], "messages", "role", "content", OPENAI_ROLES)
+    elif "conversations" in present:
+        turns = _parse_turns(
+            present["conversations"], "conversations", "from", "value", SHAREGPT_ROLES
+        )
+    elif spec.prompt_field in present:
+        prompt = present[spec.prompt_field]
+        if not isinstance(prompt, str):
+            raise RecordError(
+                "prompt_not_string",
+                f"field '{spec.prompt_field}' must be a string, got {type(prompt).__name__}",
+            )
+        turns = [{"role": "user", "content": prompt}]
+    else:
+        raise RecordError(
+            "missing_prompt_field",
+            f"no 'messages', 'conversations' or '{spec.prompt_field}' field",
+        )
+    return _finish_conversation(turns, spec.system_prompt)
+
+
+def _parse_turns(
+    turns: Any, field: str, role_key: str, content_key: str, role_map: dict[str, str]
+) -> list[dict[str, str]]:
+    """Check types and map roles; content emptiness is checked later, on the kept turns only."""
+    if not isinstance(turns, list):
+        raise RecordError(
+            f"{field}_not_list", f"'{field}' must be a list, got {type(turns).__name__}"
+        )
+    if not turns:
+        raise RecordError("empty_messages", f"'{field}' is an empty list")
+    parsed = []
+    for i, turn in enumerate(turns):
+        if not isinstance(turn, dict):
+            raise RecordError(
+                "message_not_object", f"{field}[{i}] must be an object, got {type(turn).__name__}"
+            )
+        # ShareGPT exports sometimes use role/content inside "conversations"; accept both spellings.
+        role = turn.get(role_key, turn.get("role"))
+        content = turn.get(content_key, turn.get("content"))
+        if not isinstance(role, str) or role.lower() not in role_map:
+            raise RecordError("unknown_role", f"{field}[{i}] has unknown role {role!r}")
+        if not isinstance(content, str):
+            raise RecordError(
+                "content_not_string",
+                f"{field}[{i}] content must be a string, got {type(content).__name__}",
+            )
+        parsed.append({"role": role_map[role.lower()], "content": content.strip()})
+    return parsed
+
+
+def _finish_conversation(
+    turns: list[dict[str, str]], system_prompt: str | None
+) -> list[dict[str, str]]:
+    last_user = max((i for i, t in enumerate(turns) if t["role"] == "user"), default=None)
+    if last_user is None:
+        raise RecordError("no_user_turn", "conversation has no user turn")
+    kept = turns[: last_user + 1]  # generation answers the last user turn
+    for i, turn in enumerate(kept):
+        if turn["role"] == "system" and i != 0:
+            raise RecordError("system_not_first", f"system turn at position {i}; only 0 allowed")
+        if not turn["content"]:
+            raise RecordError("empty_content", f"turn {i} ({turn['role']}) has empty content")
+    if system_prompt and kept[0]["role"] != "system":
+        kept.insert(0, {"role": "system", "content": system_prompt.strip()})
+    return kept
+
+
+def content_hash(messages: list[dict[str, str]]) -> str:
+    """sha256 hex digest of the canonical JSON of normalized messages (the de-duplication key)."""
+    canonical = json.dumps(messages, sort_keys=True, ensure_ascii=False, separators=(",", ":"))
+    return hashlib.sha256(canonical.encode("utf-8")).hexdigest()
+
+
+def explicit_id(record: dict[str, Any], id_field: str) -> str:
+    value = record.get(id_field)
+    if value is None:
+        raise RecordError("missing_id", f"id field '{id_field}' is missing")
+    # bool is an int subclass, but True is not an id anyone meant.
+    if isinstance(value, bool) or not isinstance(value, (str, int)):
+        raise RecordError(
+            "bad_id",
+            f"id field '{id_field}' must be a string or integer, got {type(value).__name__}",
+        )
+    text = str(value).strip()
+    if not text:
+        raise RecordError("bad_id", f"id field '{id_field}' is empty")
+    return text
+
+
+def to_prompt(record: Any, spec: SourceSpec) -> Prompt:
+    """Normalize one parsed record into a Prompt with a stable id."""
+    messages = normalize_messages(record, spec)
+    digest = content_hash(messages)
+    if spec.id_field is not None:
+        prompt_id = explicit_id(record, spec.id_field)
+    else:
+        prompt_id = HASH_ID_PREFIX + digest[:HASH_ID_HEX_DIGITS]
+    return Prompt(prompt_id, messages, digest)
+
+
+# ---------------------------------------------------------------------------------------------
+# Collecting, selecting, sharding
+
+
+def _excerpt(raw: RawRecord) -> str:
+    if raw.raw_text is not None:
+        text = raw.raw_text
+    else:
+        text = json.dumps(raw.value, ensure_ascii=False, default=str)
+    return text[:EXCERPT_CHARS]
+
+
+class _Collector:
+    """Accepts records in order, tracking duplicates, rejections and per-source counts."""
+
+    def __init__(self) -> None:
+        self.accepted: list[Prompt] = []
+        self.rejected: list[dict[str, Any]] = []
+        self.reasons: Counter[str] = Counter()
+        self.duplicates = 0
+        self.read = 0
+        self.per_source: list[dict[str, Any]] = []
+        self._hashes: set[str] = set()
+        self._ids: dict[str, str] = {}  # id -> source path where it was first seen
+
+    def add_source(self, spec: SourceSpec, records: Iterable[RawRecord]) -> None:
+        counts = {"path": spec.path, "read": 0, "accepted": 0, "duplicates": 0, "rejected": 0}
+        for raw in records:
+            counts["read"] += 1
+            outcome = self._add(spec, raw)
+            counts[outcome] += 1
+        self.read += counts["read"]
+        self.per_source.append(counts)
+
+    def _add(self, spec: SourceSpec, raw: RawRecord) -> str:
+        try:
+            if raw.error is not None:
+                raise raw.error
+            prompt = to_prompt(raw.value, spec)
+            if prompt.content_hash in self._hashes:
+                self.duplicates += 1
+                return "duplicates"
+            if prompt.id in self._ids:
+                raise RecordError(
+                    "duplicate_id",
+                    f"id {prompt.id!r} already used (first in {self._ids[prompt.id]})",
+                )
+        except RecordError as err:
+            self._reject(spec, raw, err)
+            return "rejected"
+        self._hashes.add(prompt.content_hash)
+        self._ids[prompt.id] = spec.path
+        self.accepted.append(prompt)
+        return "accepted"
+
+    def _reject(self, spec: SourceSpec, raw: RawRecord, err: RecordError) -> None:
+        self.reasons[err.reason] += 1
+        self.rejected.append(
+            {
+                "source": spec.path,
+                "index": raw.index,
+                "line": raw.line,
+                "reason": err.reason,
+                "detail": err.detail,
+                "excerpt": _excerpt(raw),
+            }
+        )
+
+
+def shard_key(prompt_id: str, seed: int) -> str:
+    return hashlib.sha256(f"{seed}:{prompt_id}".encode()).hexdigest()
+
+
+def assign_shards(prompts: list[Prompt], num_shards: int, seed: int) -> list[list[Prompt]]:
+    """Deal prompts round-robin in seeded-hash order: sizes differ by at most one."""
+    ordered = sorted(prompts, key=lambda p: (shard_key(p.id, seed), p.id))
+    return [ordered[i::num_shards] for i in range(num_shards)]
+
+
+# ---------------------------------------------------------------------------------------------
+# Writing
+
+
+@contextlib.contextmanager
+def atomic_writer(path: Path) -> Iterator[IO[str]]:
+    """Write to a temp file next to ``path`` and move it into place only when complete."""
+    tmp_name = path.parent / f".{path.name}.{os.getpid()}.{secrets.token_hex(4)}.tmp"
+    # os.open with 0o666 honours the umask (mkstemp would leave the result readable only by us).
+    fd = os.open(tmp_name, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8", newline="\n") as f:
+            yield f
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp_name, path)
+    except BaseException:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp_name)
+        raise
+
+
+def _write_jsonl(path: Path, rows: Iterable[dict[str, Any]]) -> None:
+    with atomic_writer(path) as f:
+        for row in rows:
+            f.write(json.dumps(row, ensure_ascii=False) + "\n")
+
+
+def _remove_stale_shards(out_dir: Path, num_shards: int) -> None:
+    """A previous run with more shards must not leave extra shard files behind."""
+    for path in out_dir.glob("shard-*.jsonl"):
+        match = _SHARD_NAME.fullmatch(path.name)
+        if match and int(match.group(1)) >= num_shards:
+            path.unlink()
+
+
+def _summary(
+    collector: _Collector, shards: list[list[Prompt]], max_samples: int, seed: int
+) -> dict[str, Any]:
+    written = sum(len(s) for s in shards)
+    return {
+        "read": collector.read,
+        "accepted": len(collector.accepted),
+        "duplicates": collector.duplicates,
+        "rejected_total": len(collector.rejected),
+        "rejected": dict(sorted(collector.reasons.items())),
+        "dropped_by_max_samples": len(collector.accepted) - written,
+        "written": written,
+        "num_shards": len(shards),
+        "shard_sizes": [len(s) for s in shards],
+        "max_samples": max_samples,
+        "seed": seed,
+        "selection": SELECTION_RULE,
+        "sharding": SHARDING_RULE,
+        "sources": collector.per_source,
+    }
+
+
+def format_summary(summary: dict[str, Any]) -> str:
+    reasons = ", ".join(f"{k}={v}" for k, v in summary["rejected"].items()) or "none"
+    return (
+        f"prompts: read {summary['read']}, accepted {summary['accepted']}, "
+        f"duplicates {summary['duplicates']}, rejected {summary['rejected_total']} ({reasons}), "
+        f"dropped by max_samples {summary['dropped_by_max_samples']}, "
+        f"written {summary['written']} in {summary['num_shards']} shards {summary['shard_sizes']}"
+    )
+
+
+def build_shards(
+    sources: list[dict[str, Any]],
+    out_dir: Path,
+    num_shards: int,
+    max_samples: int,
+    seed: int = 0,
+) -> dict[str, Any]:
+    """Read ``sources`` (``prompts.sources`` config items), write shards, rejects and a summary.
+
+    Writes ``out_dir/shard-{i}.jsonl`` for i in 0..num_shards-1, ``out_dir/rejected.jsonl`` and
+    ``out_dir/summary.json``; returns the summary dict. Raises FileNotFoundError or
+    PromptSourceError (a ValueError) for a source that cannot be read at all.
+    """
+    if num_shards < 1:
+        raise ValueError(f"num_shards must be >= 1, got {num_shards}")
+    if max_samples < 1:
+        raise ValueError(f"max_samples must be >= 1, got {max_samples}")
+    if not sources:
+        raise ValueError("no prompt sources given")
+    specs = [SourceSpec.from_config(item) for item in sources]
+
+    collector = _Collector()
+    for spec in specs:
+        records = tqdm(iter_source(spec), desc=f"prompts {spec.path}", unit="rec", mininterval=1)
+        collector.add_source(spec, records)
+
+    selected = collector.accepted[:max_samples]
+    shards = assign_shards(selected, num_shards, seed)
+
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    for i, shard in enumerate(shards):
+        _write_jsonl(
+            out_dir / f"shard-{i}.jsonl", ({"id": p.id, "messages": p.messages} for p in shard)
+        )
+    _remove_stale_shards(out_dir, num_shards)
+    _write_jsonl(out_dir / "rejected.jsonl", collector.rejected)
+    summary = _summary(collector, shards, max_samples, seed)
+    with atomic_writer(out_dir / "summary.json") as f:
+        f.write(json.dumps(summary, indent=2, ensure_ascii=False) + "\n")
+    print(format_summary(summary))
+    return summary

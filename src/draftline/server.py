@@ -1,0 +1,494 @@
+"""vLLM server lifecycle: managed processes, a shared server per run, and external endpoints.
+
+Three layers:
+
+* ``ServerSpec`` - everything that defines a server (model, parallelism, parser, extra args).
+* ``ManagedServer`` - one ``python -m vllm.entrypoints.openai.api_server`` process in its own
+  process group, bound to 127.0.0.1 by default, health-checked, stopped as a group.
+* ``shared_server`` - the mechanism that lets every job of a Snakemake run use one server per
+  spec. The first job spawns a small supervisor (``python -m draftline.server supervise``)
+  that owns the vLLM process; each job holds a shared ``flock`` lease while it sends requests.
+  The supervisor stops vLLM once no lease has been held for ``idle_timeout_s`` seconds, or at
+  once when the Snakefile's ``onsuccess``/``onerror`` handler calls ``draftline server stop-all``.
+  Locks die with their process, so a crashed job never keeps a server alive.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import fcntl
+import hashlib
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import httpx
+
+API_SERVER_MODULE = "vllm.entrypoints.openai.api_server"
+
+
+class ServerError(RuntimeError):
+    """A server failed to start or died; the message carries the log tail."""
+
+
+@dataclass(frozen=True)
+class Endpoint:
+    """An OpenAI-compatible endpoint. ``api_key`` is never logged or serialised."""
+
+    base_url: str  # ends with /v1
+    model: str
+    api_key: str = field(default="EMPTY", repr=False)
+
+    @property
+    def root_url(self) -> str:
+        return self.base_url.removesuffix("/v1")
+
+
+@dataclass(frozen=True)
+class ServerSpec:
+    model: str
+    served_name: str = "target"
+    host: str = "127.0.0.1"
+    port: int | None = None
+    tensor_parallel_size: int = 1
+    max_model_len: int = 1024
+    max_num_seqs: int = 256
+    dtype: str = "auto"
+    reasoning_parser: str | None = None
+    enforce_eager: bool = False
+    gpu_memory_utilization: float | None = None
+    cpu_kvcache_space_gib: float = 1.0
+    trust_remote_code: bool = False
+    speculative_config: str | None = None  # JSON text, as vLLM takes it
+    extra_args: tuple[str, ...] = ()
+    env: tuple[tuple[str, str], ...] = ()
+    startup_timeout_s: float = 900.0
+
+    def command(self, port: int) -> list[str]:
+        cmd = [
+            sys.executable, "-m", API_SERVER_MODULE,
+            "--model", self.model,
+            "--served-model-name", self.served_name,
+            "--host", self.host,
+            "--port", str(port),
+            "--tensor-parallel-size", str(self.tensor_parallel_size),
+            "--max-model-len", str(self.max_model_len),
+            "--max-num-seqs", str(self.max_num_seqs),
+            "--dtype", self.dtype,
+        ]  # fmt: skip
+        if self.reasoning_parser:
+            cmd += ["--reasoning-parser", self.reasoning_parser]
+        if self.enforce_eager:
+            cmd.append("--enforce-eager")
+        memory_share = self.gpu_memory_utilization
+        if memory_share is None and not has_gpu():
+            memory_share = 0.3  # on CPU this is the share of host memory vLLM may claim
+        if memory_share is not None:
+            cmd += ["--gpu-memory-utilization", str(memory_share)]
+        if self.trust_remote_code:
+            cmd.append("--trust-remote-code")
+        if self.speculative_config:
+            cmd += ["--speculative-config", self.speculative_config]
+        return cmd + list(self.extra_args)
+
+    def environment(self) -> dict[str, str]:
+        env = dict(os.environ)
+        if not has_gpu():
+            env.setdefault("VLLM_CPU_KVCACHE_SPACE", f"{self.cpu_kvcache_space_gib:g}")
+        env.update(dict(self.env))
+        return env
+
+    def fingerprint(self) -> str:
+        """Identity of the server: jobs whose specs agree share one process."""
+        payload = {k: v for k, v in asdict(self).items() if k != "startup_timeout_s"}
+        return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()[:16]
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self), sort_keys=True)
+
+    @classmethod
+    def from_json(cls, text: str) -> ServerSpec:
+        data = json.loads(text)
+        data["extra_args"] = tuple(data["extra_args"])
+        data["env"] = tuple(tuple(kv) for kv in data["env"])
+        return cls(**data)
+
+
+def spec_from_config(server_cfg: dict, model: str, trust_remote_code: bool = False,
+                     speculative_config: dict | None = None) -> ServerSpec:
+    """Build a ServerSpec from the ``server`` config section and a model path."""
+    return ServerSpec(
+        model=str(model),
+        served_name=server_cfg["served_name"],
+        host=server_cfg["host"],
+        port=server_cfg["port"],
+        tensor_parallel_size=server_cfg["tensor_parallel_size"],
+        max_model_len=server_cfg["max_model_len"],
+        max_num_seqs=server_cfg["max_num_seqs"],
+        dtype=server_cfg["dtype"],
+        reasoning_parser=server_cfg["reasoning_parser"],
+        enforce_eager=server_cfg["enforce_eager"],
+        gpu_memory_utilization=server_cfg["gpu_memory_utilization"],
+        cpu_kvcache_space_gib=server_cfg["cpu_kvcache_space_gib"],
+        trust_remote_code=trust_remote_code,
+        speculative_config=json.dumps(speculative_config, sort_keys=True)
+        if speculative_config else None,
+        extra_args=tuple(server_cfg["extra_args"]),
+        env=tuple(sorted(server_cfg["env"].items())),
+        startup_timeout_s=server_cfg["startup_timeout_s"],
+    )
+
+
+def has_gpu() -> bool:
+    """True when an NVIDIA GPU is visible (without importing torch)."""
+    if os.environ.get("CUDA_VISIBLE_DEVICES", None) == "":
+        return False
+    return Path("/dev/nvidia0").exists() or shutil.which("nvidia-smi") is not None
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind((host, 0))
+        return sock.getsockname()[1]
+
+
+def log_tail(path: Path, lines: int = 40) -> str:
+    try:
+        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
+    except OSError:
+        return "<no log>"
+
+
+class ManagedServer:
+    """One vLLM API server process (group). Use as a context manager."""
+
+    def __init__(self, spec: ServerSpec, log_path: Path):
+        self.spec = spec
+        self.log_path = Path(log_path)
+        self.port = spec.port or free_port(spec.host)
+        self.proc: subprocess.Popen | None = None
+
+    @property
+    def url(self) -> str:
+        host = "127.0.0.1" if self.spec.host in ("0.0.0.0", "::") else self.spec.host
+        return f"http://{host}:{self.port}"
+
+    @property
+    def endpoint(self) -> Endpoint:
+        return Endpoint(base_url=f"{self.url}/v1", model=self.spec.served_name)
+
+    def start(self) -> ManagedServer:
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        with open(self.log_path, "ab") as log:
+            self.proc = subprocess.Popen(
+                self.spec.command(self.port),
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                env=self.spec.environment(),
+                start_new_session=True,  # own process group: stop() takes every worker with it
+            )
+        try:
+            wait_healthy(self.url, self.spec.startup_timeout_s, self.proc, self.log_path)
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def stop(self, grace_s: float = 30.0) -> None:
+        if self.proc is None:
+            return
+        stop_process_group(self.proc.pid, grace_s)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            self.proc.wait(timeout=5)
+
+    def __enter__(self) -> ManagedServer:
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+
+def stop_process_group(pgid: int, grace_s: float = 30.0) -> None:
+    """SIGTERM the group, wait up to ``grace_s``, then SIGKILL whatever is left."""
+    for sig, wait_s in ((signal.SIGTERM, grace_s), (signal.SIGKILL, 5.0)):
+        try:
+            os.killpg(pgid, sig)
+        except ProcessLookupError:
+            return
+        deadline = time.monotonic() + wait_s
+        while time.monotonic() < deadline:
+            if not group_alive(pgid):
+                return
+            time.sleep(0.2)
+
+
+def group_alive(pgid: int) -> bool:
+    try:
+        os.killpg(pgid, 0)
+    except ProcessLookupError:
+        return False
+    # A zombie leader still counts for killpg; reap it if it is our child.
+    with contextlib.suppress(ChildProcessError):
+        pid, _ = os.waitpid(pgid, os.WNOHANG)
+        if pid == pgid:
+            return group_alive(pgid)
+    return True
+
+
+def wait_healthy(url: str, timeout_s: float, proc: subprocess.Popen | None = None,
+                 log_path: Path | None = None) -> None:
+    """Poll ``url/health`` until 200; raise ServerError with the log tail on death or timeout."""
+    deadline = time.monotonic() + timeout_s
+    with httpx.Client(timeout=5.0) as client:
+        while time.monotonic() < deadline:
+            if proc is not None and proc.poll() is not None:
+                raise ServerError(
+                    f"vLLM server exited with code {proc.returncode} during start-up; "
+                    f"log {log_path}:\n{log_tail(log_path) if log_path else ''}"
+                )
+            with contextlib.suppress(httpx.HTTPError):
+                if client.get(f"{url}/health").status_code == 200:
+                    return
+            time.sleep(1.0)
+    raise ServerError(
+        f"vLLM server at {url} not healthy after {timeout_s:.0f}s; "
+        f"log {log_path}:\n{log_tail(log_path) if log_path else ''}"
+    )
+
+
+# ---------------------------------------------------------------- shared server per run
+
+
+@contextlib.contextmanager
+def _flock(path: Path, mode: int) -> Iterator[int]:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        fcntl.flock(fd, mode)
+        yield fd
+    finally:
+        os.close(fd)  # closing releases the lock
+
+
+def _try_flock(path: Path, mode: int) -> int | None:
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        fcntl.flock(fd, mode | fcntl.LOCK_NB)
+        return fd
+    except BlockingIOError:
+        os.close(fd)
+        return None
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+class _Paths:
+    def __init__(self, state_dir: Path, fingerprint: str):
+        base = Path(state_dir) / fingerprint
+        self.startup = base.with_suffix(".startup.lock")
+        self.lease = base.with_suffix(".lease.lock")
+        self.state = base.with_suffix(".json")
+        self.log = base.with_suffix(".log")
+        self.spec = base.with_suffix(".spec.json")
+
+
+def _read_state(path: Path) -> dict | None:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+
+
+@contextlib.contextmanager
+def shared_server(spec: ServerSpec, state_dir: Path, idle_timeout_s: float = 120.0,
+                  log=print) -> Iterator[Endpoint]:
+    """Yield an endpoint of the one server for ``spec`` in this run, starting it if needed."""
+    paths = _Paths(state_dir, spec.fingerprint())
+    with _flock(paths.startup, fcntl.LOCK_EX):
+        state = _read_state(paths.state)
+        if state and state.get("status") == "ready" and _pid_alive(state["supervisor_pid"]):
+            log(f"reusing vLLM server {state['url']} (log {paths.log})")
+        else:
+            log(f"starting vLLM server for {spec.model} (log {paths.log})")
+            state = _spawn_supervisor(spec, paths, idle_timeout_s)
+            log(f"vLLM server ready at {state['url']} after {state['startup_s']:.0f}s")
+        lease_fd = os.open(paths.lease, os.O_RDWR | os.O_CREAT, 0o600)
+        fcntl.flock(lease_fd, fcntl.LOCK_SH)
+    try:
+        yield Endpoint(base_url=f"{state['url']}/v1", model=spec.served_name)
+    finally:
+        os.close(lease_fd)
+
+
+def _spawn_supervisor(spec: ServerSpec, paths: _Paths, idle_timeout_s: float) -> dict:
+    paths.state.unlink(missing_ok=True)
+    paths.spec.write_text(spec.to_json())
+    cmd = [sys.executable, "-m", "draftline.server", "supervise", "--spec", str(paths.spec),
+           "--idle-timeout", str(idle_timeout_s)]
+    with open(paths.log, "ab") as log:
+        sup = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT,
+                               stdin=subprocess.DEVNULL, start_new_session=True)
+    deadline = time.monotonic() + spec.startup_timeout_s + 60
+    while time.monotonic() < deadline:
+        state = _read_state(paths.state)
+        if state and state.get("status") == "ready":
+            return state
+        if state and state.get("status") == "failed" or sup.poll() is not None:
+            raise ServerError(f"shared vLLM server failed to start; log {paths.log}:\n"
+                              f"{log_tail(paths.log)}")
+        time.sleep(0.5)
+    stop_process_group(sup.pid)
+    raise ServerError(f"shared vLLM server not ready in time; log {paths.log}:\n"
+                      f"{log_tail(paths.log)}")
+
+
+def _write_state(path: Path, state: dict) -> None:
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(state))
+    os.replace(tmp, path)
+
+
+def supervise(spec_path: Path, idle_timeout_s: float) -> int:
+    """Own one vLLM server; stop it when idle, on SIGTERM, or when it dies."""
+    spec = ServerSpec.from_json(Path(spec_path).read_text())
+    paths = _Paths(Path(spec_path).parent, spec.fingerprint())
+    server = ManagedServer(spec, paths.log)
+    stopping = False
+
+    def on_signal(signum, frame):
+        nonlocal stopping
+        stopping = True
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+    t0 = time.monotonic()
+    try:
+        server.start()
+    except Exception as exc:
+        _write_state(paths.state, {"status": "failed", "error": str(exc)[-2000:]})
+        return 1
+    _write_state(paths.state, {
+        "status": "ready", "url": server.url, "supervisor_pid": os.getpid(),
+        "server_pgid": server.proc.pid, "startup_s": time.monotonic() - t0,
+    })
+    idle_since: float | None = None
+    try:
+        while not stopping and server.alive():
+            time.sleep(1.0)
+            fd = _try_flock(paths.lease, fcntl.LOCK_EX)
+            if fd is None:
+                idle_since = None
+                continue
+            os.close(fd)
+            idle_since = idle_since or time.monotonic()
+            if time.monotonic() - idle_since >= idle_timeout_s and _retire(paths):
+                break
+    finally:
+        paths.state.unlink(missing_ok=True)
+        server.stop()
+    return 0
+
+
+def _retire(paths: _Paths) -> bool:
+    """Withdraw the state file unless a job is just arriving. Never blocks (no deadlock)."""
+    startup_fd = _try_flock(paths.startup, fcntl.LOCK_EX)
+    if startup_fd is None:
+        return False
+    try:
+        lease_fd = _try_flock(paths.lease, fcntl.LOCK_EX)
+        if lease_fd is None:
+            return False
+        paths.state.unlink(missing_ok=True)
+        os.close(lease_fd)
+        return True
+    finally:
+        os.close(startup_fd)
+
+
+def stop_all(state_dir: Path) -> int:
+    """Stop every shared server recorded in ``state_dir``; return how many were stopped."""
+    stopped = 0
+    for state_path in Path(state_dir).glob("*.json"):
+        state = _read_state(state_path)
+        if not state or "supervisor_pid" not in state:
+            continue
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(state["supervisor_pid"], signal.SIGTERM)
+            stopped += 1
+        deadline = time.monotonic() + 60
+        while _pid_alive(state["supervisor_pid"]) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        if state.get("server_pgid"):
+            stop_process_group(state["server_pgid"], grace_s=5)
+    return stopped
+
+
+# ---------------------------------------------------------------- endpoints from config
+
+
+def external_endpoints(server_cfg: dict) -> list[Endpoint]:
+    """Endpoints of already running servers; the key is read from the named env variable."""
+    ext = server_cfg["external"]
+    key = "EMPTY"
+    if ext["api_key_env"]:
+        if ext["api_key_env"] not in os.environ:
+            raise ServerError(f"config key 'server.external.api_key_env': environment variable "
+                              f"{ext['api_key_env']} is not set")
+        key = os.environ[ext["api_key_env"]]
+    model = ext["model"] or server_cfg["served_name"]
+    return [Endpoint(base_url=_with_v1(url), model=model, api_key=key) for url in ext["base_urls"]]
+
+
+def _with_v1(url: str) -> str:
+    url = url.rstrip("/")
+    return url if url.endswith("/v1") else f"{url}/v1"
+
+
+@contextlib.contextmanager
+def endpoints_for(server_cfg: dict, model: str, state_dir: Path, trust_remote_code: bool = False,
+                  speculative_config: dict | None = None, log=print) -> Iterator[list[Endpoint]]:
+    """The endpoints a stage should use: external ones, or the run's shared managed server."""
+    if server_cfg["mode"] == "external" and speculative_config is None:
+        yield external_endpoints(server_cfg)
+        return
+    spec = spec_from_config(server_cfg, model, trust_remote_code, speculative_config)
+    with shared_server(spec, state_dir, server_cfg["idle_timeout_s"], log=log) as endpoint:
+        yield [endpoint]
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m draftline.server")
+    sub = parser.add_subparsers(dest="cmd", required=True)
+    sup = sub.add_parser("supervise", help="internal: own one shared server")
+    sup.add_argument("--spec", type=Path, required=True)
+    sup.add_argument("--idle-timeout", type=float, default=120.0)
+    stop = sub.add_parser("stop-all", help="stop every shared server of a run")
+    stop.add_argument("--state-dir", type=Path, required=True)
+    args = parser.parse_args(argv)
+    if args.cmd == "supervise":
+        return supervise(args.spec, args.idle_timeout)
+    print(f"stopped {stop_all(args.state_dir)} shared server(s)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

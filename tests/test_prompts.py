@@ -1,0 +1,439 @@
+"""Prompt shards: every source format and record shape, ids, de-duplication, sharding, rejects."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import socket
+from collections import Counter
+from pathlib import Path
+
+import pytest
+
+from draftline.prompts import (
+    PromptSourceError,
+    build_shards,
+    bundled_prompts_path,
+)
+
+
+def write_jsonl(path: Path, rows: list) -> Path:
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows), encoding="utf-8")
+    return path
+
+
+def read_jsonl(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines()]
+
+
+def read_shards(out: Path, summary: dict) -> list[dict]:
+    """All written records, shard by shard."""
+    rows = []
+    for i in range(summary["num_shards"]):
+        rows += read_jsonl(out / f"shard-{i}.jsonl")
+    return rows
+
+
+def build(tmp_path: Path, sources: list[dict], num_shards=1, max_samples=1000, seed=0, name="out"):
+    out = tmp_path / name
+    summary = build_shards(sources, out, num_shards, max_samples, seed)
+    return out, summary, read_shards(out, summary)
+
+
+def by_id(rows: list[dict]) -> dict[str, list]:
+    return {r["id"]: r["messages"] for r in rows}
+
+
+def expected_hash_id(messages: list[dict]) -> str:
+    canonical = json.dumps(messages, sort_keys=True, ensure_ascii=False, separators=(",", ":"))
+    return "h-" + hashlib.sha256(canonical.encode()).hexdigest()[:16]
+
+
+def u(text):
+    return {"role": "user", "content": text}
+
+
+def a(text):
+    return {"role": "assistant", "content": text}
+
+
+def s(text):
+    return {"role": "system", "content": text}
+
+
+# --- record shapes ----------------------------------------------------------------------------
+
+
+def test_openai_messages_trimmed_stripped_and_system_prompt_prepended(tmp_path):
+    src = write_jsonl(
+        tmp_path / "chat.jsonl",
+        [
+            {"id": "multi", "messages": [u(" hi "), a("hello"), u("how are you?"), a("fine")]},
+            {"id": "has-system", "messages": [s("be brief"), u("q"), a("x")]},
+            {"id": "extra-keys", "messages": [{"role": "user", "content": "k", "name": "bob"}]},
+            {"id": "developer", "messages": [{"role": "developer", "content": "d"}, u("z")]},
+        ],
+    )
+    _, summary, rows = build(
+        tmp_path, [{"path": str(src), "id_field": "id", "system_prompt": "SYS"}]
+    )
+    got = by_id(rows)
+    assert summary["accepted"] == 4 and summary["rejected_total"] == 0
+    # trailing assistant turn dropped, contents stripped, system prompt prepended
+    assert got["multi"] == [s("SYS"), u("hi"), a("hello"), u("how are you?")]
+    # the record's own system turn wins over system_prompt
+    assert got["has-system"] == [s("be brief"), u("q")]
+    assert got["extra-keys"] == [s("SYS"), u("k")]
+    assert got["developer"] == [s("d"), u("z")]
+    assert all(m[-1]["role"] == "user" for m in got.values())
+
+
+def test_sharegpt_conversations(tmp_path):
+    src = write_jsonl(
+        tmp_path / "sharegpt.jsonl",
+        [
+            {
+                "conversations": [
+                    {"from": "system", "value": "sys"},
+                    {"from": "human", "value": "first"},
+                    {"from": "gpt", "value": "answer"},
+                    {"from": "user", "value": "second"},
+                    {"from": "assistant", "value": "answer 2"},
+                ]
+            },
+            {"conversations": [{"from": "human", "value": "solo"}]},
+        ],
+    )
+    _, summary, rows = build(tmp_path, [{"path": str(src)}])
+    messages = sorted((r["messages"] for r in rows), key=len)
+    assert summary["accepted"] == 2
+    assert messages == [[u("solo")], [s("sys"), u("first"), a("answer"), u("second")]]
+
+
+def test_prompt_field_is_configurable(tmp_path):
+    src = write_jsonl(tmp_path / "q.jsonl", [{"question": "What is 2+2?"}, {"question": "Why?"}])
+    _, summary, rows = build(tmp_path, [{"path": str(src), "prompt_field": "question"}])
+    assert sorted(r["messages"][0]["content"] for r in rows) == ["What is 2+2?", "Why?"]
+    assert all(r["messages"] == [u(r["messages"][0]["content"])] for r in rows)
+    # with the default field name the same records lack a prompt
+    _, summary, _ = build(tmp_path, [{"path": str(src)}], name="default")
+    assert summary["rejected"] == {"missing_prompt_field": 2}
+
+
+# --- source formats ---------------------------------------------------------------------------
+
+RECORDS = [
+    {"pid": "p1", "prompt": "alpha"},
+    {"pid": "p2", "messages": [u("beta"), a("b")]},
+    {"pid": "p3", "conversations": [{"from": "human", "value": "gamma"}]},
+]
+EXPECTED = {"p1": [u("alpha")], "p2": [u("beta")], "p3": [u("gamma")]}
+
+
+def as_columns(records: list[dict]) -> dict[str, list]:
+    """Column lists with None where a record lacks the field, as columnar formats store them.
+
+    (Building from a list of rows would infer the schema from the first row only.)
+    """
+    keys = sorted({k for r in records for k in r})
+    return {k: [r.get(k) for r in records] for k in keys}
+
+
+@pytest.mark.parametrize("wrapped", [False, True])
+def test_json_list_and_data_wrapper(tmp_path, wrapped):
+    src = tmp_path / "data.json"
+    src.write_text(json.dumps({"data": RECORDS} if wrapped else RECORDS))
+    _, summary, rows = build(tmp_path, [{"path": str(src), "id_field": "pid"}])
+    assert by_id(rows) == EXPECTED and summary["read"] == 3
+
+
+def test_parquet(tmp_path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    src = tmp_path / "data.parquet"
+    pq.write_table(pa.table(as_columns(RECORDS)), src)
+    _, summary, rows = build(tmp_path, [{"path": str(src), "id_field": "pid"}])
+    assert by_id(rows) == EXPECTED and summary["rejected_total"] == 0
+
+
+def test_saved_hf_dataset_dir_and_split(tmp_path):
+    import datasets
+
+    plain = tmp_path / "plain"
+    datasets.Dataset.from_dict(as_columns(RECORDS)).save_to_disk(str(plain))
+    _, _, rows = build(tmp_path, [{"path": str(plain), "id_field": "pid"}], name="o1")
+    assert by_id(rows) == EXPECTED
+
+    splits = tmp_path / "splits"
+    datasets.DatasetDict(
+        {
+            "train": datasets.Dataset.from_list([{"prompt": "train prompt"}]),
+            "test": datasets.Dataset.from_list([{"prompt": "test prompt"}]),
+        }
+    ).save_to_disk(str(splits))
+    _, _, rows = build(tmp_path, [{"path": str(splits), "split": "test"}], name="o2")
+    assert [r["messages"] for r in rows] == [[u("test prompt")]]
+    with pytest.raises(PromptSourceError, match=r"no split 'valid'.*\['test', 'train'\]"):
+        build(tmp_path, [{"path": str(splits), "split": "valid"}], name="o3")
+
+
+def test_hf_prefix_goes_through_load_dataset(tmp_path, monkeypatch):
+    """hf:<id> calls datasets.load_dataset, which also accepts a local data folder (no hub)."""
+    import datasets
+
+    monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", tmp_path / "hf-cache")
+    folder = tmp_path / "hubish"
+    folder.mkdir()
+    write_jsonl(folder / "train.jsonl", [{"prompt": "from load_dataset"}])
+    _, summary, rows = build(tmp_path, [{"path": f"hf:{folder}", "split": "train"}])
+    assert [r["messages"] for r in rows] == [[u("from load_dataset")]]
+    assert summary["sources"][0]["path"] == f"hf:{folder}"
+
+
+def _hub_reachable() -> bool:
+    if os.environ.get("HF_HUB_OFFLINE") == "1" or os.environ.get("HF_DATASETS_OFFLINE") == "1":
+        return False
+    try:
+        socket.create_connection(("huggingface.co", 443), timeout=3).close()
+        return True
+    except OSError:
+        return False
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not _hub_reachable(), reason="the Hugging Face hub is not reachable")
+def test_hf_hub_dataset(tmp_path):
+    source = {"path": "hf:tatsu-lab/alpaca", "split": "train[:20]", "prompt_field": "instruction"}
+    _, summary, rows = build(tmp_path, [source])
+    assert summary["read"] == 20 and summary["accepted"] >= 19
+    assert all(r["messages"][-1]["role"] == "user" for r in rows)
+
+
+def test_missing_and_unreadable_sources_raise_naming_the_path(tmp_path):
+    missing = tmp_path / "nope.jsonl"
+    with pytest.raises(FileNotFoundError, match="nope.jsonl"):
+        build(tmp_path, [{"path": str(missing)}])
+    for name, content, pattern in [
+        ("prompts.txt", "hello", "unsupported format '.txt'"),
+        ("broken.json", "[{", "not valid JSON"),
+        ("scalar.json", "42", "expected a list of records"),
+        ("broken.parquet", "not parquet", "not a readable parquet file"),
+    ]:
+        path = tmp_path / name
+        path.write_text(content)
+        with pytest.raises(PromptSourceError, match=pattern) as info:
+            build(tmp_path, [{"path": str(path)}])
+        assert name in str(info.value)
+    not_a_dataset = tmp_path / "emptydir"
+    not_a_dataset.mkdir()
+    with pytest.raises(PromptSourceError, match="emptydir"):
+        build(tmp_path, [{"path": str(not_a_dataset)}])
+    assert issubclass(PromptSourceError, ValueError)
+
+
+# --- ids and de-duplication -------------------------------------------------------------------
+
+
+def test_explicit_ids_are_kept_and_hash_ids_are_stable(tmp_path):
+    src = write_jsonl(
+        tmp_path / "ids.jsonl",
+        [{"n": 7, "prompt": "seven"}, {"n": "  x-1 ", "prompt": "x"}],
+    )
+    _, _, rows = build(tmp_path, [{"path": str(src), "id_field": "n"}], name="explicit")
+    assert set(by_id(rows)) == {"7", "x-1"}
+
+    # hash ids depend only on the normalized messages, not on format or record order
+    jsonl = write_jsonl(tmp_path / "a.jsonl", [{"prompt": "one"}, {"messages": [u("two")]}])
+    as_json = tmp_path / "b.json"
+    as_json.write_text(json.dumps([{"conversations": [{"from": "human", "value": " two "}]}]))
+    _, _, rows_a = build(tmp_path, [{"path": str(jsonl)}], name="ha")
+    _, _, rows_b = build(tmp_path, [{"path": str(as_json)}], name="hb")
+    ids_a = by_id(rows_a)
+    assert ids_a == {
+        expected_hash_id([u("one")]): [u("one")],
+        expected_hash_id([u("two")]): [u("two")],
+    }
+    assert list(by_id(rows_b)) == [expected_hash_id([u("two")])]
+    # a system prompt is part of the content, so it changes the id
+    _, _, rows_c = build(tmp_path, [{"path": str(as_json), "system_prompt": "S"}], name="hc")
+    assert list(by_id(rows_c)) == [expected_hash_id([s("S"), u("two")])]
+
+
+def test_deduplication_by_content_and_duplicate_explicit_ids(tmp_path):
+    first = write_jsonl(
+        tmp_path / "first.jsonl",
+        [
+            {"id": "a", "prompt": "same"},
+            {"id": "b", "messages": [u("  same "), a("dropped reply")]},  # same content as "a"
+            {"id": "a", "prompt": "different"},  # id reused on other content
+            {"id": "c", "prompt": "unique"},
+        ],
+    )
+    second = write_jsonl(tmp_path / "second.jsonl", [{"id": "z", "prompt": "unique"}])
+    _, summary, rows = build(
+        tmp_path, [{"path": str(first), "id_field": "id"}, {"path": str(second), "id_field": "id"}]
+    )
+    assert by_id(rows) == {"a": [u("same")], "c": [u("unique")]}  # first occurrence wins
+    assert summary["duplicates"] == 2
+    assert summary["rejected"] == {"duplicate_id": 1}
+    assert (
+        summary["read"] == summary["accepted"] + summary["duplicates"] + summary["rejected_total"]
+    )
+    assert [src["duplicates"] for src in summary["sources"]] == [1, 1]
+
+
+def test_max_samples_takes_first_unique_records_in_source_order(tmp_path):
+    first = write_jsonl(tmp_path / "1.jsonl", [{"prompt": f"p{i}"} for i in range(5)])
+    second = write_jsonl(tmp_path / "2.jsonl", [{"prompt": "p0"}] + [{"prompt": "q"}] * 2)
+    sources = [{"path": str(first)}, {"path": str(second)}]
+    _, summary, rows = build(tmp_path, sources, num_shards=2, max_samples=6)
+    contents = sorted(r["messages"][0]["content"] for r in rows)
+    assert contents == ["p0", "p1", "p2", "p3", "p4", "q"]
+    assert summary["accepted"] == 6 and summary["duplicates"] == 2 and summary["written"] == 6
+    _, summary, rows = build(tmp_path, sources, num_shards=2, max_samples=3, name="capped")
+    assert sorted(r["messages"][0]["content"] for r in rows) == ["p0", "p1", "p2"]
+    assert summary["dropped_by_max_samples"] == 3 and summary["shard_sizes"] == [2, 1]
+
+
+# --- sharding ---------------------------------------------------------------------------------
+
+
+def test_shards_are_deterministic_balanced_and_complete(tmp_path):
+    src = write_jsonl(tmp_path / "p.jsonl", [{"prompt": f"prompt number {i}"} for i in range(23)])
+    out1, summary, rows = build(tmp_path, [{"path": str(src)}], num_shards=4, name="run1")
+    out2, _, _ = build(tmp_path, [{"path": str(src)}], num_shards=4, name="run2")
+    names = sorted(p.name for p in out1.iterdir())
+    assert names == sorted(p.name for p in out2.iterdir())
+    assert names == ["rejected.jsonl", *[f"shard-{i}.jsonl" for i in range(4)], "summary.json"]
+    for name in names:  # same inputs => byte-identical files (and no temp files left behind)
+        assert (out1 / name).read_bytes() == (out2 / name).read_bytes()
+
+    assert summary["shard_sizes"] == [6, 6, 6, 5]
+    sizes = [len(read_jsonl(out1 / f"shard-{i}.jsonl")) for i in range(4)]
+    assert sizes == summary["shard_sizes"]
+    ids = [r["id"] for r in rows]
+    assert len(ids) == len(set(ids)) == 23
+
+    # another seed deals the same records differently
+    out3, _, rows3 = build(tmp_path, [{"path": str(src)}], num_shards=4, seed=1, name="run3")
+    assert sorted(r["id"] for r in rows3) == sorted(ids)
+    assert read_jsonl(out3 / "shard-0.jsonl") != read_jsonl(out1 / "shard-0.jsonl")
+
+
+def test_rebuild_with_fewer_shards_removes_stale_shard_files(tmp_path):
+    src = write_jsonl(tmp_path / "p.jsonl", [{"prompt": f"x{i}"} for i in range(10)])
+    out, _, _ = build(tmp_path, [{"path": str(src)}], num_shards=5)
+    _, summary, rows = build(tmp_path, [{"path": str(src)}], num_shards=3)
+    assert sorted(p.name for p in out.glob("shard-*")) == [f"shard-{i}.jsonl" for i in range(3)]
+    assert summary["shard_sizes"] == [4, 3, 3] and len(rows) == 10
+
+
+# --- rejected records -------------------------------------------------------------------------
+
+VALID = [
+    '{"id": "ok-1", "prompt": "fine prompt"}',
+    '{"id": "ok-2", "messages": [{"role": "user", "content": "fine too"}]}',
+    '{"id": "ok-3", "conversations": [{"from": "human", "value": "also fine"}]}',
+]
+# (line, expected reason); the fixture interleaves them with the valid lines above
+MALFORMED = [
+    ('{"id": "m1", "prompt": "unterminated', "malformed_json"),
+    ("   ", "empty_line"),
+    ('["not", "an", "object"]', "not_an_object"),
+    ("{}", "empty_record"),
+    ('{"id": "m2", "messages": "just a string"}', "messages_not_list"),
+    ('{"id": "m3", "messages": ["hello"]}', "message_not_object"),
+    ('{"id": "m4", "messages": [{"role": "user", "content": ["a", "b"]}]}', "content_not_string"),
+    ('{"id": "m5", "messages": [{"role": "wizard", "content": "x"}]}', "unknown_role"),
+    ('{"id": "m6", "messages": [{"role": "user", "content": "   "}]}', "empty_content"),
+    (
+        '{"id": "m7", "messages": [{"role": "system", "content": "s"}, '
+        '{"role": "assistant", "content": "a"}]}',
+        "no_user_turn",
+    ),
+    ('{"id": "m8", "text": "wrong field"}', "missing_prompt_field"),
+    ('{"id": "m9", "prompt": 42}', "prompt_not_string"),
+    ('{"prompt": "no id here"}', "missing_id"),
+    ('{"id": "", "prompt": "empty id"}', "bad_id"),
+    ('{"id": 1.5, "prompt": "float id"}', "bad_id"),
+    ('{"id": "ok-1", "prompt": "reused id"}', "duplicate_id"),
+    ('{"id": "m10", "messages": []}', "empty_messages"),
+    (
+        '{"id": "m11", "messages": [{"role": "user", "content": "u"}, '
+        '{"role": "system", "content": "late"}, {"role": "user", "content": "v"}]}',
+        "system_not_first",
+    ),
+    ('{"id": "m12", "conversations": {"from": "human"}}', "conversations_not_list"),
+]
+
+
+def test_malformed_records_are_rejected_with_reasons_and_the_run_continues(tmp_path):
+    lines = [VALID[0], *(line for line, _ in MALFORMED[:9]), VALID[1]]
+    lines += [line for line, _ in MALFORMED[9:]] + [VALID[2], VALID[0]]  # last: a duplicate
+    src = tmp_path / "messy.jsonl"
+    payload = "\n".join(lines).encode() + b"\n" + b'{"id": "m13", "prompt": "caf\xe9"}\n'
+    src.write_bytes(payload)
+
+    out, summary, rows = build(tmp_path, [{"path": str(src), "id_field": "id"}], num_shards=2)
+
+    assert sorted(r["id"] for r in rows) == ["ok-1", "ok-2", "ok-3"]
+    expected = Counter(reason for _, reason in MALFORMED) + Counter({"invalid_utf8": 1})
+    assert len(expected) >= 15
+    assert summary["rejected"] == dict(expected)
+    assert summary["read"] == len(lines) + 1
+    assert summary["accepted"] == 3 and summary["duplicates"] == 1
+    assert summary["rejected_total"] == len(MALFORMED) + 1
+
+    rejected = read_jsonl(out / "rejected.jsonl")
+    assert len(rejected) == summary["rejected_total"]
+    line_of = {line: n for n, line in enumerate(lines, start=1)}
+    for entry, (line, reason) in zip(rejected, MALFORMED, strict=False):
+        assert entry["source"] == str(src)
+        assert entry["reason"] == reason
+        assert entry["line"] == line_of[line] and entry["index"] == line_of[line] - 1
+        assert entry["detail"]
+        assert entry["excerpt"] == line[:200]
+    utf8 = rejected[-1]
+    assert utf8["reason"] == "invalid_utf8" and utf8["line"] == len(lines) + 1
+    assert "caf" in utf8["excerpt"]
+    detail_of = {e["reason"]: e["detail"] for e in rejected}
+    assert "messages[0]" in detail_of["message_not_object"]
+    assert "'wizard'" in detail_of["unknown_role"]
+    assert "position 1" in detail_of["system_not_first"]
+
+
+def test_rejects_from_columnar_sources_carry_an_index(tmp_path):
+    src = tmp_path / "rows.json"
+    src.write_text(json.dumps([{"prompt": "good"}, {"prompt": ""}, 5, {"prompt": None}]))
+    out, summary, _ = build(tmp_path, [{"path": str(src)}])
+    rejected = read_jsonl(out / "rejected.jsonl")
+    assert [(e["index"], e["line"], e["reason"]) for e in rejected] == [
+        (1, None, "empty_content"),
+        (2, None, "not_an_object"),
+        (3, None, "empty_record"),
+    ]
+    assert rejected[1]["excerpt"] == "5"
+    assert summary["accepted"] == 1
+
+
+# --- bundled prompts --------------------------------------------------------------------------
+
+
+def test_bundled_prompts_load_cleanly(tmp_path, capsys):
+    out, summary, rows = build(tmp_path, [{"path": "bundled"}], num_shards=3, max_samples=10_000)
+    assert summary["rejected_total"] == 0 and summary["duplicates"] == 0
+    assert 300 <= summary["accepted"] <= 400 and summary["written"] == summary["accepted"]
+    assert read_jsonl(out / "rejected.jsonl") == []
+    assert "rejected 0" in capsys.readouterr().out
+
+    file_ids = [r["id"] for r in read_jsonl(bundled_prompts_path())]
+    assert file_ids == [f"bundled-{i:04d}" for i in range(1, len(file_ids) + 1)]
+    assert sorted(r["id"] for r in rows) == file_ids
+    conversations = [r["messages"] for r in rows]
+    assert all(m[-1]["role"] == "user" for m in conversations)
+    assert sum(m[0]["role"] == "system" for m in conversations) >= 20
+    assert sum(sum(t["role"] == "user" for t in m) > 1 for m in conversations) >= 20
+    # the toy target has a 1024-token context: keep every turn short
+    assert max(len(t["content"].split()) for m in conversations for t in m) < 60
