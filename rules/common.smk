@@ -63,11 +63,10 @@ def target_input():
 
 
 def prompt_source_files():
-    return [
-        s["path"]
-        for s in config["prompts"]["sources"]
-        if s["path"] != "bundled" and not s["path"].startswith("hf:")
-    ]
+    """Local prompt files (the bundled set included), so edits to them make shards stale."""
+    bundled = str(Path(workflow.basedir) / "src" / "draftline" / "data" / "prompts.jsonl")
+    paths = [s["path"] for s in config["prompts"]["sources"] if not s["path"].startswith("hf:")]
+    return [bundled if p == "bundled" else p for p in paths]
 
 
 def profile_input():

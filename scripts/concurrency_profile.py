@@ -1,4 +1,5 @@
 from draftline.profile import run_stage
+
 from draftline.runlog import logged
 
 with logged(snakemake.log[0]):

@@ -1,7 +1,8 @@
 from pathlib import Path
 
-from draftline.runlog import logged
 from draftline.train import train
+
+from draftline.runlog import logged
 
 with logged(snakemake.log[0]):
     train(

@@ -55,7 +55,7 @@ def key_path(error: jsonschema.ValidationError) -> str:
 
 
 def validate_config(config: dict[str, Any]) -> dict[str, Any]:
-    """Validate ``config`` in place, fill defaults, and return it; raise ConfigError naming the key."""
+    """Validate ``config`` in place and fill defaults; raise ConfigError naming the key."""
     validator = _DefaultFilling(load_schema())
     errors = sorted(validator.iter_errors(config), key=lambda e: list(e.absolute_path))
     if errors:
@@ -82,9 +82,11 @@ def check_semantics(config: dict[str, Any], base: Path | None = None) -> None:
         raise ConfigError("config key 'target.toy.num_heads': must divide target.toy.hidden_size")
     layer_ids = config["hidden"]["layer_ids"]
     if layer_ids is not None and len(set(layer_ids)) != len(layer_ids):
-        raise ConfigError(f"config key 'hidden.layer_ids': ids must be distinct, got {layer_ids}")
+        raise ConfigError(
+            f"config key 'hidden.layer_ids': ids must be distinct, got {layer_ids}")
     if config["server"]["mode"] == "external" and not config["server"]["external"]["base_urls"]:
-        raise ConfigError("config key 'server.external.base_urls': required when server.mode is external")
+        raise ConfigError(
+            "config key 'server.external.base_urls': required when server.mode is external")
 
 
 def load_config(path: str | Path | None = None, overrides: dict | None = None) -> dict[str, Any]:

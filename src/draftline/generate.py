@@ -470,7 +470,7 @@ def _count(values: Iterable) -> dict:
 
 def count_render_mismatches(records: Iterable[dict], tokenizer_dir: str) -> int:
     """Responses whose re-rendered assistant turn is not the target's own token stream."""
-    from draftline.render import render_matches_ids, load_tokenizer
+    from draftline.render import load_tokenizer, render_matches_ids
 
     tokenizer = load_tokenizer(tokenizer_dir)
     return sum(not render_matches_ids(tokenizer, rec) for rec in records)

@@ -67,7 +67,7 @@ def _flat_numpy(column) -> np.ndarray:
     return flat.to_numpy()
 
 
-def iter_supervised_ids(dataset: Any, split: str = "train", batch_size: int = 1024):
+def iter_supervised_ids(dataset: Any, split: str = "train", batch_size: int = 256):
     """Yield, per batch of samples, the ids where ``loss_mask == 1`` as int64 arrays."""
     ds = _open_split(dataset, split)
     for table in ds.with_format("arrow").iter(batch_size=batch_size):
@@ -98,7 +98,7 @@ def bincount_stream(chunks: Iterable[np.ndarray], vocab_size: int) -> np.ndarray
 
 
 def count_tokens(
-    dataset_dir_or_split: Any, vocab_size: int, split: str = "train", batch_size: int = 1024
+    dataset_dir_or_split: Any, vocab_size: int, split: str = "train", batch_size: int = 256
 ) -> np.ndarray:
     """Counts ``[vocab_size]`` int64 of each token id where ``loss_mask == 1``.
 

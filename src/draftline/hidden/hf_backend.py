@@ -99,14 +99,15 @@ class HFBackend:
 
     def _forward(self, batch: list[Sequence[int]]) -> list:
         """States of one batch: per sample a CPU tensor [T, len(capture_ids), H]."""
+        import numpy as np
         import torch
 
         longest = max(len(ids) for ids in batch)
-        input_ids = torch.full((len(batch), longest), PAD_TOKEN_ID, dtype=torch.long)  # [B, T]
+        padded = np.full((len(batch), longest), PAD_TOKEN_ID, dtype=np.int64)  # [B, T]
         for row, ids in enumerate(batch):
-            input_ids[row, : len(ids)] = torch.as_tensor(ids, dtype=torch.long)
+            padded[row, : len(ids)] = ids
         self._captured.clear()
-        self.decoder(input_ids=input_ids.to(self.input_device), use_cache=False)
+        self.decoder(input_ids=torch.from_numpy(padded).to(self.input_device), use_cache=False)
         missing = [k for k in self.capture_ids if k not in self._captured]
         if missing:
             raise RuntimeError(f"forward pass did not reach layer ids {missing}")

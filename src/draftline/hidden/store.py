@@ -145,13 +145,16 @@ def plan_parts(lengths: dict[str, Sequence[int]], samples_per_file: int,
     return parts
 
 
-def part_fingerprint(settings: dict, sample_ids: Sequence[str],
-                     input_ids: Iterable[Sequence[int]]) -> str:
+def part_fingerprint(settings: dict, sample_ids: Sequence[str], input_ids: Iterable) -> str:
     """Hash of everything that determines a part's content (target, layers, dtype, tokens)."""
+    import numpy as np
+
     digest = hashlib.sha256(json.dumps(settings, sort_keys=True).encode())
     digest.update(json.dumps(list(sample_ids)).encode())
     for ids in input_ids:
-        digest.update(json.dumps(list(ids)).encode())
+        array = np.asarray(ids, dtype=np.int64)
+        digest.update(len(array).to_bytes(8, "little"))
+        digest.update(array.tobytes())
     return digest.hexdigest()
 
 

@@ -1,0 +1,184 @@
+"""``draftline``: every pipeline stage without Snakemake, plus planning and verification.
+
+Each stage subcommand reads the validated config and uses the artifact layout of DESIGN.md
+under ``config.results``, exactly as the Snakemake rules do.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import yaml
+
+from draftline.config import ConfigError, load_config
+
+
+class Layout:
+    """Artifact paths under the results root (DESIGN.md, "Stages and artifacts")."""
+
+    def __init__(self, config: dict):
+        self.config = config
+        self.root = Path(config["results"])
+
+    def __getattr__(self, name: str) -> Path:
+        paths = {
+            "target": "target", "prompts": "prompts", "profile_json": "profile/concurrency.json",
+            "profile_png": "profile/concurrency.png", "responses": "responses",
+            "dataset": "dataset", "vocab": "vocab", "hidden": "hidden", "draft": "draft",
+            "checkpoint": "draft/checkpoint", "servers": ".servers", "slots": ".slots/generate",
+        }
+        if name not in paths:
+            raise AttributeError(name)
+        return self.root / paths[name]
+
+    @property
+    def model(self) -> str:
+        model = self.config["target"]["model"]
+        return str(self.target) if model == "toy" else model
+
+    def shards(self) -> list[Path]:
+        return [self.prompts / f"shard-{i}.jsonl"
+                for i in range(self.config["prompts"]["num_shards"])]
+
+
+def _parse_overrides(items: list[str]) -> dict:
+    overrides = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep:
+            raise ConfigError(f"--set expects KEY=VALUE, got {item!r}")
+        overrides[key] = yaml.safe_load(value)
+    return overrides
+
+
+def cmd_toy(cfg: dict, lay: Layout, args) -> None:
+    from draftline.toy import build_toy_target
+
+    build_toy_target(lay.target, cfg["target"]["toy"])
+
+
+def cmd_prompts(cfg: dict, lay: Layout, args) -> None:
+    from draftline.prompts import build_shards
+
+    p = cfg["prompts"]
+    build_shards(p["sources"], lay.prompts, num_shards=p["num_shards"],
+                 max_samples=p["max_samples"], seed=p["seed"])
+
+
+def cmd_profile(cfg: dict, lay: Layout, args) -> None:
+    from draftline.profile import run_stage
+
+    lay.profile_json.parent.mkdir(parents=True, exist_ok=True)
+    run_stage(lay.shards(), lay.profile_json, lay.profile_png, profile_cfg=cfg["profile"],
+              sampling=cfg["generate"], server_cfg=cfg["server"], model=lay.model,
+              state_dir=lay.servers, trust_remote_code=cfg["target"]["trust_remote_code"])
+
+
+def cmd_generate(cfg: dict, lay: Layout, args) -> None:
+    from draftline.generate import run_stage
+
+    shards = [args.shard] if args.shard is not None else range(cfg["prompts"]["num_shards"])
+    lay.responses.mkdir(parents=True, exist_ok=True)
+    for i in shards:
+        run_stage(lay.prompts / f"shard-{i}.jsonl", lay.responses / f"shard-{i}.jsonl",
+                  lay.responses / f"shard-{i}.errors.jsonl",
+                  lay.responses / f"shard-{i}.summary.json", gen_cfg=cfg["generate"],
+                  server_cfg=cfg["server"], model=lay.model, state_dir=lay.servers,
+                  slot_dir=lay.slots, profile_json=lay.profile_json,
+                  trust_remote_code=cfg["target"]["trust_remote_code"])
+
+
+def cmd_dataset(cfg: dict, lay: Layout, args) -> None:
+    from draftline.dataset import build_dataset
+
+    files = [lay.responses / f"shard-{i}.jsonl" for i in range(cfg["prompts"]["num_shards"])]
+    build_dataset(files, lay.model, lay.dataset, eval_fraction=cfg["dataset"]["eval_fraction"],
+                  max_length=cfg["dataset"]["max_length"])
+
+
+def cmd_vocab(cfg: dict, lay: Layout, args) -> None:
+    from draftline.vocab import write_vocab
+
+    write_vocab(lay.dataset, lay.model, cfg["vocab"]["draft_vocab_size"], lay.vocab)
+
+
+def cmd_hidden(cfg: dict, lay: Layout, args) -> None:
+    from draftline.hidden import extract
+
+    extract(lay.dataset, lay.model, lay.hidden, cfg["hidden"], server_cfg=cfg["server"])
+
+
+def cmd_train(cfg: dict, lay: Layout, args) -> None:
+    from draftline.train import train
+
+    train(lay.hidden, lay.vocab / "vocab_map.safetensors", lay.model, lay.draft, cfg["train"])
+
+
+def cmd_export(cfg: dict, lay: Layout, args) -> None:
+    from draftline.export import export_draft
+
+    layer_ids = json.loads((lay.hidden / "index.json").read_text())["layer_ids"]
+    export_draft(lay.draft / "best", lay.model, lay.vocab / "vocab_map.safetensors", layer_ids,
+                 lay.checkpoint)
+
+
+def cmd_plan(cfg: dict, lay: Layout, args) -> None:
+    from draftline.plan import format_plan, plan
+
+    measured = None
+    if lay.profile_json.exists():
+        measured = {"profile": json.loads(lay.profile_json.read_text())}
+    print(format_plan(plan(cfg, measured)))
+
+
+def cmd_server_stop_all(cfg: dict, lay: Layout, args) -> None:
+    from draftline.server import stop_all
+
+    print(f"stopped {stop_all(lay.servers)} shared server(s)")
+
+
+COMMANDS = {
+    "toy": (cmd_toy, "build the toy target"),
+    "prompts": (cmd_prompts, "build the prompt shards"),
+    "profile": (cmd_profile, "measure throughput against concurrency and choose one"),
+    "generate": (cmd_generate, "generate synthetic responses"),
+    "dataset": (cmd_dataset, "tokenize responses into the training dataset"),
+    "vocab": (cmd_vocab, "build the draft vocab map"),
+    "hidden": (cmd_hidden, "extract target hidden states"),
+    "train": (cmd_train, "train the EAGLE-3 draft"),
+    "export": (cmd_export, "export the draft checkpoint for vLLM"),
+    "plan": (cmd_plan, "print expected disk and time per stage; runs nothing"),
+    "server-stop-all": (cmd_server_stop_all, "stop the run's shared vLLM servers"),
+}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="draftline", description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    for name, (_, help_text) in COMMANDS.items():
+        p = sub.add_parser(name, help=help_text)
+        p.add_argument("--config", "-c", default="config.yaml", help="YAML config file")
+        p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                       help="override a config key, e.g. --set generate.temperature=0")
+        if name == "generate":
+            p.add_argument("--shard", type=int, default=None, help="only this shard")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        config = load_config(args.config, _parse_overrides(args.set))
+    except (ConfigError, FileNotFoundError) as exc:
+        print(f"draftline: {exc}", file=sys.stderr)
+        return 2
+    handler = COMMANDS[args.command][0]
+    handler(config, Layout(config), args)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,450 @@
+"""The EAGLE-3 draft model, its training-time-test (TTT) unroll, loss and metrics.
+
+One file, top to bottom: config, norms and rotary, the attention with its TTT diagonal, the
+decoder layer, the draft, the frozen target head that makes the training targets, the loss.
+
+Layout and names follow vLLM's ``Eagle3LlamaForCausalLM`` (``llama_eagle3.py``) so that the
+state dict exports without renaming (``fc``, ``midlayer.*``, ``norm``, ``lm_head``):
+
+    h0     = fc(aux)                                   aux = 3 target layers, concatenated
+    x      = [input_layernorm(embed(token)), hidden_norm(h)]       -> attention input (2H)
+    r      = h + self_attn(x)                          residual is the un-normed state h
+    h_next = r + mlp(post_attention_layernorm(r))      "prenorm" state, fed to the next step
+    logits = lm_head(norm(h_next))                     over the draft vocab
+
+Alignment (as vLLM's EAGLE proposer): row i of step 0 holds the target state at position i and
+the token at i+1, sits at rotary position i, and predicts token i+2. Step k feeds row i its
+own step k-1 state, the token at i+1+k, at rotary position i+k, and predicts token i+2+k.
+
+Attention at step k: row i sees the step-0 keys/values of rows j <= i (the real context, as
+in vLLM's draft KV cache) plus its own keys/values of steps 1..k (a diagonal). The diagonal
+is computed as k extra scores per row and softmaxed jointly with the [T, T] causal scores,
+never as a dense [T, T*K] mask, so a step costs about what plain causal attention costs.
+
+Samples are not packed into one row: a batch is ``[B, T]`` with each sample in its own row,
+right-padded. Causal masking then keeps attention inside a sample (padding comes after the
+real tokens, so no real row can see it) without any block-diagonal mask.
+
+Shape legend: B samples, T tokens (padded), H draft hidden, Ht target hidden, A = 3*Ht aux
+width, D draft vocab, V target vocab, K unroll steps, nh / nkv heads, hd head dim.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+# ----------------------------------------------------------------------------- config
+
+
+@dataclass(frozen=True)
+class DraftConfig:
+    hidden_size: int
+    target_hidden_size: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    intermediate_size: int
+    rms_norm_eps: float
+    rope_theta: float
+    vocab_size: int  # the target's
+    draft_vocab_size: int
+    max_position_embeddings: int
+    num_aux_hidden_states: int = 3
+
+    @classmethod
+    def from_target(cls, target_config: dict, draft_vocab_size: int) -> DraftConfig:
+        """Draft dimensions from the target's config.json (``text_config`` for multimodal)."""
+        cfg = text_config(target_config)
+        hidden = int(cfg["hidden_size"])
+        heads = int(cfg["num_attention_heads"])
+        return cls(
+            hidden_size=hidden,
+            target_hidden_size=hidden,
+            num_attention_heads=heads,
+            num_key_value_heads=int(cfg.get("num_key_value_heads") or heads),
+            # MLA targets (DeepSeek-V3 family) have no plain head_dim: use H / heads.
+            head_dim=int(cfg.get("head_dim") or hidden // heads),
+            intermediate_size=int(cfg["intermediate_size"]),
+            rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+            rope_theta=rope_theta_of(cfg),
+            vocab_size=int(cfg["vocab_size"]),
+            draft_vocab_size=int(draft_vocab_size),
+            max_position_embeddings=int(cfg.get("max_position_embeddings", 4096)),
+        )
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict) -> DraftConfig:
+        return cls(**data)
+
+
+def text_config(target_config: dict) -> dict:
+    """The language-model part of a target config (multimodal targets nest it)."""
+    return target_config.get("text_config") or target_config
+
+
+def rope_theta_of(cfg: dict) -> float:
+    # transformers >= 5 writes rope_parameters; older configs a top-level rope_theta.
+    params = cfg.get("rope_parameters") or {}
+    return float(cfg.get("rope_theta") or params.get("rope_theta") or 10000.0)
+
+
+# ----------------------------------------------------------------------------- building blocks
+
+
+class RMSNorm(nn.Module):
+    """Llama RMSNorm, normalised in fp32, scaled in the input dtype (as vLLM's)."""
+
+    def __init__(self, size: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., size] -> [..., size]
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x32.to(x.dtype)
+
+
+def rotary_tables(positions: torch.Tensor, head_dim: int, theta: float):
+    """cos, sin ``[T, hd]`` for neox-style rotary (vLLM's Llama default)."""
+    inv_freq = 1.0 / theta ** (
+        torch.arange(0, head_dim, 2, device=positions.device, dtype=torch.float32) / head_dim
+    )  # [hd/2]
+    freqs = positions.float()[:, None] * inv_freq[None, :]  # [T, hd/2]
+    angles = torch.cat([freqs, freqs], dim=-1)  # [T, hd]
+    return angles.cos(), angles.sin()
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x ``[B, n, T, hd]`` rotated by cos/sin ``[T, hd]``."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+    return (x.float() * cos + rotated.float() * sin).to(x.dtype)
+
+
+def repeat_kv(x: torch.Tensor, groups: int) -> torch.Tensor:
+    """``[B, nkv, T, hd]`` -> ``[B, nkv*groups, T, hd]`` for grouped-query attention."""
+    return x if groups == 1 else x.repeat_interleave(groups, dim=1)
+
+
+# ----------------------------------------------------------------------------- TTT attention
+
+
+def ttt_attention(
+    q: torch.Tensor,
+    k_ctx: torch.Tensor,
+    v_ctx: torch.Tensor,
+    k_diag: list[torch.Tensor],
+    v_diag: list[torch.Tensor],
+) -> torch.Tensor:
+    """Attention of unroll step k = len(k_diag); all tensors ``[B, nh, T, hd]``.
+
+    Row i attends to ``k_ctx[j]`` for j <= i (step 0, causal) and to ``k_diag[s][i]`` for each
+    earlier or current step s >= 1 (the same row only). Scores: ``[B, nh, T, T]`` causal plus
+    ``[B, nh, T, k]`` diagonal, one softmax over both.
+    """
+    if not k_diag:  # step 0: plain causal attention, use the fused kernel
+        return F.scaled_dot_product_attention(q, k_ctx, v_ctx, is_causal=True)
+    length, steps = q.shape[-2], len(k_diag)
+    scale = q.shape[-1] ** -0.5
+    ctx_scores = torch.matmul(q, k_ctx.transpose(-1, -2)) * scale  # [B, nh, T, T]
+    causal = torch.ones(length, length, dtype=torch.bool, device=q.device).tril()  # [T, T]
+    ctx_scores = ctx_scores.masked_fill(~causal, float("-inf"))
+    keys = torch.stack(k_diag, dim=-2)  # [B, nh, T, k, hd]
+    values = torch.stack(v_diag, dim=-2)  # [B, nh, T, k, hd]
+    diag_scores = (q.unsqueeze(-2) * keys).sum(-1) * scale  # [B, nh, T, k]
+    scores = torch.cat([ctx_scores, diag_scores], dim=-1)  # [B, nh, T, T+k]
+    probs = torch.softmax(scores.float(), dim=-1).to(q.dtype)
+    p_ctx, p_diag = probs.split([length, steps], dim=-1)  # [B,nh,T,T], [B,nh,T,k]
+    out = torch.matmul(p_ctx, v_ctx)  # [B, nh, T, hd]
+    return out + (p_diag.unsqueeze(-1) * values).sum(-2)  # [B, nh, T, hd]
+
+
+class TTTCache:
+    """Keys/values of one unroll: step 0 (the context) and the diagonal of steps 1..k."""
+
+    def __init__(self):
+        self.k_ctx: torch.Tensor | None = None  # [B, nh, T, hd]
+        self.v_ctx: torch.Tensor | None = None
+        self.k_diag: list[torch.Tensor] = []  # per step >= 1: [B, nh, T, hd]
+        self.v_diag: list[torch.Tensor] = []
+
+    def add(self, k: torch.Tensor, v: torch.Tensor) -> None:
+        if self.k_ctx is None:
+            self.k_ctx, self.v_ctx = k, v
+        else:
+            self.k_diag.append(k)
+            self.v_diag.append(v)
+
+
+class DraftAttention(nn.Module):
+    def __init__(self, cfg: DraftConfig):
+        super().__init__()
+        self.heads, self.kv_heads, self.head_dim = (
+            cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim)
+        self.q_proj = nn.Linear(2 * cfg.hidden_size, self.heads * self.head_dim, bias=False)
+        self.k_proj = nn.Linear(2 * cfg.hidden_size, self.kv_heads * self.head_dim, bias=False)
+        self.v_proj = nn.Linear(2 * cfg.hidden_size, self.kv_heads * self.head_dim, bias=False)
+        self.o_proj = nn.Linear(self.heads * self.head_dim, cfg.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                cache: TTTCache) -> torch.Tensor:
+        """x ``[B, T, 2H]`` -> ``[B, T, H]``; appends this step's keys/values to ``cache``."""
+        batch, length, _ = x.shape
+        q = self.q_proj(x).view(batch, length, self.heads, self.head_dim).transpose(1, 2)
+        k = self.k_proj(x).view(batch, length, self.kv_heads, self.head_dim).transpose(1, 2)
+        v = self.v_proj(x).view(batch, length, self.kv_heads, self.head_dim).transpose(1, 2)
+        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)  # [B, n, T, hd]
+        groups = self.heads // self.kv_heads
+        cache.add(repeat_kv(k, groups), repeat_kv(v, groups))  # [B, nh, T, hd] each
+        out = ttt_attention(q, cache.k_ctx, cache.v_ctx, cache.k_diag, cache.v_diag)
+        return self.o_proj(out.transpose(1, 2).reshape(batch, length, -1))
+
+
+class DraftMLP(nn.Module):
+    def __init__(self, cfg: DraftConfig):
+        super().__init__()
+        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [B, T, H] -> [B, T, H]
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DraftDecoderLayer(nn.Module):
+    """vLLM's EAGLE-3 first layer: attention over [embedding, state], residual = the state."""
+
+    def __init__(self, cfg: DraftConfig):
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.hidden_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = DraftAttention(cfg)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = DraftMLP(cfg)
+
+    def forward(self, embeds: torch.Tensor, hidden: torch.Tensor, cos: torch.Tensor,
+                sin: torch.Tensor, cache: TTTCache) -> torch.Tensor:
+        """embeds, hidden ``[B, T, H]`` -> prenorm state ``[B, T, H]``."""
+        x = torch.cat([self.input_layernorm(embeds), self.hidden_norm(hidden)], dim=-1)  # 2H
+        hidden = hidden + self.self_attn(x, cos, sin, cache)
+        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+
+
+# ----------------------------------------------------------------------------- the draft
+
+
+def shift_left(x: torch.Tensor, n: int, fill=0) -> torch.Tensor:
+    """Row i takes row i+n along dim 1; the last n rows get ``fill``. x ``[B, T, ...]``."""
+    if n == 0:
+        return x
+    tail = x.new_full((x.shape[0], min(n, x.shape[1]), *x.shape[2:]), fill)
+    return torch.cat([x[:, n:], tail], dim=1)
+
+
+class Eagle3Draft(nn.Module):
+    """The trainable draft plus the target's frozen input embedding.
+
+    ``embed_tokens`` is a frozen parameter (not a buffer: DDP would broadcast a buffer every
+    step) and is never saved or exported: vLLM shares the target's.
+    """
+
+    FROZEN = ("embed_tokens.weight",)
+
+    def __init__(self, cfg: DraftConfig, embed_weight: torch.Tensor,
+                 lm_head_init: torch.Tensor | None = None):
+        super().__init__()
+        self.cfg = cfg
+        self.embed_tokens = nn.Embedding.from_pretrained(embed_weight, freeze=True)  # [V, H]
+        self.fc = nn.Linear(cfg.num_aux_hidden_states * cfg.target_hidden_size,
+                            cfg.hidden_size, bias=False)
+        self.midlayer = DraftDecoderLayer(cfg)
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.draft_vocab_size, bias=False)
+        if lm_head_init is not None:  # the target's lm_head rows of the draft tokens
+            with torch.no_grad():
+                self.lm_head.weight.copy_(lm_head_init)
+
+    def forward(self, aux: torch.Tensor, input_ids: torch.Tensor,
+                ttt_steps: int) -> list[torch.Tensor]:
+        """aux ``[B, T, A]``, input_ids ``[B, T]`` -> K logits ``[B, T, D]`` (see module doc)."""
+        length = input_ids.shape[1]
+        positions = torch.arange(length + ttt_steps, device=input_ids.device)  # [T+K]
+        cos_all, sin_all = rotary_tables(positions, self.cfg.head_dim, self.cfg.rope_theta)
+        hidden = self.fc(aux)  # [B, T, H]
+        cache = TTTCache()
+        logits = []
+        for step in range(ttt_steps):
+            tokens = shift_left(input_ids, step + 1)  # [B, T]: row i -> token i+1+step
+            embeds = self.embed_tokens(tokens).to(hidden.dtype)  # [B, T, H]
+            cos = cos_all[step:step + length]  # positions shift by one per step, [T, hd]
+            sin = sin_all[step:step + length]
+            hidden = self.midlayer(embeds, hidden, cos, sin, cache)  # [B, T, H]
+            logits.append(self.lm_head(self.norm(hidden)))  # [B, T, D]
+        return logits
+
+    def trainable_state_dict(self) -> dict[str, torch.Tensor]:
+        return {k: v for k, v in self.state_dict().items() if k not in self.FROZEN}
+
+
+def expected_shapes(cfg: DraftConfig) -> dict[str, tuple[int, ...]]:
+    """Every trainable tensor of the draft and its shape (the exported names minus d2t/t2d)."""
+    hidden, heads, kv, hd = (cfg.hidden_size, cfg.num_attention_heads,
+                             cfg.num_key_value_heads, cfg.head_dim)
+    attn = "midlayer.self_attn."
+    mlp = "midlayer.mlp."
+    return {
+        "fc.weight": (hidden, cfg.num_aux_hidden_states * cfg.target_hidden_size),
+        attn + "q_proj.weight": (heads * hd, 2 * hidden),
+        attn + "k_proj.weight": (kv * hd, 2 * hidden),
+        attn + "v_proj.weight": (kv * hd, 2 * hidden),
+        attn + "o_proj.weight": (hidden, heads * hd),
+        mlp + "gate_proj.weight": (cfg.intermediate_size, hidden),
+        mlp + "up_proj.weight": (cfg.intermediate_size, hidden),
+        mlp + "down_proj.weight": (hidden, cfg.intermediate_size),
+        "midlayer.hidden_norm.weight": (hidden,),
+        "midlayer.input_layernorm.weight": (hidden,),
+        "midlayer.post_attention_layernorm.weight": (hidden,),
+        "norm.weight": (hidden,),
+        "lm_head.weight": (cfg.draft_vocab_size, hidden),
+    }
+
+
+# ----------------------------------------------------------------------------- targets
+
+
+class TargetHead(nn.Module):
+    """The target's final norm and lm_head, frozen: the teacher distribution per position."""
+
+    def __init__(self, norm_weight: torch.Tensor, lm_head: torch.Tensor, eps: float,
+                 d2t: torch.Tensor, t2d: torch.Tensor):
+        super().__init__()
+        self.register_buffer("norm_weight", norm_weight, persistent=False)  # [Ht]
+        self.register_buffer("lm_head", lm_head, persistent=False)  # [V, Ht]
+        self.register_buffer("t2d", t2d.bool(), persistent=False)  # [V]
+        draft_ids = torch.arange(d2t.shape[0]) + d2t  # [D] target id of each draft id
+        self.register_buffer("draft_ids", draft_ids, persistent=False)
+        self.eps = eps
+
+    @torch.no_grad()
+    def forward(self, final: torch.Tensor, chunk_rows: int = 2048):
+        """final ``[..., Ht]`` (pre-norm last layer) ->
+        log-probs over the draft vocab ``[..., D]`` (fp32), and whether the target's argmax
+        over its full vocab lies in the draft vocab ``[...]`` bool."""
+        flat = final.reshape(-1, final.shape[-1])  # [N, Ht]
+        logps, in_draft = [], []
+        for rows in flat.split(chunk_rows):  # bounds the [rows, V] logits (V = 163,840 at Kimi)
+            x32 = rows.float()
+            normed = (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps))
+            normed = self.norm_weight * normed.to(self.norm_weight.dtype)
+            logits = F.linear(normed.to(self.lm_head.dtype), self.lm_head)  # [n, V]
+            in_draft.append(self.t2d[logits.argmax(-1)])  # [n]
+            logps.append(torch.log_softmax(logits[:, self.draft_ids].float(), dim=-1))  # [n, D]
+        shape = final.shape[:-1]
+        return torch.cat(logps).view(*shape, -1), torch.cat(in_draft).view(shape)
+
+
+# ----------------------------------------------------------------------------- loss, metrics
+
+COUNT_KEYS = ("valid", "loss_rows", "correct", "chain_eligible", "chain_correct", "kl_sum")
+
+
+def ttt_loss(
+    step_logits: list[torch.Tensor],
+    target_logp: torch.Tensor,
+    target_in_draft: torch.Tensor,
+    loss_mask: torch.Tensor,
+    decay: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Weighted forward KL over the unroll, and per-step counts for the metrics.
+
+    step_logits: K x ``[B, T, D]``; target_logp ``[B, T, D]`` and target_in_draft ``[B, T]``
+    from :class:`TargetHead` at each position; loss_mask ``[B, T]`` (1 on generated tokens,
+    0 on prompt and padding).
+
+    Step k, row i is compared with the target at row i+1+k and counts when the token it
+    predicts (i+2+k) is a generated one ("valid"). The loss uses valid rows whose target
+    argmax is in the draft vocab; accuracy counts out-of-vocab argmaxes as misses, since the
+    draft can never propose them. The chain counts follow one drafting run from row i:
+    step k is eligible when steps 0..k-1 were all correct.
+
+    Returns (loss scalar, counts ``[len(COUNT_KEYS), K]`` float64, rows in COUNT_KEYS order).
+    """
+    batch, length = loss_mask.shape
+    per_step = []  # K x [len(COUNT_KEYS)] on the compute device; one transfer at the end
+    chain = torch.ones(batch, length, dtype=torch.bool, device=loss_mask.device)  # [B, T]
+    loss = step_logits[0].new_zeros((), dtype=torch.float32)
+    for k, logits in enumerate(step_logits):
+        rows = length - 2 - k  # rows i with a predicted token i+2+k inside the sample buffer
+        if rows <= 0:
+            chain[:] = False
+            per_step.append(torch.zeros(len(COUNT_KEYS), dtype=torch.float64,
+                                        device=loss_mask.device))
+            continue
+        tgt_logp = target_logp[:, 1 + k:1 + k + rows]  # [B, n, D]
+        in_draft = target_in_draft[:, 1 + k:1 + k + rows]  # [B, n]
+        valid = loss_mask[:, 2 + k:2 + k + rows].bool()  # [B, n]
+        loss_rows = valid & in_draft
+        draft_logp = torch.log_softmax(logits[:, :rows].float(), dim=-1)  # [B, n, D]
+        kl = (tgt_logp.exp() * (tgt_logp - draft_logp)).sum(-1)  # [B, n]
+        kl_sum = (kl * loss_rows).sum()
+        n_loss = loss_rows.sum()
+        loss = loss + decay**k * kl_sum / n_loss.clamp(min=1)
+        correct = loss_rows & (draft_logp.argmax(-1) == tgt_logp.argmax(-1))  # [B, n]
+        eligible = valid & chain[:, :rows]
+        chain_correct = eligible & correct
+        chain[:, :rows] = chain_correct
+        chain[:, rows:] = False
+        stats = (valid.sum(), n_loss, correct.sum(), eligible.sum(), chain_correct.sum(),
+                 kl_sum.detach())
+        per_step.append(torch.stack([s.double() for s in stats]))
+    counts = torch.stack(per_step, dim=1).cpu()  # [len(COUNT_KEYS), K]
+    return loss, counts
+
+
+def metrics_from_counts(counts: torch.Tensor) -> dict:
+    """Per-step accuracy, conditional accuracy, loss and simulated acceptance length.
+
+    ``simulated_acceptance_length`` = 1 + sum_k prod_{j<=k} cond_accuracy_j: the expected
+    tokens per drafting round at temperature 0 (the bonus token plus accepted drafts), the
+    same quantity as vLLM's 1 + accepted / drafts. ``..._by_num_drafts[n-1]`` stops after n
+    drafts, for comparison with a server run at ``num_speculative_tokens = n``.
+    """
+    c = dict(zip(COUNT_KEYS, counts.double().tolist(), strict=True))
+
+    def ratio(num, den):
+        return [n / d if d else 0.0 for n, d in zip(num, den, strict=True)]
+
+    accuracy = ratio(c["correct"], c["valid"])
+    cond = ratio(c["chain_correct"], c["chain_eligible"])
+    by_drafts, accept, joint = [], 1.0, 1.0
+    for acc in cond:
+        joint *= acc
+        accept += joint
+        by_drafts.append(accept)
+    return {
+        "accuracy": accuracy,
+        "cond_accuracy": cond,
+        "loss": ratio(c["kl_sum"], c["loss_rows"]),
+        "valid_tokens": [int(v) for v in c["valid"]],
+        "simulated_acceptance_length": accept,
+        "simulated_acceptance_length_by_num_drafts": by_drafts,
+    }
+
+
+def init_draft_weights(model: Eagle3Draft, seed: int) -> None:
+    """Deterministic init of the trainable projections (norms stay at one, lm_head as given)."""
+    gen = torch.Generator().manual_seed(seed)
+    for name, param in model.named_parameters():
+        if name.endswith("proj.weight") or name == "fc.weight":
+            bound = 1.0 / math.sqrt(param.shape[1])
+            with torch.no_grad():
+                param.copy_(torch.empty(param.shape).uniform_(-bound, bound, generator=gen))

@@ -1,0 +1,97 @@
+"""Config validation: defaults filled, and every bad config is stopped naming its key."""
+
+import shutil
+import subprocess
+import sys
+
+import pytest
+import yaml
+from conftest import REPO
+
+from draftline.config import ConfigError, load_config, validate_config
+
+BAD_CONFIGS = [
+    ({"generate": {"temperature": "hot"}}, "generate.temperature"),
+    ({"generate": {"temperature": 5}}, "generate.temperature"),
+    ({"generate": {"concurrency": 0}}, "generate.concurrency"),
+    ({"generate": {"concurrency": "max"}}, "generate.concurrency"),
+    ({"generate": {"temprature": 0.5}}, "generate.temprature"),
+    ({"bogus_section": {}}, "bogus_section"),
+    ({"prompts": {"num_shards": 0}}, "prompts.num_shards"),
+    ({"prompts": {"sources": [{"path": "does/not/exist.jsonl"}]}}, "prompts.sources[0].path"),
+    ({"prompts": {"sources": [{"split": "train"}]}}, "prompts.sources[0].path"),
+    ({"server": {"mode": "remote"}}, "server.mode"),
+    ({"server": {"port": 80}}, "server.port"),
+    ({"server": {"mode": "external"}}, "server.external.base_urls"),
+    ({"server": {"external": {"base_urls": ["ftp://x"]}}}, "server.external.base_urls[0]"),
+    ({"target": {"toy": {"num_layers": 4}}}, "target.toy.num_layers"),
+    ({"target": {"toy": {"num_heads": 3}}}, "target.toy.num_heads"),
+    ({"hidden": {"layer_ids": [2, 2, 5]}}, "hidden.layer_ids"),
+    ({"hidden": {"layer_ids": [2, 5]}}, "hidden.layer_ids"),
+    ({"hidden": {"backend": "jax"}}, "hidden.backend"),
+    ({"train": {"ttt_steps": 0}}, "train.ttt_steps"),
+    ({"train": {"lr": -1}}, "train.lr"),
+    ({"dataset": {"eval_fraction": 0.9}}, "dataset.eval_fraction"),
+    ({"profile": {"levels": []}}, "profile.levels"),
+    ({"profile": {"tolerance": 2}}, "profile.tolerance"),
+    ({"bench": {"num_speculative_tokens": [0]}}, "bench.num_speculative_tokens[0]"),
+]
+
+
+def test_defaults_are_filled():
+    config = validate_config({})
+    assert config["results"] == "results"
+    assert config["generate"]["concurrency"] == "auto"
+    assert config["profile"]["levels"] == [1, 2, 4, 8, 16, 32, 64, 128, 256]
+    assert config["server"]["host"] == "127.0.0.1"
+    assert config["train"]["ttt_steps"] == 7
+
+
+def test_shipped_config_is_valid():
+    config = load_config(REPO / "config.yaml")
+    assert config["target"]["model"] == "toy"
+    assert config["server"]["mode"] == "managed"
+
+
+@pytest.mark.parametrize(("bad", "key"), BAD_CONFIGS, ids=[k for _, k in BAD_CONFIGS])
+def test_bad_config_names_the_key(bad, key):
+    with pytest.raises(ConfigError) as err:
+        validate_config(bad)
+    assert f"'{key}'" in str(err.value)
+
+
+def _snakemake_dry_run(config_path, cwd):
+    exe = shutil.which("snakemake", path=str(REPO / ".venv" / "bin")) or shutil.which("snakemake")
+    if exe is None:
+        exe = [sys.executable, "-m", "snakemake"]
+    else:
+        exe = [exe]
+    return subprocess.run(
+        [*exe, "-n", "--snakefile", str(REPO / "Snakefile"), "--configfile", str(config_path),
+         "--directory", str(cwd)],
+        capture_output=True, text=True, timeout=120,
+    )
+
+
+@pytest.mark.parametrize(("bad", "key"), [
+    ({"generate": {"temperature": "hot"}}, "temperature"),
+    ({"bogus_section": {}}, "bogus_section"),
+    ({"prompts": {"sources": [{"path": "missing.jsonl"}]}}, "prompts.sources[0].path"),
+])
+def test_snakemake_stops_bad_config_before_any_job(tmp_path, bad, key):
+    config_path = tmp_path / "bad.yaml"
+    config_path.write_text(yaml.safe_dump(bad))
+    result = _snakemake_dry_run(config_path, tmp_path)
+    assert result.returncode != 0
+    assert key in result.stdout + result.stderr
+    assert not (tmp_path / "results").exists()
+
+
+def test_snakemake_dry_run_lists_the_pipeline(tmp_path):
+    config_path = tmp_path / "config.yaml"
+    config_path.write_text((REPO / "config.yaml").read_text())
+    result = _snakemake_dry_run(config_path, tmp_path)
+    assert result.returncode == 0, result.stderr[-2000:]
+    for rule in ("toy_target", "prompt_shards", "concurrency_profile", "generate", "dataset",
+                 "vocab_map", "hidden_states", "train_draft", "export_draft"):
+        assert rule in result.stdout

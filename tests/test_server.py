@@ -1,0 +1,94 @@
+"""vLLM server lifecycle: command line, loopback binding, shared server, no orphans."""
+
+import json
+import os
+import time
+
+import openai
+import pytest
+from conftest import requires_vllm
+
+from draftline.server import (
+    ManagedServer,
+    ServerError,
+    ServerSpec,
+    external_endpoints,
+    group_alive,
+    shared_server,
+    spec_from_config,
+    stop_all,
+)
+
+
+def test_command_binds_loopback_and_sets_cpu_flags(config, monkeypatch):
+    monkeypatch.setattr("draftline.server.has_gpu", lambda: False)
+    spec = spec_from_config(config["server"], "/models/toy")
+    cmd = spec.command(port=12345)
+    assert cmd[1:3] == ["-m", "vllm.entrypoints.openai.api_server"]
+    assert cmd[cmd.index("--host") + 1] == "127.0.0.1"
+    assert cmd[cmd.index("--gpu-memory-utilization") + 1] == "0.3"
+    assert cmd[cmd.index("--reasoning-parser") + 1] == "deepseek_r1"
+    assert "--trust-remote-code" not in cmd
+    assert spec.environment()["VLLM_CPU_KVCACHE_SPACE"] == "1"
+
+
+def test_trust_remote_code_only_when_configured(config):
+    assert "--trust-remote-code" in spec_from_config(config["server"], "m", True).command(1)
+    assert "--trust-remote-code" not in spec_from_config(config["server"], "m", False).command(1)
+
+
+def test_fingerprint_tracks_what_defines_the_server(config):
+    base = spec_from_config(config["server"], "/m")
+    assert base.fingerprint() == spec_from_config(config["server"], "/m").fingerprint()
+    longer = dict(config["server"], max_model_len=2048)
+    assert spec_from_config(longer, "/m").fingerprint() != base.fingerprint()
+    assert ServerSpec.from_json(base.to_json()) == base
+
+
+def test_external_endpoints_take_key_from_named_variable(config, monkeypatch):
+    cfg = dict(config["server"], mode="external",
+               external={"base_urls": ["http://127.0.0.1:9/"], "model": None,
+                         "api_key_env": "DRAFTLINE_TEST_KEY"})
+    with pytest.raises(ServerError, match="DRAFTLINE_TEST_KEY"):
+        external_endpoints(cfg)
+    monkeypatch.setenv("DRAFTLINE_TEST_KEY", "sk-secret-123")
+    (ep,) = external_endpoints(cfg)
+    assert ep.base_url == "http://127.0.0.1:9/v1" and ep.api_key == "sk-secret-123"
+    assert "sk-secret" not in repr(ep)
+
+
+@requires_vllm
+def test_failed_start_reports_log_tail(tmp_path, config):
+    spec = spec_from_config(dict(config["server"], startup_timeout_s=120), str(tmp_path / "nope"))
+    server = ManagedServer(spec, tmp_path / "server.log")
+    with pytest.raises(ServerError, match="exited with code"):
+        server.start()
+    assert not group_alive(server.proc.pid)
+
+
+@requires_vllm
+@pytest.mark.vllm
+def test_shared_server_serves_reasoning_and_stops_when_idle(tmp_path, toy_target, config):
+    """Start through the shared mechanism, answer a chat with reasoning and token ids, reuse
+    the same server from a second user, then idle out with no process left."""
+    spec = spec_from_config(config["server"], str(toy_target))
+    state_dir = tmp_path / "servers"
+    with shared_server(spec, state_dir, idle_timeout_s=3) as endpoint:
+        state = json.loads((state_dir / f"{spec.fingerprint()}.json").read_text())
+        client = openai.OpenAI(base_url=endpoint.base_url, api_key="EMPTY")
+        resp = client.chat.completions.create(
+            model=endpoint.model, messages=[{"role": "user", "content": "What is 2 plus 3?"}],
+            max_tokens=96, temperature=0, extra_body={"return_token_ids": True})
+        with shared_server(spec, state_dir, idle_timeout_s=3) as again:
+            assert again.base_url == endpoint.base_url  # one server for both users
+    message = resp.choices[0].message.model_extra
+    assert message.get("reasoning") or message.get("reasoning_content")
+    assert resp.model_extra["prompt_token_ids"] and resp.choices[0].model_extra["token_ids"]
+    assert state["url"].startswith("http://127.0.0.1:")
+    deadline = time.monotonic() + 90
+    while time.monotonic() < deadline and group_alive(state["server_pgid"]):
+        time.sleep(0.5)
+    assert not group_alive(state["server_pgid"]), "server outlived its idle timeout"
+    with pytest.raises(ProcessLookupError):
+        os.kill(state["supervisor_pid"], 0)
+    assert stop_all(state_dir) == 0
