@@ -19,6 +19,8 @@ include: "rules/generate.smk"
 include: "rules/dataset.smk"
 include: "rules/hidden.smk"
 include: "rules/draft.smk"
+include: "rules/bench.smk"
+include: "rules/bundle.smk"
 
 
 rule all:

@@ -42,8 +42,12 @@ def code_hash(*modules):
     editing the code of a stage makes that stage (and what depends on it) stale."""
     digest = hashlib.sha256()
     for name in modules:
-        path = Path(workflow.basedir) / "src" / "draftline" / f"{name}.py"
-        digest.update(path.read_bytes() if path.exists() else name.encode())
+        base = Path(workflow.basedir) / "src" / "draftline"
+        # a stage's code is a module (name.py) or a package (name/, all its .py files)
+        package = base / name
+        paths = sorted(package.rglob("*.py")) if package.is_dir() else [base / f"{name}.py"]
+        for path in paths:
+            digest.update(path.read_bytes() if path.exists() else name.encode())
     return digest.hexdigest()[:16]
 
 
@@ -85,12 +89,45 @@ def server_params():
     return {"server": config["server"], "trust_remote_code": config["target"]["trust_remote_code"]}
 
 
+def profile_outputs():
+    """The concurrency profile and its plot, when this run measures one (concurrency: auto)."""
+    if config["generate"]["concurrency"] != "auto":
+        return []
+    return [res("profile/concurrency.json"), res("profile/concurrency.png")]
+
+
+def bench_outputs():
+    """The deployment benchmark for the bundle (its plots are taken from next to results.json);
+    none while the workflow has no rule named bench (include rules/bench.smk before
+    rules/bundle.smk)."""
+    if not rules.has("bench"):
+        return []
+    plots = [str(f) for f in rules.bench.output if str(f).endswith(".png") and "{" not in str(f)]
+    return [res("bench/results.json"), res("bench/summary.md")] + plots
+
+
+def bundle_config():
+    """The config the bundle records: all of it but the publishing destination (where a bundle
+    is copied to must neither change its bytes nor make it stale)."""
+    cfg = json.loads(json.dumps(config))
+    cfg["bundle"].pop("publish_to", None)
+    return cfg
+
+
+def publish_target(name):
+    """A file under bundle.publish_to: a Snakemake storage target for a URL (s3://, gs://, ...;
+    needs that storage plugin), else a local path."""
+    dest = config["bundle"]["publish_to"].rstrip("/")
+    return storage(f"{dest}/{name}") if "://" in dest else f"{dest}/{name}"
+
+
 def final_outputs():
-    return [
-        res("draft/checkpoint/config.json"),
-        res("draft/eval.json"),
-        res("vocab/coverage.json"),
-    ]
+    outputs = [res("bundle.tar")]
+    if config["bundle"]["publish_to"]:
+        outputs += [publish_target(n) for n in ("bundle.tar", "manifest.json", "bundle.tar.sha256")]
+    if config["bundle"]["hf_repo"]:
+        outputs.append(res("bundle.hub.json"))
+    return outputs
 
 
 def stop_shared_servers():

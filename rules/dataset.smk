@@ -9,7 +9,8 @@ rule dataset:
         eval_fraction=config["dataset"]["eval_fraction"],
         max_length=config["dataset"]["max_length"],
         trust_remote_code=config["target"]["trust_remote_code"],
-        code=code_hash("dataset", "render"),
+        chat_template_kwargs=config["generate"]["chat_template_kwargs"],
+        code=code_hash("dataset"),
     conda:
         "../envs/draftline.yaml"
     log:

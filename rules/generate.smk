@@ -13,7 +13,7 @@ rule generate:
         model=target_path,
         state_dir=SERVER_STATE,
         slot_dir=res(".slots/generate"),
-        code=code_hash("generate", "slots", "server", "render"),
+        code=code_hash("generate", "slots", "server", "dataset"),
     conda:
         "../envs/draftline.yaml"
     log:

@@ -8,4 +8,6 @@ with logged(snakemake.log[0]):
         snakemake.output[0],
         eval_fraction=snakemake.params.eval_fraction,
         max_length=snakemake.params.max_length,
+        trust_remote_code=snakemake.params.trust_remote_code,
+        chat_template_kwargs=snakemake.params.chat_template_kwargs,
     )

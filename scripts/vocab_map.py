@@ -1,12 +1,12 @@
 from pathlib import Path
 
 from draftline.runlog import logged
-from draftline.vocab import write_vocab
+from draftline.vocab import target_vocab_size, write_vocab
 
 with logged(snakemake.log[0]):
     write_vocab(
         snakemake.input.dataset,
-        snakemake.params.model,
+        target_vocab_size(snakemake.params.model),
         snakemake.params.draft_vocab_size,
         Path(snakemake.output.vocab_map).parent,
     )

@@ -67,3 +67,101 @@ def vllm_server(toy_target, config, tmp_path_factory):
     log = tmp_path_factory.mktemp("vllm") / "server.log"
     with ManagedServer(spec, log) as server:
         yield server
+
+
+# ------------------------------------------------------------------------- draft training inputs
+
+
+def build_draft_inputs(root: Path, n_train: int = 24, n_eval: int = 8, seed: int = 0,
+                       draft_vocab: int = 1024) -> dict:
+    """A tiny random Llama target (hidden 128, 8 layers, vocab 2048) and, from its real
+    forward, hidden-state parts + index.json (docs/contracts.md) and a vocab map.
+
+    Sequences are random prompts continued greedily by the target, so the supervised part is
+    the target's own output, as in the pipeline. Layer ids are vLLM's default (2, 4, 5).
+    """
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # tiny matmuls: one thread is faster, and far faster when busy
+    try:
+        return _build_draft_inputs(root, n_train, n_eval, seed, draft_vocab)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _build_draft_inputs(root: Path, n_train: int, n_eval: int, seed: int,
+                        draft_vocab: int) -> dict:
+    import torch
+    from safetensors.torch import save_file
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from draftline.vocab import build_vocab_map
+
+    torch.manual_seed(seed)
+    cfg = LlamaConfig(hidden_size=128, intermediate_size=384, num_hidden_layers=8,
+                      num_attention_heads=4, num_key_value_heads=4, vocab_size=2048,
+                      max_position_embeddings=1024, tie_word_embeddings=False)
+    model = LlamaForCausalLM(cfg).to(torch.bfloat16)
+    target = root / "target"
+    model.save_pretrained(target)  # bf16, like the toy target
+    model = model.float().eval()  # the same (bf16-rounded) weights; fp32 is faster on CPU
+    layer_ids, num_layers = [2, 4, 5], cfg.num_hidden_layers
+    captured = {}
+
+    def keep(idx):
+        def hook(_module, args, kwargs):
+            captured[idx] = (args[0] if args else kwargs["hidden_states"]).detach()
+        return hook
+
+    hooks = [model.model.layers[i].register_forward_pre_hook(keep(i), with_kwargs=True)
+             for i in layer_ids]
+    hooks.append(model.model.norm.register_forward_pre_hook(keep(num_layers), with_kwargs=True))
+    gen = torch.Generator().manual_seed(seed)
+    files, counts = [], torch.zeros(cfg.vocab_size, dtype=torch.long)
+    for split, n in (("train", n_train), ("eval", n_eval)):
+        parts = {"aux": [], "final": [], "input_ids": [], "loss_mask": []}
+        offsets = [0]
+        for _ in range(n):
+            n_prompt = int(torch.randint(8, 24, (1,), generator=gen))
+            n_reply = int(torch.randint(24, 56, (1,), generator=gen))
+            ids = torch.randint(0, cfg.vocab_size, (1, n_prompt), generator=gen)
+            with torch.no_grad():  # greedy continuation: the target's own output
+                ids = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
+                                     max_new_tokens=n_reply, min_new_tokens=n_reply,
+                                     pad_token_id=0)
+                model(ids)
+            mask = torch.zeros(ids.shape[1], dtype=torch.uint8)
+            mask[n_prompt:] = 1
+            parts["aux"].append(torch.cat([captured[i][0] for i in layer_ids], dim=-1).bfloat16())
+            parts["final"].append(captured[num_layers][0].bfloat16())
+            parts["input_ids"].append(ids[0])
+            parts["loss_mask"].append(mask)
+            offsets.append(offsets[-1] + ids.shape[1])
+            if split == "train":
+                counts += torch.bincount(ids[0][n_prompt:], minlength=cfg.vocab_size)
+        tensors = {k: torch.cat(v).contiguous() for k, v in parts.items()}
+        tensors["offsets"] = torch.tensor(offsets, dtype=torch.long)
+        ids_list = [f"{split}-{i}" for i in range(n)]
+        rel = f"{split}/part-00000.safetensors"
+        (root / "hidden" / split).mkdir(parents=True, exist_ok=True)
+        save_file(tensors, str(root / "hidden" / rel),
+                  metadata={"sample_ids": json.dumps(ids_list)})
+        files.append({"path": rel, "split": split, "sample_ids": ids_list,
+                      "num_tokens": offsets[-1], "bytes": 0, "sha256": ""})
+    for h in hooks:
+        h.remove()
+    index = {"target": str(target), "num_layers": num_layers, "hidden_size": cfg.hidden_size,
+             "layer_ids": layer_ids, "dtype": "bfloat16", "backend": "hf", "files": files}
+    (root / "hidden" / "index.json").write_text(json.dumps(index))
+    d2t, t2d = build_vocab_map(counts.numpy(), draft_vocab)
+    (root / "vocab").mkdir(exist_ok=True)
+    save_file({"d2t": d2t, "t2d": t2d}, str(root / "vocab" / "vocab_map.safetensors"))
+    return {"target_dir": target, "hidden_dir": root / "hidden",
+            "vocab_map": root / "vocab" / "vocab_map.safetensors", "layer_ids": layer_ids}
+
+
+@pytest.fixture(scope="session")
+def draft_inputs(tmp_path_factory) -> dict:
+    """Synthetic draft-training inputs from a random tiny Llama (see build_draft_inputs)."""
+    return build_draft_inputs(tmp_path_factory.mktemp("draft-inputs"))

@@ -96,13 +96,16 @@ def cmd_dataset(cfg: dict, lay: Layout, args) -> None:
 
     files = [lay.responses / f"shard-{i}.jsonl" for i in range(cfg["prompts"]["num_shards"])]
     build_dataset(files, lay.model, lay.dataset, eval_fraction=cfg["dataset"]["eval_fraction"],
-                  max_length=cfg["dataset"]["max_length"])
+                  max_length=cfg["dataset"]["max_length"],
+                  trust_remote_code=cfg["target"]["trust_remote_code"],
+                  chat_template_kwargs=cfg["generate"]["chat_template_kwargs"])
 
 
 def cmd_vocab(cfg: dict, lay: Layout, args) -> None:
-    from draftline.vocab import write_vocab
+    from draftline.vocab import target_vocab_size, write_vocab
 
-    write_vocab(lay.dataset, lay.model, cfg["vocab"]["draft_vocab_size"], lay.vocab)
+    write_vocab(lay.dataset, target_vocab_size(lay.model), cfg["vocab"]["draft_vocab_size"],
+                lay.vocab)
 
 
 def cmd_hidden(cfg: dict, lay: Layout, args) -> None:
@@ -125,6 +128,17 @@ def cmd_export(cfg: dict, lay: Layout, args) -> None:
                  lay.checkpoint)
 
 
+def cmd_bench(cfg: dict, lay: Layout, args) -> None:
+    from draftline.bench import run_stage
+
+    files = [lay.responses / f"shard-{i}.jsonl" for i in range(cfg["prompts"]["num_shards"])]
+    run_stage(files, lay.checkpoint, lay.draft / "eval.json", lay.profile_json,
+              lay.root / "bench", bench_cfg=cfg["bench"], generate_cfg=cfg["generate"],
+              eval_fraction=cfg["dataset"]["eval_fraction"], server_cfg=cfg["server"],
+              model=lay.model, state_dir=lay.servers,
+              trust_remote_code=cfg["target"]["trust_remote_code"])
+
+
 def cmd_plan(cfg: dict, lay: Layout, args) -> None:
     from draftline.plan import format_plan, plan
 
@@ -140,6 +154,23 @@ def cmd_server_stop_all(cfg: dict, lay: Layout, args) -> None:
     print(f"stopped {stop_all(lay.servers)} shared server(s)")
 
 
+def cmd_bundle(cfg: dict, lay: Layout, args) -> None:
+    from draftline.bundle import BundleInputs, build_bundle, publish_files
+
+    bundle_dir, tar = lay.root / "bundle", lay.root / "bundle.tar"
+    build_bundle(BundleInputs.from_results(lay.root), bundle_dir, tar, config=cfg,
+                 model=lay.model, card_html=lay.root / "report" / "model_card.html")
+    print(f"bundle: {bundle_dir}/ and {tar}")
+    dest = cfg["bundle"]["publish_to"]
+    if dest and "://" not in dest:
+        publish_files(tar, bundle_dir / "manifest.json", Path(dest) / "bundle.tar",
+                      Path(dest) / "manifest.json", Path(dest) / "bundle.tar.sha256")
+        print(f"published to {dest}")
+    elif dest:
+        print(f"bundle.publish_to {dest}: storage targets are published by the Snakemake "
+              "workflow (storage plugins); run snakemake to upload")
+
+
 COMMANDS = {
     "toy": (cmd_toy, "build the toy target"),
     "prompts": (cmd_prompts, "build the prompt shards"),
@@ -150,8 +181,10 @@ COMMANDS = {
     "hidden": (cmd_hidden, "extract target hidden states"),
     "train": (cmd_train, "train the EAGLE-3 draft"),
     "export": (cmd_export, "export the draft checkpoint for vLLM"),
+    "bench": (cmd_bench, "benchmark baseline vs EAGLE-3 in vLLM"),
     "plan": (cmd_plan, "print expected disk and time per stage; runs nothing"),
     "server-stop-all": (cmd_server_stop_all, "stop the run's shared vLLM servers"),
+    "bundle": (cmd_bundle, "build results/bundle/ and the deterministic results/bundle.tar"),
 }
 
 
@@ -165,11 +198,17 @@ def build_parser() -> argparse.ArgumentParser:
                        help="override a config key, e.g. --set generate.temperature=0")
         if name == "generate":
             p.add_argument("--shard", type=int, default=None, help="only this shard")
+    verify = sub.add_parser("verify", help="recompute every hash of a bundle folder or tar")
+    verify.add_argument("bundle", help="bundle folder or .tar archive")
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    if args.command == "verify":  # needs no config: checks a bundle from anywhere
+        from draftline.bundle import main_verify
+
+        return main_verify(args.bundle)
     try:
         config = load_config(args.config, _parse_overrides(args.set))
     except (ConfigError, FileNotFoundError) as exc:

@@ -430,7 +430,12 @@ def finish_shard(prompts, partial, partial_errors, out_file, errors_file, summar
     order = {p["id"]: i for i, p in enumerate(prompts)}
     done = read_jsonl_ids(partial)
     errors = {k: v for k, v in read_jsonl_ids(partial_errors).items() if k not in done}
-    mismatches = count_render_mismatches(done.values(), tokenizer_dir) if tokenizer_dir else None
+    mismatches = None
+    if tokenizer_dir:
+        from draftline.dataset import count_render_mismatches
+
+        mismatches = count_render_mismatches(list(done.values()), tokenizer_dir,
+                                             settings.chat_template_kwargs)
     write_jsonl_atomic(out_file, sorted(done.values(), key=lambda r: order[r["id"]]))
     write_jsonl_atomic(errors_file, sorted(errors.values(), key=lambda r: order[r["id"]]))
     fill = stats.fill_seconds
@@ -466,14 +471,6 @@ def _count(values: Iterable) -> dict:
     for v in values:
         counts[str(v)] = counts.get(str(v), 0) + 1
     return counts
-
-
-def count_render_mismatches(records: Iterable[dict], tokenizer_dir: str) -> int:
-    """Responses whose re-rendered assistant turn is not the target's own token stream."""
-    from draftline.render import load_tokenizer, render_matches_ids
-
-    tokenizer = load_tokenizer(tokenizer_dir)
-    return sum(not render_matches_ids(tokenizer, rec) for rec in records)
 
 
 def run_stage(prompt_file: Path, out_file: Path, errors_file: Path, summary_file: Path,

@@ -148,10 +148,21 @@ def ttt_attention(
     """Attention of unroll step k = len(k_diag); all tensors ``[B, nh, T, hd]``.
 
     Row i attends to ``k_ctx[j]`` for j <= i (step 0, causal) and to ``k_diag[s][i]`` for each
-    earlier or current step s >= 1 (the same row only). Scores: ``[B, nh, T, T]`` causal plus
-    ``[B, nh, T, k]`` diagonal, one softmax over both.
+    step 1 <= s <= k (the same row only). Uses the fused flash-kernel path where it is
+    available and verified, else the reference below; both give the same values and grads.
     """
-    if not k_diag:  # step 0: plain causal attention, use the fused kernel
+    if not k_diag:  # step 0: plain causal attention
+        return F.scaled_dot_product_attention(q, k_ctx, v_ctx, is_causal=True)
+    if fused_attention_ok(q):
+        return FusedTTTAttention.apply(q, k_ctx, v_ctx, torch.stack(k_diag, dim=-2),
+                                       torch.stack(v_diag, dim=-2))
+    return ttt_attention_reference(q, k_ctx, v_ctx, k_diag, v_diag)
+
+
+def ttt_attention_reference(q, k_ctx, v_ctx, k_diag, v_diag) -> torch.Tensor:
+    """The definition: ``[B, nh, T, T]`` causal scores plus ``[B, nh, T, k]`` diagonal scores,
+    one softmax over both. Materialises the [T, T] probabilities (eager attention)."""
+    if not k_diag:
         return F.scaled_dot_product_attention(q, k_ctx, v_ctx, is_causal=True)
     length, steps = q.shape[-2], len(k_diag)
     scale = q.shape[-1] ** -0.5
@@ -166,6 +177,105 @@ def ttt_attention(
     p_ctx, p_diag = probs.split([length, steps], dim=-1)  # [B,nh,T,T], [B,nh,T,k]
     out = torch.matmul(p_ctx, v_ctx)  # [B, nh, T, hd]
     return out + (p_diag.unsqueeze(-1) * values).sum(-2)  # [B, nh, T, hd]
+
+
+def _flash_forward(q, k, v, scale):
+    """Causal flash attention: (out ``[B, nh, T, hd]``, logsumexp ``[B, nh, T]`` fp32, extras)."""
+    aten = torch.ops.aten
+    if q.device.type == "cpu":
+        out, lse = aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, True,
+                                                                    scale=scale)
+        return out, lse, ()
+    out, lse, cum_q, cum_k, max_q, max_k, seed, offset, _ = \
+        aten._scaled_dot_product_flash_attention(q, k, v, 0.0, True, False, scale=scale)
+    return out, lse, (cum_q, cum_k, max_q, max_k, seed, offset)
+
+
+def _flash_backward(grad_out, q, k, v, out, lse, extras, scale):
+    aten = torch.ops.aten
+    if q.device.type == "cpu":
+        return aten._scaled_dot_product_flash_attention_for_cpu_backward(
+            grad_out, q, k, v, out, lse, 0.0, True, scale=scale)
+    cum_q, cum_k, max_q, max_k, seed, offset = extras
+    return aten._scaled_dot_product_flash_attention_backward(
+        grad_out, q, k, v, out, lse, cum_q, cum_k, max_q, max_k, 0.0, True, seed, offset,
+        scale=scale)
+
+
+class FusedTTTAttention(torch.autograd.Function):
+    """TTT attention on the flash kernel: the causal part runs fused (no [T, T] tensor), the k
+    diagonal scores join it through the log-sum-exp.
+
+    Forward: (O_c, lse_c) = flash(q, K_c, V_c); s = scale * q . k_diag; L = logaddexp(lse_c,
+    logsumexp(s)); O = exp(lse_c - L) O_c + sum_s exp(s - L) v_s. Backward: the flash backward
+    called with the joint output O and joint L recomputes the joint probabilities of the
+    context keys and the joint delta rowsum(dO * O), so it returns the exact gradients of the
+    causal part; the diagonal part is [T, k] arithmetic.
+    """
+
+    @staticmethod
+    def forward(ctx, q, k_ctx, v_ctx, k_diag, v_diag):
+        # q, k_ctx, v_ctx [B, nh, T, hd]; k_diag, v_diag [B, nh, T, k, hd]
+        scale = q.shape[-1] ** -0.5
+        out_ctx, lse_ctx, extras = _flash_forward(q, k_ctx, v_ctx, scale)
+        diag = (q.unsqueeze(-2) * k_diag).sum(-1).float() * scale  # [B, nh, T, k]
+        joint_lse = torch.logaddexp(lse_ctx, torch.logsumexp(diag, dim=-1))  # [B, nh, T]
+        w_ctx = torch.exp(lse_ctx - joint_lse).unsqueeze(-1)  # [B, nh, T, 1]
+        p_diag = torch.exp(diag - joint_lse.unsqueeze(-1))  # [B, nh, T, k]
+        out = w_ctx * out_ctx.float() + (p_diag.unsqueeze(-1) * v_diag.float()).sum(-2)
+        out = out.to(q.dtype)  # [B, nh, T, hd]
+        ctx.save_for_backward(q, k_ctx, v_ctx, k_diag, v_diag, out, joint_lse, p_diag)
+        ctx.extras = extras  # CUDA only: sequence bookkeeping and (unused) dropout RNG state
+        ctx.scale = scale
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        q, k_ctx, v_ctx, k_diag, v_diag, out, joint_lse, p_diag = ctx.saved_tensors
+        grad_out = grad_out.contiguous()
+        dq, dk_ctx, dv_ctx = _flash_backward(grad_out, q, k_ctx, v_ctx, out, joint_lse,
+                                             ctx.extras, ctx.scale)
+        g32 = grad_out.float()
+        delta = (g32 * out.float()).sum(-1, keepdim=True)  # [B, nh, T, 1]
+        dp = (g32.unsqueeze(-2) * v_diag.float()).sum(-1)  # [B, nh, T, k]
+        ds = p_diag * (dp - delta)  # [B, nh, T, k] d(score)
+        dq = dq.float() + ctx.scale * (ds.unsqueeze(-1) * k_diag.float()).sum(-2)
+        dk_diag = ctx.scale * ds.unsqueeze(-1) * q.float().unsqueeze(-2)  # [B, nh, T, k, hd]
+        dv_diag = p_diag.unsqueeze(-1) * g32.unsqueeze(-2)  # [B, nh, T, k, hd]
+        return (dq.to(q.dtype), dk_ctx, dv_ctx, dk_diag.to(k_diag.dtype),
+                dv_diag.to(v_diag.dtype))
+
+
+_FUSED_OK: dict[tuple[str, torch.dtype, int], bool] = {}
+
+
+def fused_attention_ok(q: torch.Tensor) -> bool:
+    """Whether the fused path works here: checked once per (device, dtype, head_dim) against
+    the reference on a small problem (values and gradients); any failure -> reference path."""
+    key = (q.device.type, q.dtype, q.shape[-1])
+    if key not in _FUSED_OK:
+        _FUSED_OK[key] = _check_fused(q.device, q.dtype, q.shape[-1])
+    return _FUSED_OK[key]
+
+
+def _check_fused(device, dtype, head_dim: int) -> bool:
+    gen = torch.Generator().manual_seed(0)
+    shape = (1, 2, 37, head_dim)
+    tol = 1e-4 if dtype == torch.float32 else 3e-2
+    try:
+        with torch.enable_grad(), torch.autocast(device.type, enabled=False):
+            tensors = [torch.randn(shape, generator=gen).to(device, dtype).requires_grad_()
+                       for _ in range(7)]  # q, k0, v0, k1, v1, k2, v2
+            q, k0, v0, k1, v1, k2, v2 = tensors
+            ref = ttt_attention_reference(q, k0, v0, [k1, k2], [v1, v2])
+            got = FusedTTTAttention.apply(q, k0, v0, torch.stack([k1, k2], -2),
+                                          torch.stack([v1, v2], -2))
+            ref_grads = torch.autograd.grad(ref.float().square().sum(), tensors)
+            got_grads = torch.autograd.grad(got.float().square().sum(), tensors)
+        pairs = [(got, ref), *zip(got_grads, ref_grads, strict=True)]
+        return all(torch.allclose(a.float(), b.float(), atol=tol, rtol=tol) for a, b in pairs)
+    except (RuntimeError, NotImplementedError, AttributeError):
+        return False
 
 
 class TTTCache:

@@ -186,6 +186,7 @@ def _atomic_write_bytes(path: Path, data: bytes) -> None:
     try:
         with os.fdopen(fd, "wb") as f:
             f.write(data)
+        os.chmod(tmp, 0o644)  # mkstemp makes it private; this is an ordinary output file
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
@@ -255,3 +256,12 @@ def load_vocab_map(path: Path):
 
     tensors = load_file(str(path))
     return tensors["d2t"], tensors["t2d"]
+
+
+def target_vocab_size(target_dir: str | Path) -> int:
+    """The target's vocabulary size from its config.json (multimodal configs nest it)."""
+    config = json.loads((Path(target_dir) / "config.json").read_text())
+    size = config.get("vocab_size") or config.get("text_config", {}).get("vocab_size")
+    if not size:
+        raise ValueError(f"{target_dir}/config.json has no vocab_size")
+    return int(size)

@@ -149,6 +149,8 @@ class SplitData:
         if missing:
             raise HiddenStateError(f"dataset split {name!r}: missing columns {sorted(missing)}")
         self.name = name
+        if getattr(dataset, "_indices", None) is not None:
+            dataset = dataset.flatten_indices()  # the lengths below read the Arrow table
         self.dataset = dataset.with_format("numpy", columns=["input_ids", "loss_mask"])
         self.ids = [str(i) for i in dataset["id"]]
         table = dataset.data.table if hasattr(dataset.data, "table") else dataset.data

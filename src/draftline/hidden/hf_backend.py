@@ -18,9 +18,13 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 
 PAD_TOKEN_ID = 0  # any valid id works: pads sit after every real token and are discarded
+# A batch only takes samples at least this fraction of its longest one: bounds the padding
+# of every row to 15 % even in the short tail of a part.
+MIN_FILL = 0.85
 
 
-def token_budget_batches(lengths: Sequence[int], batch_tokens: int) -> list[list[int]]:
+def token_budget_batches(lengths: Sequence[int], batch_tokens: int,
+                         min_fill: float = MIN_FILL) -> list[list[int]]:
     """Group sample indices into batches with ``rows * longest <= batch_tokens``.
 
     Longest samples first, so each batch has similar lengths (little padding) and the largest
@@ -32,7 +36,7 @@ def token_budget_batches(lengths: Sequence[int], batch_tokens: int) -> list[list
         if batches:
             batch = batches[-1]
             longest = lengths[batch[0]]  # sorted: the first member is the longest
-            if (len(batch) + 1) * longest <= batch_tokens:
+            if (len(batch) + 1) * longest <= batch_tokens and lengths[i] >= min_fill * longest:
                 batch.append(i)
                 continue
         batches.append([i])

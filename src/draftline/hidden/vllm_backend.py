@@ -39,7 +39,9 @@ def speculative_config(capture_ids: Sequence[int]) -> dict:
     return {
         "method": "extract_hidden_states",
         "num_speculative_tokens": 1,
-        "draft_model_config": {"hf_config": {"eagle_aux_hidden_state_layer_ids": list(capture_ids)}},
+        "draft_model_config": {
+            "hf_config": {"eagle_aux_hidden_state_layer_ids": list(capture_ids)},
+        },
     }
 
 
@@ -70,7 +72,9 @@ def engine_kwargs(target_dir: Path, capture_ids: Sequence[int], spool_dir: Path,
         "max_model_len": max(int(server_cfg.get("max_model_len") or 0), max_len + 1),
         "enforce_eager": bool(server_cfg.get("enforce_eager", False)),
         "enable_prefix_caching": False,
-        "max_num_batched_tokens": max(int(hidden_cfg.get("batch_tokens", 8192)), 256),
+        # the step's token budget; vLLM wants room for one token of every running sequence
+        "max_num_batched_tokens": max(int(hidden_cfg.get("batch_tokens", 8192)),
+                                      int(server_cfg.get("max_num_seqs") or 256)),
         "speculative_config": speculative_config(capture_ids),
         "kv_transfer_config": kv_transfer_config(spool_dir),
         "seed": 0,
@@ -101,7 +105,8 @@ class VLLMBackend:
             raise ValueError(f"capture ids must be ascending and distinct, got {capture_ids}")
         self.capture_ids = list(capture_ids)
         self.spool_dir = Path(spool_dir)
-        self.spool_dir.mkdir(parents=True, exist_ok=True)
+        shutil.rmtree(self.spool_dir, ignore_errors=True)  # leftovers of a killed run
+        self.spool_dir.mkdir(parents=True)
         self.wait_timeout_s = wait_timeout_s
         kwargs = engine_kwargs(target_dir, capture_ids, self.spool_dir, max_len,
                                hidden_cfg, server_cfg or {})

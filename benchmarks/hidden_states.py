@@ -1,0 +1,188 @@
+"""Benchmark of hidden-state extraction.
+
+Measures, on the same samples:
+
+* tokens/s of the hf backend (token-budget batches with length bucketing) against a
+  batch-size-1 loop (one forward pass per sample), and their ratio;
+* the padding the batching adds (padded tokens / real tokens);
+* bytes written per token by a full ``extract`` against the theoretical minimum
+  (``4 * H * dtype_size`` of states; plus 9 bytes of token id and loss mask);
+* optionally (``--vllm``) tokens/s of the vllm backend after the engine has started.
+
+Usage::
+
+    python benchmarks/hidden_states.py                      # tiny random Llama, toy dimensions
+    python benchmarks/hidden_states.py --target results/target --samples 128 --vllm
+
+The target defaults to a random Llama with the toy's dimensions (hidden 128, 8 layers). Times
+are the best of ``--repeats`` interleaved runs (the machine may be shared).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+from draftline.hidden import capture_ids, extract, resolve_layer_ids, target_info
+from draftline.hidden.hf_backend import HFBackend, token_budget_batches
+from draftline.hidden.store import state_bytes_per_token, stored_bytes_per_token
+
+
+def random_target(path: Path, hidden: int, layers: int, vocab: int) -> Path:
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    heads = max(1, hidden // 32)
+    cfg = LlamaConfig(hidden_size=hidden, intermediate_size=3 * hidden, num_hidden_layers=layers,
+                      num_attention_heads=heads, num_key_value_heads=heads,
+                      head_dim=hidden // heads, vocab_size=vocab, max_position_embeddings=4096,
+                      tie_word_embeddings=False)
+    LlamaForCausalLM(cfg).to(torch.bfloat16).save_pretrained(path)
+    return path
+
+
+def random_samples(n: int, min_len: int, max_len: int, vocab: int, seed: int) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(vocab) for _ in range(rng.randint(min_len, max_len))]
+            for _ in range(n)]
+
+
+def save_dataset(path: Path, samples: list[list[int]]) -> Path:
+    from datasets import Dataset, DatasetDict
+
+    from draftline.dataset import dataset_features
+
+    rows = {"id": [f"s{i:05d}" for i in range(len(samples))], "input_ids": samples,
+            "loss_mask": [[0] * (len(s) // 2) + [1] * (len(s) - len(s) // 2) for s in samples]}
+    data = Dataset.from_dict(rows, features=dataset_features())
+    n_eval = max(1, len(samples) // 10)
+    DatasetDict({"train": data.select(range(len(samples) - n_eval)),
+                 "eval": data.select(range(len(samples) - n_eval, len(samples)))}
+                ).save_to_disk(str(path))
+    return path
+
+
+def time_states(backend, samples: list[list[int]], batch_tokens: int) -> float:
+    backend.batch_tokens = batch_tokens
+    start = time.perf_counter()
+    backend.states(samples)
+    return time.perf_counter() - start
+
+
+def bench_hf(target: Path, samples: list[list[int]], batch_tokens: int, repeats: int) -> dict:
+    info = target_info(target)
+    ids = capture_ids(resolve_layer_ids(None, info["num_layers"]), info["num_layers"])
+    backend = HFBackend(target, ids, info["num_layers"], info["dtype"], batch_tokens)
+    tokens = sum(map(len, samples))
+    time_states(backend, samples[:4], batch_tokens)  # warm-up
+    batched, single = [], []
+    for _ in range(repeats):  # interleaved, so load changes hit both alike
+        batched.append(time_states(backend, samples, batch_tokens))
+        single.append(time_states(backend, samples, 1))
+    backend.close()
+    lengths = list(map(len, samples))
+    padded = sum(len(b) * max(lengths[i] for i in b)
+                 for b in token_budget_batches(lengths, batch_tokens))
+    return {"tokens": tokens, "batched_s": min(batched), "single_s": min(single),
+            "batched_tok_s": tokens / min(batched), "single_tok_s": tokens / min(single),
+            "batched_median_s": statistics.median(batched),
+            "single_median_s": statistics.median(single),
+            "padding": padded / tokens - 1, "batch_tokens": batch_tokens}
+
+
+def bench_vllm(target: Path, samples: list[list[int]], batch_tokens: int, work: Path) -> dict:
+    from draftline.hidden.vllm_backend import VLLMBackend
+
+    info = target_info(target)
+    ids = capture_ids(resolve_layer_ids(None, info["num_layers"]), info["num_layers"])
+    start = time.perf_counter()
+    backend = VLLMBackend(target, ids, max(map(len, samples)), work / "spool",
+                          {"batch_tokens": batch_tokens},
+                          {"enforce_eager": True, "dtype": "bfloat16"})
+    started = time.perf_counter() - start
+    backend.states(samples[:4])  # warm-up
+    start = time.perf_counter()
+    backend.states(samples)
+    seconds = time.perf_counter() - start
+    backend.close()
+    tokens = sum(map(len, samples))
+    return {"start_s": started, "seconds": seconds, "tok_s": tokens / seconds}
+
+
+def bench_bytes(target: Path, samples: list[list[int]], batch_tokens: int, work: Path) -> dict:
+    dataset = save_dataset(work / "dataset", samples)
+    index = extract(dataset, target, work / "hidden", {"batch_tokens": batch_tokens,
+                                                       "samples_per_file": 64})
+    info = target_info(target)
+    minimum = state_bytes_per_token(info["hidden_size"], info["dtype"])
+    with_ids = stored_bytes_per_token(info["hidden_size"], info["dtype"])
+    written = index["bytes"] / index["num_tokens"]
+    return {"hidden_size": info["hidden_size"], "files": len(index["files"]),
+            "bytes_per_token": written, "state_minimum": minimum, "with_ids_minimum": with_ids,
+            "ratio_to_states": written / minimum, "ratio_to_with_ids": written / with_ids}
+
+
+def print_table(hf: dict, size: dict, vllm: dict | None) -> None:
+    rows = [
+        ("hf, token-budget batches", f"{hf['batched_tok_s']:,.0f} tok/s",
+         f"{hf['batched_s']:.2f} s for {hf['tokens']:,} tokens "
+         f"(batch_tokens {hf['batch_tokens']}, padding {hf['padding']:.1%})"),
+        ("hf, batch-size-1 loop", f"{hf['single_tok_s']:,.0f} tok/s", f"{hf['single_s']:.2f} s"),
+        ("speed-up (ratio)", f"{hf['batched_tok_s'] / hf['single_tok_s']:.2f}x", "best of runs"),
+    ]
+    if vllm:
+        rows.append(("vllm backend", f"{vllm['tok_s']:,.0f} tok/s",
+                     f"engine start {vllm['start_s']:.0f} s, not counted"))
+    rows += [
+        ("bytes/token written", f"{size['bytes_per_token']:,.1f} B",
+         f"{size['files']} part files, H = {size['hidden_size']}"),
+        ("minimum: states", f"{size['state_minimum']:,} B",
+         f"4 x H x 2; written/minimum = {size['ratio_to_states']:.4f}"),
+        ("minimum: + ids, mask", f"{size['with_ids_minimum']:,} B",
+         f"written/minimum = {size['ratio_to_with_ids']:.4f}"),
+    ]
+    width = max(len(r[0]) for r in rows)
+    print(f"{'measure':<{width}}  {'value':>14}  notes")
+    print("-" * (width + 40))
+    for name, value, note in rows:
+        print(f"{name:<{width}}  {value:>14}  {note}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--target", type=Path, default=None, help="HF model dir (default: random)")
+    parser.add_argument("--hidden", type=int, default=128)
+    parser.add_argument("--layers", type=int, default=8)
+    parser.add_argument("--vocab", type=int, default=2048)
+    parser.add_argument("--samples", type=int, default=64)
+    parser.add_argument("--min-len", type=int, default=16)
+    parser.add_argument("--max-len", type=int, default=512)
+    parser.add_argument("--batch-tokens", type=int, default=4096)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--vllm", action="store_true", help="also time the vllm backend")
+    parser.add_argument("--json", type=Path, default=None, help="also write the numbers here")
+    args = parser.parse_args(argv)
+
+    with tempfile.TemporaryDirectory(prefix="bench-hidden-") as tmp:
+        work = Path(tmp)
+        target = args.target or random_target(work / "target", args.hidden, args.layers,
+                                              args.vocab)
+        vocab = target_info(target)["vocab_size"]
+        samples = random_samples(args.samples, args.min_len, args.max_len, vocab, seed=0)
+        hf = bench_hf(target, samples, args.batch_tokens, args.repeats)
+        size = bench_bytes(target, samples, args.batch_tokens, work)
+        vllm = bench_vllm(target, samples, args.batch_tokens, work) if args.vllm else None
+    print_table(hf, size, vllm)
+    if args.json:
+        args.json.write_text(json.dumps({"hf": hf, "bytes": size, "vllm": vllm}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

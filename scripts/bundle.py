@@ -1,0 +1,31 @@
+from pathlib import Path
+
+from draftline.bundle import BundleInputs, build_bundle
+from draftline.runlog import logged
+
+with logged(snakemake.log[0]):
+    inp = snakemake.input
+    profile = {Path(p).suffix: p for p in inp.profile}
+    # The benchmark's plots sit next to its results.json (results/bench/*.png).
+    bench = list(inp.bench)
+    bench += [str(p) for r in bench if r.endswith("results.json")
+              for p in sorted(Path(r).parent.glob("*.png")) if str(p) not in bench]
+    build_bundle(
+        BundleInputs(
+            checkpoint_dir=Path(inp.checkpoint).parent,
+            vocab_map=inp.vocab_map,
+            coverage=inp.coverage,
+            metrics=inp.metrics,
+            eval=inp.eval,
+            prompts_summary=inp.prompts_summary,
+            profile_json=profile.get(".json"),
+            profile_png=profile.get(".png"),
+            bench_files=bench,
+        ),
+        Path(snakemake.output.manifest).parent,
+        snakemake.output.tar,
+        config=snakemake.params.config,
+        model=snakemake.params.model,
+        draft_ref=snakemake.params.draft_ref,
+        card_html=snakemake.output.card,
+    )

@@ -1,0 +1,195 @@
+"""Export trained draft weights as an EAGLE-3 checkpoint that vLLM (and SGLang) load.
+
+Format (DESIGN.md, matching vLLM's ``Eagle3LlamaForCausalLM`` loader): ``config.json`` with
+``architectures: ["LlamaForCausalLMEagle3"]``, ``model_type: "llama"``, one hidden layer, the
+target's ``vocab_size``, ``draft_vocab_size``, ``eagle_config.eagle_aux_hidden_state_layer_ids``
+(vLLM captures exactly these target layers), and ``model.safetensors`` with ``fc``,
+``midlayer.*``, ``norm``, ``lm_head``, ``d2t`` (vLLM's ``draft_id_to_target_id``) and ``t2d``
+(skipped by vLLM, used by SGLang). No ``embed_tokens``: vLLM shares the target's.
+
+Every tensor is checked against the shapes the config implies before anything is written;
+a missing, mis-shaped, unexpected or non-finite tensor refuses the export.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+WEIGHTS_FILE, DRAFT_CONFIG_FILE = "model.safetensors", "draft_config.json"
+SHARED_WITH_TARGET = ("embed_tokens.weight",)  # may be present in the weights; never exported
+DTYPES = {"bfloat16", "float16", "float32"}
+
+
+class ExportError(ValueError):
+    """The draft weights do not form a valid checkpoint; the message names the tensor."""
+
+
+def _weights_file(best_weights: Path) -> Path:
+    path = Path(best_weights)
+    path = path / WEIGHTS_FILE if path.is_dir() else path
+    if not path.exists():
+        raise ExportError(f"draft weights not found: {path}")
+    return path
+
+
+def _draft_config(weights_file: Path, target_cfg: dict, draft_vocab: int):
+    """The draft architecture: ``draft_config.json`` next to the weights, else from the target."""
+    from draftline.model import DraftConfig
+
+    saved = weights_file.parent / DRAFT_CONFIG_FILE
+    if saved.exists():
+        cfg = DraftConfig.from_dict(json.loads(saved.read_text()))
+    else:
+        cfg = DraftConfig.from_target(target_cfg, draft_vocab)
+    reference = DraftConfig.from_target(target_cfg, draft_vocab)
+    for key in ("vocab_size", "target_hidden_size", "draft_vocab_size"):
+        if getattr(cfg, key) != getattr(reference, key):
+            raise ExportError(f"{saved}: {key} {getattr(cfg, key)} does not match the target/"
+                              f"vocab map ({getattr(reference, key)})")
+    return cfg
+
+
+def check_tensors(tensors: dict, expected: dict[str, tuple[int, ...]], source: Path) -> None:
+    """Refuse missing, unexpected, mis-shaped or non-finite tensors (all problems listed)."""
+    import torch
+
+    problems = [f"missing tensor '{n}' (expected shape {list(s)})"
+                for n, s in expected.items() if n not in tensors]
+    problems += [f"unexpected tensor '{n}'" for n in tensors
+                 if n not in expected and n not in SHARED_WITH_TARGET]
+    for name, shape in expected.items():
+        if name in tensors:
+            got = tuple(tensors[name].shape)
+            if got != shape:
+                problems.append(f"tensor '{name}' has shape {list(got)}, expected {list(shape)}")
+            elif not torch.isfinite(tensors[name].float()).all():
+                problems.append(f"tensor '{name}' has non-finite values")
+    if problems:
+        raise ExportError(f"{source}: refusing to export: " + "; ".join(problems))
+
+
+def check_vocab_map(d2t, t2d, draft_cfg, source: Path) -> None:
+    import torch
+
+    if d2t.dtype != torch.int64 or tuple(d2t.shape) != (draft_cfg.draft_vocab_size,):
+        raise ExportError(f"{source}: d2t must be int64 [{draft_cfg.draft_vocab_size}], got "
+                          f"{d2t.dtype} {list(d2t.shape)}")
+    if t2d.dtype != torch.bool or tuple(t2d.shape) != (draft_cfg.vocab_size,):
+        raise ExportError(f"{source}: t2d must be bool [{draft_cfg.vocab_size}], got "
+                          f"{t2d.dtype} {list(t2d.shape)}")
+    target_ids = torch.arange(d2t.shape[0]) + d2t  # [D]
+    if (target_ids < 0).any() or (target_ids >= t2d.shape[0]).any():
+        raise ExportError(f"{source}: d2t maps draft ids outside the target vocab")
+    if not t2d[target_ids].all() or int(t2d.sum()) != d2t.shape[0]:
+        raise ExportError(f"{source}: d2t and t2d disagree on the draft vocab")
+
+
+def check_layer_ids(layer_ids, draft_cfg, num_layers: int) -> list[int]:
+    ids = [int(i) for i in layer_ids]
+    if len(ids) != draft_cfg.num_aux_hidden_states or len(set(ids)) != len(ids):
+        raise ExportError(f"layer_ids must be {draft_cfg.num_aux_hidden_states} distinct ids, "
+                          f"got {ids}")
+    if any(i < 0 or i > num_layers for i in ids):
+        raise ExportError(f"layer_ids {ids} outside 0..{num_layers} (target layers)")
+    return ids
+
+
+def draft_config_json(draft_cfg, target_cfg: dict, layer_ids: list[int], dtype: str) -> dict:
+    from draftline.model import text_config
+
+    text = text_config(target_cfg)
+    config = {
+        "architectures": ["LlamaForCausalLMEagle3"],
+        "model_type": "llama",
+        "num_hidden_layers": 1,
+        "hidden_size": draft_cfg.hidden_size,
+        "intermediate_size": draft_cfg.intermediate_size,
+        "num_attention_heads": draft_cfg.num_attention_heads,
+        "num_key_value_heads": draft_cfg.num_key_value_heads,
+        "head_dim": draft_cfg.head_dim,
+        "hidden_act": "silu",
+        "rms_norm_eps": draft_cfg.rms_norm_eps,
+        # Both spellings: transformers >= 5 reads rope_parameters, older readers rope_theta.
+        "rope_theta": draft_cfg.rope_theta,
+        "rope_parameters": {"rope_type": "default", "rope_theta": draft_cfg.rope_theta},
+        "max_position_embeddings": draft_cfg.max_position_embeddings,
+        "vocab_size": draft_cfg.vocab_size,
+        "draft_vocab_size": draft_cfg.draft_vocab_size,
+        "tie_word_embeddings": False,
+        "attention_bias": False,
+        "mlp_bias": False,
+        "torch_dtype": dtype,
+        "bos_token_id": text.get("bos_token_id"),
+        "eos_token_id": text.get("eos_token_id"),
+        "pad_token_id": text.get("pad_token_id"),
+        "eagle_config": {
+            "eagle_aux_hidden_state_layer_ids": layer_ids,
+            "use_aux_hidden_state": True,
+        },
+    }
+    if draft_cfg.target_hidden_size != draft_cfg.hidden_size:
+        config["target_hidden_size"] = draft_cfg.target_hidden_size
+    return config
+
+
+def _target_dtype(target_cfg: dict) -> str:
+    from draftline.model import text_config
+
+    dtype = target_cfg.get("torch_dtype") or target_cfg.get("dtype") or \
+        text_config(target_cfg).get("torch_dtype") or "bfloat16"
+    return dtype if dtype in DTYPES else "bfloat16"
+
+
+def export_draft(best_weights, target_dir, vocab_map, layer_ids, out_dir) -> Path:
+    """Write ``out_dir/config.json`` and ``out_dir/model.safetensors``; return ``out_dir``.
+
+    ``best_weights`` is the training's ``best/`` dir (or its model.safetensors); ``layer_ids``
+    the aux layer ids used in extraction. The checkpoint is assembled next to ``out_dir`` and
+    renamed into place, so a refused or interrupted export leaves no partial directory.
+    """
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    from draftline.model import expected_shapes, text_config
+    from draftline.train import read_target_config
+
+    weights_file = _weights_file(Path(best_weights))
+    target_cfg = read_target_config(Path(target_dir))
+    vocab = load_file(str(vocab_map))
+    if "d2t" not in vocab or "t2d" not in vocab:
+        raise ExportError(f"{vocab_map}: needs tensors 'd2t' and 't2d'")
+    d2t, t2d = vocab["d2t"], vocab["t2d"]
+    draft_cfg = _draft_config(weights_file, target_cfg, d2t.shape[0])
+    tensors = load_file(str(weights_file))
+    check_tensors(tensors, expected_shapes(draft_cfg), weights_file)
+    check_vocab_map(d2t, t2d, draft_cfg, Path(vocab_map))
+    ids = check_layer_ids(layer_ids, draft_cfg, int(text_config(target_cfg)["num_hidden_layers"]))
+
+    dtype = _target_dtype(target_cfg)
+    out = {name: tensors[name].to(getattr(torch, dtype)).contiguous()
+           for name in expected_shapes(draft_cfg)}
+    out["d2t"] = d2t.contiguous()
+    out["t2d"] = t2d.contiguous()
+    config = draft_config_json(draft_cfg, target_cfg, ids, dtype)
+
+    out_dir = Path(out_dir)
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.partial-", dir=out_dir.parent))
+    try:
+        save_file(out, str(tmp / WEIGHTS_FILE), metadata={"format": "pt"})
+        (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+        old = None
+        if out_dir.exists():
+            old = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.old-", dir=out_dir.parent))
+            os.rename(out_dir, old / out_dir.name)
+        os.rename(tmp, out_dir)
+        if old is not None:
+            shutil.rmtree(old)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return out_dir

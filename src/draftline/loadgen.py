@@ -1,0 +1,661 @@
+"""One closed-loop load generator for OpenAI-compatible (vLLM) chat endpoints.
+
+Used by the concurrency profiler and the deployment benchmark; the request shape
+(``SamplingSpec``) is the one the generation stage sends, so a profile measures the real workload.
+
+How it measures:
+
+* One ``AsyncOpenAI`` client per run, its httpx pool sized to the concurrency, no client-side
+  retries (a retry would hide an error and distort latency).
+* Closed loop: a fixed pool of worker coroutines, each sending its next request as soon as the
+  previous one ends, so the server sees exactly ``concurrency`` requests in flight. A
+  ``DynamicLimit`` gate lets a controller (``draftline.profile.AdaptiveLimiter``) change that
+  number while the loop runs.
+* Streaming chat completions with ``stream_options`` ``include_usage`` and vLLM's
+  ``continuous_usage_stats``: every chunk then carries the cumulative completion-token count, so
+  tokens are counted exactly (a chunk can carry several tokens, e.g. with speculative decoding,
+  or none while a reasoning parser holds text back).
+* Time window: after a warm-up, tokens are attributed to the measured window by the arrival time
+  of the chunk that carried them, including requests that started before the window or are cut
+  off at its end. Throughput is then exact for the window even when no request completes inside
+  it (long reasoning outputs at high concurrency). Per-request latencies (TPOT, end-to-end) come
+  from requests that completed inside the window, TTFT from requests whose first token arrived
+  inside it, ITL from chunk gaps ending inside it.
+
+Prometheus helpers read a vLLM server's ``/metrics`` (spec-decode counters, running requests,
+generated tokens) so that server-side counts can be compared over exactly the same window.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import itertools
+import math
+import re
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import httpx
+import openai
+
+from draftline.server import Endpoint
+
+PERCENTILES = (50, 90, 99)
+
+
+# ---------------------------------------------------------------- request shape
+
+
+@dataclass(frozen=True)
+class SamplingSpec:
+    """What every request carries; build it from the ``generate`` config section."""
+
+    max_tokens: int
+    temperature: float = 0.7
+    top_p: float = 0.95
+    seed: int | None = 0  # base seed; each prompt gets its own (request_seed), None = unseeded
+    chat_template_kwargs: dict = field(default_factory=dict)  # e.g. {"enable_thinking": False}
+    return_token_ids: bool = False
+    ignore_eos: bool = False
+    continuous_usage: bool = True  # vLLM extension; turn off for servers that reject it
+
+    @classmethod
+    def from_generate_cfg(cls, generate_cfg: dict, **overrides: Any) -> SamplingSpec:
+        """The sampling of the generation stage (``generate`` config section)."""
+        values = {
+            "max_tokens": generate_cfg["max_tokens"],
+            "temperature": generate_cfg.get("temperature", 0.7),
+            "top_p": generate_cfg.get("top_p", 0.95),
+            "seed": generate_cfg.get("seed", 0),
+            "chat_template_kwargs": dict(generate_cfg.get("chat_template_kwargs") or {}),
+            # generation asks for token ids; the profile carries the same payload
+            "return_token_ids": True,
+        }
+        values.update(overrides)
+        return cls(**values)
+
+    def workload_params(self) -> dict:
+        """The parameters that change how hard the server works (for fingerprints)."""
+        return {
+            "max_tokens": self.max_tokens,
+            "temperature": self.temperature,
+            "top_p": self.top_p,
+            "chat_template_kwargs": dict(sorted(self.chat_template_kwargs.items())),
+            "ignore_eos": self.ignore_eos,
+            "seeded": self.seed is not None,  # seeded sampling has its own cost in vLLM
+        }
+
+    def create_kwargs(self, model: str, messages: list[dict], prompt_id: str = "") -> dict:
+        """Keyword arguments for ``client.chat.completions.create`` (streaming)."""
+        extra: dict[str, Any] = {}
+        if self.chat_template_kwargs:
+            extra["chat_template_kwargs"] = self.chat_template_kwargs
+        if self.return_token_ids:
+            extra["return_token_ids"] = True
+        if self.ignore_eos:
+            extra["ignore_eos"] = True
+        stream_options: dict[str, Any] = {"include_usage": True}
+        if self.continuous_usage:
+            stream_options["continuous_usage_stats"] = True
+        kwargs: dict[str, Any] = {
+            "model": model,
+            "messages": messages,
+            "max_tokens": self.max_tokens,
+            "temperature": self.temperature,
+            "top_p": self.top_p,
+            "stream": True,
+            "stream_options": stream_options,
+            "extra_body": extra,
+        }
+        if self.seed is not None:
+            kwargs["seed"] = request_seed(self.seed, prompt_id)
+        return kwargs
+
+
+def request_seed(base_seed: int, prompt_id: str) -> int:
+    """Per-prompt sampling seed, stable across runs (same derivation as the generation stage)."""
+    digest = hashlib.sha256(f"{base_seed}:{prompt_id}".encode()).digest()
+    return int.from_bytes(digest[:4], "big") & 0x7FFFFFFF
+
+
+@dataclass(frozen=True)
+class Prompt:
+    id: str
+    messages: list[dict]
+
+
+def make_client(endpoint: Endpoint, concurrency: int, timeout_s: float = 600.0
+                ) -> openai.AsyncOpenAI:
+    """One client for all requests; its connection pool must not cap the concurrency."""
+    pool = max(concurrency, 1) + 16  # headroom for the requests being cancelled at a window end
+    http = httpx.AsyncClient(
+        limits=httpx.Limits(max_connections=pool, max_keepalive_connections=pool),
+        timeout=httpx.Timeout(timeout_s, connect=30.0),
+    )
+    return openai.AsyncOpenAI(base_url=endpoint.base_url, api_key=endpoint.api_key,
+                              http_client=http, max_retries=0)
+
+
+# ---------------------------------------------------------------- one streamed request
+
+
+@dataclass
+class RequestResult:
+    """Timings (``time.perf_counter`` seconds) and output of one streamed request."""
+
+    prompt_id: str
+    start: float
+    end: float | None = None
+    first_token: float | None = None
+    arrivals: list[tuple[float, int]] = field(default_factory=list)  # (time, new tokens)
+    output_tokens: int = 0
+    prompt_tokens: int | None = None
+    finish_reason: str | None = None
+    content: str = ""
+    reasoning: str = ""
+    error: str | None = None
+    status: int | None = None
+    cancelled: bool = False
+
+    @property
+    def ok(self) -> bool:
+        return self.end is not None and self.error is None and not self.cancelled
+
+    @property
+    def ttft_s(self) -> float | None:
+        return None if self.first_token is None else self.first_token - self.start
+
+    @property
+    def e2e_s(self) -> float | None:
+        return None if self.end is None else self.end - self.start
+
+    @property
+    def tpot_s(self) -> float | None:
+        """Mean time per output token after the first (the decode speed one user sees)."""
+        if not self.ok or self.first_token is None or self.output_tokens < 2:
+            return None
+        return (self.end - self.first_token) / (self.output_tokens - 1)
+
+
+def _chunk_token_increment(chunk, result: RequestResult) -> int:
+    """New output tokens carried by a chunk; exact when the chunk has cumulative usage."""
+    usage = chunk.usage
+    if usage is not None and usage.completion_tokens is not None:
+        return max(usage.completion_tokens - result.output_tokens, 0)
+    if not chunk.choices:
+        return 0
+    choice = chunk.choices[0]
+    token_ids = (choice.model_extra or {}).get("token_ids")
+    if token_ids:
+        return len(token_ids)
+    delta = choice.delta
+    extra = (delta.model_extra or {}) if delta is not None else {}
+    has_text = delta is not None and (delta.content or extra.get("reasoning")
+                                      or extra.get("reasoning_content"))
+    return 1 if has_text else 0  # best effort without usage: one token per text chunk
+
+
+def _absorb_chunk(chunk, result: RequestResult, now: float, keep_text: bool) -> int:
+    new = _chunk_token_increment(chunk, result)
+    if chunk.usage is not None and chunk.usage.prompt_tokens is not None:
+        result.prompt_tokens = chunk.usage.prompt_tokens
+    if new:
+        if result.first_token is None:
+            result.first_token = now
+        result.arrivals.append((now, new))
+        result.output_tokens += new
+    if chunk.choices:
+        choice = chunk.choices[0]
+        if choice.finish_reason:
+            result.finish_reason = choice.finish_reason
+        if keep_text and choice.delta is not None:
+            extra = choice.delta.model_extra or {}
+            result.content += choice.delta.content or ""
+            result.reasoning += extra.get("reasoning") or extra.get("reasoning_content") or ""
+    return new
+
+
+async def stream_chat(client: openai.AsyncOpenAI, model: str, prompt: Prompt, spec: SamplingSpec,
+                      on_tokens: Callable[[int], None] | None = None, keep_text: bool = False,
+                      result: RequestResult | None = None) -> RequestResult:
+    """Send one streaming chat completion and time every chunk. Never raises except on cancel."""
+    result = result or RequestResult(prompt_id=prompt.id, start=time.perf_counter())
+    try:
+        stream = await client.chat.completions.create(
+            **spec.create_kwargs(model, prompt.messages, prompt.id))
+        async with stream:  # closing the stream on cancel makes vLLM abort the request
+            async for chunk in stream:
+                new = _absorb_chunk(chunk, result, time.perf_counter(), keep_text)
+                if new and on_tokens is not None:
+                    on_tokens(new)
+        result.end = time.perf_counter()
+    except asyncio.CancelledError:
+        result.cancelled = True
+        raise
+    except Exception as exc:  # an error is a measurement, not a crash
+        result.end = time.perf_counter()
+        result.error = f"{type(exc).__name__}: {exc}"[:500]
+        result.status = getattr(exc, "status_code", None)
+    return result
+
+
+# ---------------------------------------------------------------- closed loop
+
+
+class DynamicLimit:
+    """An in-flight gate whose size can change while requests run (asyncio, one loop)."""
+
+    def __init__(self, limit: int):
+        self._limit = max(1, int(limit))
+        self._in_flight = 0
+        self._changed = asyncio.Condition()
+
+    @property
+    def limit(self) -> int:
+        return self._limit
+
+    @property
+    def in_flight(self) -> int:
+        return self._in_flight
+
+    async def set_limit(self, limit: int) -> None:
+        """Raising admits waiters at once; lowering lets in-flight requests finish."""
+        async with self._changed:
+            self._limit = max(1, int(limit))
+            self._changed.notify_all()
+
+    async def acquire(self) -> None:
+        async with self._changed:
+            await self._changed.wait_for(lambda: self._in_flight < self._limit)
+            self._in_flight += 1
+
+    async def release(self) -> None:
+        async with self._changed:
+            self._in_flight -= 1
+            self._changed.notify_all()
+
+
+class _Loop:
+    """Shared state of one closed-loop run: the gate, the prompt cursor, every request."""
+
+    def __init__(self, endpoint: Endpoint, prompts: Sequence[Prompt], spec: SamplingSpec,
+                 concurrency: int, pool_size: int, cycle: bool, timeout_s: float,
+                 keep_text: bool = False):
+        if not prompts:
+            raise ValueError("load generator: no prompts given")
+        self.endpoint = endpoint
+        self.spec = spec
+        self.client = make_client(endpoint, pool_size, timeout_s)
+        self.gate = DynamicLimit(concurrency)
+        self.pool_size = pool_size
+        self._prompts = itertools.cycle(prompts) if cycle else iter(prompts)
+        self.keep_text = keep_text
+        self.results: list[RequestResult] = []
+        self.tokens = 0  # output tokens received so far (all requests)
+        self.completed = 0  # requests finished without error
+        self.stopping = False
+
+    def _count(self, n: int) -> None:
+        self.tokens += n
+
+    async def worker(self) -> None:
+        consecutive_errors = 0
+        while not self.stopping:
+            await self.gate.acquire()
+            try:
+                prompt = next(self._prompts, None)
+                if prompt is None or self.stopping:
+                    return
+                result = RequestResult(prompt_id=prompt.id, start=time.perf_counter())
+                self.results.append(result)
+                await stream_chat(self.client, self.endpoint.model, prompt, self.spec,
+                                  self._count, self.keep_text, result)
+            finally:
+                await self.gate.release()
+            if result.ok:
+                self.completed += 1
+                consecutive_errors = 0
+            else:
+                # a refused connection fails at once: back off so errors do not spin the loop
+                consecutive_errors += 1
+                await asyncio.sleep(min(2.0, 0.05 * 2 ** min(consecutive_errors, 6)))
+
+    async def close(self) -> None:
+        await self.client.close()
+
+
+async def _cancel(tasks: list[asyncio.Task]) -> None:
+    for task in tasks:
+        task.cancel()
+    await asyncio.gather(*tasks, return_exceptions=True)
+
+
+# ---------------------------------------------------------------- window statistics
+
+
+def percentiles(values: Sequence[float], scale: float = 1.0) -> dict | None:
+    """p50/p90/p99 and mean (linear interpolation), times ``scale``; None without samples."""
+    if not values:
+        return None
+    ordered = sorted(values)
+    out = {}
+    for p in PERCENTILES:
+        rank = (len(ordered) - 1) * p / 100
+        lo, hi = math.floor(rank), math.ceil(rank)
+        value = ordered[lo] + (ordered[hi] - ordered[lo]) * (rank - lo)
+        out[f"p{p}"] = round(value * scale, 3)
+    out["mean"] = round(sum(ordered) / len(ordered) * scale, 3)
+    return out
+
+
+def _inside(t: float | None, t0: float, t1: float) -> bool:
+    return t is not None and t0 <= t < t1
+
+
+def window_stats(results: Sequence[RequestResult], t0: float, t1: float) -> dict:
+    """Throughput and latency of the window [t0, t1) from the requests' chunk timings."""
+    duration = t1 - t0
+    mid = t0 + duration / 2
+    tokens = first_half = 0
+    itl: list[float] = []
+    for r in results:
+        prev = r.first_token
+        for t, n in r.arrivals:
+            if t0 <= t < t1:
+                tokens += n
+                first_half += n if t < mid else 0
+                if prev is not None and t > prev:
+                    itl.append(t - prev)
+            prev = t
+    done = [r for r in results if r.ok and _inside(r.end, t0, t1)]
+    failed = [r for r in results if r.error and _inside(r.end, t0, t1)]
+    finish: dict[str, int] = {}
+    for r in done:
+        finish[str(r.finish_reason)] = finish.get(str(r.finish_reason), 0) + 1
+    prompt_tokens = [r.prompt_tokens for r in done if r.prompt_tokens is not None]
+    return {
+        "window_s": round(duration, 3),
+        "output_tokens": tokens,
+        "output_tok_s": round(tokens / duration, 2),
+        # throughput of the window's two halves: a large gap says the load was not steady
+        "halves_tok_s": [round(first_half / (duration / 2), 2),
+                         round((tokens - first_half) / (duration / 2), 2)],
+        "requests_completed": len(done),
+        "requests_s": round(len(done) / duration, 3),
+        "errors": len(failed),
+        "error_examples": sorted({r.error for r in failed})[:3],
+        "ttft_ms": percentiles([r.ttft_s for r in results
+                                if r.error is None and _inside(r.first_token, t0, t1)], 1e3),
+        "tpot_ms": percentiles([r.tpot_s for r in done if r.tpot_s is not None], 1e3),
+        "itl_ms": percentiles(itl, 1e3),
+        "e2e_s": percentiles([r.e2e_s for r in done]),
+        "mean_output_tokens": round(sum(r.output_tokens for r in done) / len(done), 1)
+        if done else None,
+        "mean_prompt_tokens": round(sum(prompt_tokens) / len(prompt_tokens), 1)
+        if prompt_tokens else None,
+        "finish_reasons": finish,
+    }
+
+
+# ---------------------------------------------------------------- Prometheus /metrics
+
+_SAMPLE = re.compile(r'^([a-zA-Z_:][a-zA-Z0-9_:]*)(?:\{(.*)\})?\s+(\S+)')
+_LABEL = re.compile(r'([a-zA-Z_][a-zA-Z0-9_]*)="((?:[^"\\]|\\.)*)"')
+
+SPEC_DECODE_COUNTERS = ("vllm:spec_decode_num_drafts", "vllm:spec_decode_num_draft_tokens",
+                        "vllm:spec_decode_num_accepted_tokens")
+SPEC_DECODE_PER_POS = "vllm:spec_decode_num_accepted_tokens_per_pos"
+WINDOW_COUNTERS = ("vllm:generation_tokens", "vllm:prompt_tokens",
+                   "vllm:num_preemptions") + SPEC_DECODE_COUNTERS
+
+
+@dataclass
+class Metrics:
+    """Samples of one Prometheus text exposition: name -> [(labels, value)]."""
+
+    samples: dict[str, list[tuple[dict[str, str], float]]]
+
+    def _series(self, name: str) -> list[tuple[dict[str, str], float]]:
+        # prometheus_client exports counter "x" as "x_total"; accept either spelling
+        return self.samples.get(name) or self.samples.get(f"{name}_total") or []
+
+    def has(self, name: str) -> bool:
+        return bool(self._series(name))
+
+    def total(self, name: str, **match: str) -> float:
+        """Sum over every label set that matches ``match`` (e.g. all engines)."""
+        return sum(v for labels, v in self._series(name)
+                   if all(labels.get(k) == val for k, val in match.items()))
+
+    def by_label(self, name: str, label: str) -> dict[str, float]:
+        """Sum grouped by one label's value, e.g. ``position`` of the per-position counter."""
+        out: dict[str, float] = {}
+        for labels, v in self._series(name):
+            if label in labels:
+                out[labels[label]] = out.get(labels[label], 0.0) + v
+        return out
+
+
+def parse_metrics(text: str) -> Metrics:
+    """Parse Prometheus text format (comments and ``_created`` timestamps skipped)."""
+    samples: dict[str, list[tuple[dict[str, str], float]]] = {}
+    for line in text.splitlines():
+        if not line or line.startswith("#"):
+            continue
+        m = _SAMPLE.match(line)
+        if not m or m.group(1).endswith("_created"):
+            continue
+        try:
+            value = float(m.group(3))
+        except ValueError:
+            continue
+        labels = dict(_LABEL.findall(m.group(2) or ""))
+        samples.setdefault(m.group(1), []).append((labels, value))
+    return Metrics(samples)
+
+
+def fetch_metrics(root_url: str, timeout_s: float = 10.0) -> Metrics:
+    """GET ``<root_url>/metrics`` of a vLLM server (root URL, without /v1)."""
+    resp = httpx.get(f"{root_url.rstrip('/')}/metrics", timeout=timeout_s)
+    resp.raise_for_status()
+    return parse_metrics(resp.text)
+
+
+async def fetch_metrics_async(http: httpx.AsyncClient, root_url: str) -> Metrics | None:
+    try:
+        resp = await http.get(f"{root_url.rstrip('/')}/metrics")
+        resp.raise_for_status()
+    except httpx.HTTPError:
+        return None  # metrics are a cross-check; their absence must not stop a measurement
+    return parse_metrics(resp.text)
+
+
+def counter_deltas(before: Metrics, after: Metrics,
+                   names: Sequence[str] = WINDOW_COUNTERS) -> dict:
+    """Counter increases between two scrapes (only counters the server exports)."""
+    out: dict[str, Any] = {}
+    for name in names:
+        if after.has(name):
+            out[name] = after.total(name) - before.total(name)
+    per_pos_after = after.by_label(SPEC_DECODE_PER_POS, "position")
+    if per_pos_after:
+        per_pos_before = before.by_label(SPEC_DECODE_PER_POS, "position")
+        out[SPEC_DECODE_PER_POS] = {
+            pos: per_pos_after[pos] - per_pos_before.get(pos, 0.0)
+            for pos in sorted(per_pos_after, key=int)}
+    return out
+
+
+def acceptance_length(deltas: dict) -> float | None:
+    """Mean acceptance length 1 + accepted / drafts, pooled over the window."""
+    drafts = deltas.get("vllm:spec_decode_num_drafts")
+    if not drafts:
+        return None
+    return 1.0 + deltas.get("vllm:spec_decode_num_accepted_tokens", 0.0) / drafts
+
+
+# ---------------------------------------------------------------- public runs
+
+
+@dataclass
+class WindowResult:
+    """One closed-loop level: settings, the window's statistics, server cross-checks."""
+
+    concurrency: int
+    warmup_s: float
+    stats: dict
+    server: dict
+    client_cpu_frac: float  # client process CPU seconds per wall second in the window
+    requests_started: int
+    limit_history: list[tuple[float, int]]  # (seconds since start, limit) when a limiter ran
+    results: list[RequestResult] = field(repr=False, default_factory=list)
+
+    def to_row(self) -> dict:
+        return {"concurrency": self.concurrency, **self.stats,
+                "warmup_s": round(self.warmup_s, 2), "requests_started": self.requests_started,
+                "client_cpu_frac": round(self.client_cpu_frac, 3), "server": self.server}
+
+
+async def _wait_warm(loop: _Loop, t_start: float, warmup_s: float, min_completions: int,
+                     max_warmup_s: float) -> None:
+    while True:
+        elapsed = time.perf_counter() - t_start
+        if elapsed >= max_warmup_s:
+            return
+        if elapsed >= warmup_s and loop.completed >= min_completions:
+            return
+        await asyncio.sleep(0.05)
+
+
+async def _run_limiter(loop: _Loop, limiter, t_start: float, tick_s: float,
+                       history: list[tuple[float, int]]) -> None:
+    while True:
+        await asyncio.sleep(tick_s)
+        now = time.perf_counter()
+        new = limiter.update(now, loop.tokens)
+        if new is not None and new != loop.gate.limit:
+            await loop.gate.set_limit(new)
+            history.append((round(now - t_start, 2), new))
+
+
+async def _poll_running(http: httpx.AsyncClient, root_url: str, samples: list[float],
+                        every_s: float = 1.0) -> None:
+    while True:
+        metrics = await fetch_metrics_async(http, root_url)
+        if metrics is not None and metrics.has("vllm:num_requests_running"):
+            samples.append(metrics.total("vllm:num_requests_running"))
+        await asyncio.sleep(every_s)
+
+
+async def measure_window_async(endpoint: Endpoint, prompts: Sequence[Prompt], spec: SamplingSpec,
+                               concurrency: int, warmup_s: float, measure_s: float, *,
+                               warmup_turnover: float = 0.0, max_warmup_s: float | None = None,
+                               limiter=None, limiter_tick_s: float = 1.0,
+                               server_metrics: bool = True, timeout_s: float = 600.0,
+                               progress: Callable[[int], None] | None = None) -> WindowResult:
+    """Closed loop at ``concurrency``; warm up, then measure ``measure_s`` seconds.
+
+    The warm-up lasts ``warmup_s`` and, with ``warmup_turnover`` > 0, until that many requests
+    per slot have completed (bounded by ``max_warmup_s``): a window that starts right after all
+    requests were sent together sees only short contexts and no request churn, and overstates
+    what hours of sustained generation achieve. With a ``limiter`` (``update(now, tokens)``),
+    the in-flight limit follows it between 1 and ``limiter.upper``.
+    """
+    pool_size = max(concurrency, getattr(limiter, "upper", concurrency))
+    loop = _Loop(endpoint, prompts, spec, concurrency, pool_size, cycle=True, timeout_s=timeout_s)
+    history: list[tuple[float, int]] = [(0.0, concurrency)]
+    helpers: list[asyncio.Task] = []
+    running: list[float] = []
+    server: dict[str, Any] = {}
+    t_start = time.perf_counter()
+    workers = [asyncio.create_task(loop.worker()) for _ in range(pool_size)]
+    async with httpx.AsyncClient(timeout=10.0) as http:
+        try:
+            if limiter is not None:
+                helpers.append(asyncio.create_task(
+                    _run_limiter(loop, limiter, t_start, limiter_tick_s, history)))
+            if progress is not None:
+                helpers.append(asyncio.create_task(_report_progress(loop, progress)))
+            await _wait_warm(loop, t_start, warmup_s, math.ceil(warmup_turnover * concurrency),
+                             max_warmup_s if max_warmup_s is not None else math.inf)
+            before = await fetch_metrics_async(http, endpoint.root_url) if server_metrics else None
+            t0, cpu0 = time.perf_counter(), time.process_time()
+            if server_metrics:
+                helpers.append(asyncio.create_task(_poll_running(http, endpoint.root_url,
+                                                                 running)))
+            await asyncio.sleep(measure_s)
+            t1, cpu1 = time.perf_counter(), time.process_time()
+            after = await fetch_metrics_async(http, endpoint.root_url) if server_metrics else None
+        finally:
+            loop.stopping = True
+            await _cancel(helpers + workers)
+            await loop.close()
+    if before is not None and after is not None:
+        deltas = counter_deltas(before, after)
+        server["counters"] = deltas
+        if "vllm:generation_tokens" in deltas:
+            server["output_tok_s"] = round(deltas["vllm:generation_tokens"] / (t1 - t0), 2)
+    if running:
+        server["num_requests_running_mean"] = round(sum(running) / len(running), 2)
+    return WindowResult(
+        concurrency=concurrency, warmup_s=t0 - t_start, stats=window_stats(loop.results, t0, t1),
+        server=server, client_cpu_frac=(cpu1 - cpu0) / (t1 - t0),
+        requests_started=len(loop.results), limit_history=history, results=loop.results)
+
+
+async def _report_progress(loop: _Loop, progress: Callable[[int], None]) -> None:
+    reported = 0
+    while True:
+        await asyncio.sleep(0.5)
+        progress(loop.tokens - reported)
+        reported = loop.tokens
+
+
+def measure_window(*args, **kwargs) -> WindowResult:
+    """Synchronous ``measure_window_async`` (for scripts and Snakemake jobs)."""
+    return asyncio.run(measure_window_async(*args, **kwargs))
+
+
+@dataclass
+class RunResult:
+    """Every prompt sent once: per-request results plus whole-run statistics."""
+
+    concurrency: int
+    stats: dict
+    server: dict
+    results: list[RequestResult] = field(repr=False, default_factory=list)
+
+
+async def run_requests_async(endpoint: Endpoint, prompts: Sequence[Prompt], spec: SamplingSpec,
+                             concurrency: int, *, keep_text: bool = False,
+                             server_metrics: bool = True, timeout_s: float = 600.0,
+                             progress: Callable[[int], None] | None = None) -> RunResult:
+    """Send each prompt exactly once, ``concurrency`` in flight; statistics over the whole run."""
+    loop = _Loop(endpoint, prompts, spec, concurrency, concurrency, cycle=False,
+                 timeout_s=timeout_s, keep_text=keep_text)
+    server: dict[str, Any] = {}
+    async with httpx.AsyncClient(timeout=10.0) as http:
+        before = await fetch_metrics_async(http, endpoint.root_url) if server_metrics else None
+        t0 = time.perf_counter()
+        helper = asyncio.create_task(_report_progress(loop, progress)) if progress else None
+        try:
+            await asyncio.gather(*(loop.worker() for _ in range(concurrency)))
+        finally:
+            if helper is not None:
+                await _cancel([helper])
+            await loop.close()
+        t1 = time.perf_counter()
+        after = await fetch_metrics_async(http, endpoint.root_url) if server_metrics else None
+    if before is not None and after is not None:
+        server["counters"] = counter_deltas(before, after)
+    return RunResult(concurrency=concurrency, stats=window_stats(loop.results, t0, t1 + 1e-9),
+                     server=server, results=loop.results)
+
+
+def run_requests(*args, **kwargs) -> RunResult:
+    """Synchronous ``run_requests_async``."""
+    return asyncio.run(run_requests_async(*args, **kwargs))
+

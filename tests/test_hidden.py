@@ -1,0 +1,416 @@
+"""Hidden-state extraction: equivalence with a direct forward pass, resume, capacity, checksums.
+
+The reference states come from a plain transformers forward pass of one sample at a time:
+``output_hidden_states`` for ids k < L (input of layer k) and a forward hook on the last decoder
+layer's output for id L (pre-norm). The extraction under test uses another mechanism (forward
+pre-hooks, batched with padding; or vLLM's extract_hidden_states method with our connector).
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from conftest import requires_vllm
+
+from draftline.hidden import (
+    DiskSpaceError,
+    HiddenStateError,
+    default_layer_ids,
+    extract,
+    load_part,
+    read_index,
+    resolve_layer_ids,
+    verify_index,
+)
+from draftline.hidden.hf_backend import token_budget_batches
+from draftline.hidden.store import plan_parts, sha256_file, write_safetensors
+
+LAYERS, HIDDEN, VOCAB = 8, 128, 2048
+HF_CFG = {"backend": "hf", "samples_per_file": 4, "batch_tokens": 300}
+# Max |extracted - reference| per layer, relative to that layer's max |reference|: a few bf16
+# ulps (2^-8 = 0.4 % relative) of accumulated rounding from other kernels / batch shapes.
+REL_TOL = 0.03
+
+
+# ----------------------------------------------------------------------------- fixtures
+
+
+def make_tiny_target(path: Path, seed: int = 0) -> Path:
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    cfg = LlamaConfig(hidden_size=HIDDEN, intermediate_size=384, num_hidden_layers=LAYERS,
+                      num_attention_heads=4, num_key_value_heads=4, head_dim=32,
+                      vocab_size=VOCAB, max_position_embeddings=1024, tie_word_embeddings=False)
+    LlamaForCausalLM(cfg).to(torch.bfloat16).save_pretrained(path)
+    return path
+
+
+def make_dataset(path: Path, n_train: int, n_eval: int, max_len: int, seed: int = 0,
+                 vocab: int = VOCAB, low: int = 7) -> Path:
+    import random
+
+    from datasets import Dataset, DatasetDict
+
+    from draftline.dataset import dataset_features
+
+    rng = random.Random(seed)
+
+    def split(prefix: str, n: int) -> Dataset:
+        rows = {"id": [], "input_ids": [], "loss_mask": []}
+        for i in range(n):
+            length = rng.randint(2, max_len)
+            n_prompt = rng.randint(1, length)
+            rows["id"].append(f"{prefix}-{i:03d}")
+            rows["input_ids"].append([rng.randrange(low, vocab) for _ in range(length)])
+            rows["loss_mask"].append([0] * n_prompt + [1] * (length - n_prompt))
+        return Dataset.from_dict(rows, features=dataset_features())
+
+    DatasetDict({"train": split("train", n_train), "eval": split("eval", n_eval)}).save_to_disk(
+        str(path))
+    return path
+
+
+@pytest.fixture(scope="module")
+def work(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("hidden")
+
+
+@pytest.fixture(scope="module")
+def tiny_target(work) -> Path:
+    return make_tiny_target(work / "target")
+
+
+@pytest.fixture(scope="module")
+def dataset(work) -> Path:
+    return make_dataset(work / "dataset", n_train=26, n_eval=6, max_len=150)
+
+
+@pytest.fixture(scope="module")
+def hf_run(work, tiny_target, dataset) -> Path:
+    """One uninterrupted hf extraction, shared by the tests that read it."""
+    out = work / "hidden-hf"
+    extract(dataset, tiny_target, out, HF_CFG)
+    return out
+
+
+def reference_states(target_dir: Path, samples: list[list[int]], layer_ids: list[int]) -> list:
+    """Per sample ``{layer_id: [T, H]}`` from batch-size-1 forward passes (float32 copies)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(target_dir), dtype=torch.bfloat16).eval()
+    num_layers = model.config.num_hidden_layers
+    last: dict = {}
+
+    def keep_output(_module, _args, output):
+        last["out"] = output[0] if isinstance(output, tuple) else output
+
+    handle = model.model.layers[-1].register_forward_hook(keep_output)
+    out = []
+    with torch.no_grad():
+        for ids in samples:
+            result = model(input_ids=torch.tensor([ids]), output_hidden_states=True)
+            states = {k: result.hidden_states[k][0].float() for k in layer_ids if k < num_layers}
+            states[num_layers] = last["out"][0].float()
+            out.append(states)
+    handle.remove()
+    return out
+
+
+def stored_samples(out_dir: Path) -> dict[str, dict]:
+    """Every stored sample by id: its tensors sliced out of its part file."""
+    index = read_index(out_dir)
+    hidden = index["hidden_size"]
+    samples = {}
+    for entry in index["files"]:
+        tensors, sample_ids = load_part(out_dir / entry["path"])
+        offsets = tensors["offsets"].tolist()
+        for j, sample_id in enumerate(sample_ids):
+            a, b = offsets[j], offsets[j + 1]
+            aux = tensors["aux"][a:b]
+            states = {k: aux[:, i * hidden:(i + 1) * hidden].float()
+                      for i, k in enumerate(index["layer_ids"])}
+            states[index["num_layers"]] = tensors["final"][a:b].float()
+            samples[sample_id] = {"states": states, "input_ids": tensors["input_ids"][a:b],
+                                  "loss_mask": tensors["loss_mask"][a:b]}
+    return samples
+
+
+def dataset_rows(dataset_dir: Path) -> dict[str, tuple[list[int], list[int]]]:
+    from datasets import load_from_disk
+
+    data = load_from_disk(str(dataset_dir))
+    return {row["id"]: (row["input_ids"], row["loss_mask"])
+            for split in ("train", "eval") for row in data[split]}
+
+
+def max_errors(out_dir: Path, target_dir: Path, dataset_dir: Path) -> dict[int, dict]:
+    """Per layer id: max abs error over all samples, the layer's scale, and the smallest max
+    abs difference to any other stored layer (what a wrong layer would show)."""
+    stored = stored_samples(out_dir)
+    rows = dataset_rows(dataset_dir)
+    ids = sorted(stored)
+    index = read_index(out_dir)
+    layer_ids = index["layer_ids"] + [index["num_layers"]]
+    refs = reference_states(target_dir, [rows[i][0] for i in ids], layer_ids)
+    report = {k: {"max_abs": 0.0, "scale": 0.0, "other_layer": float("inf")} for k in layer_ids}
+    for sample_id, ref in zip(ids, refs, strict=True):
+        got = stored[sample_id]["states"]
+        for k in layer_ids:
+            report[k]["max_abs"] = max(report[k]["max_abs"], (got[k] - ref[k]).abs().max().item())
+            report[k]["scale"] = max(report[k]["scale"], ref[k].abs().max().item())
+            if len(rows[sample_id][0]) > 4:
+                nearest = min((got[k] - ref[j]).abs().max().item() for j in layer_ids if j != k)
+                report[k]["other_layer"] = min(report[k]["other_layer"], nearest)
+    return report
+
+
+def assert_equivalent(report: dict[int, dict]) -> None:
+    for k, r in report.items():
+        tol = REL_TOL * r["scale"]
+        assert r["max_abs"] <= tol, f"layer {k}: max abs diff {r['max_abs']} > {tol}"
+        # the test can tell layers apart: any other layer is far outside the tolerance
+        assert r["other_layer"] > 3 * tol, f"layer {k}: neighbouring layers too similar {r}"
+
+
+# ----------------------------------------------------------------------------- layer ids, units
+
+
+def test_default_layer_ids_follow_vllm():
+    assert default_layer_ids(61) == (2, 30, 58)  # Kimi-K2.5
+    assert default_layer_ids(8) == (2, 4, 5)
+    assert resolve_layer_ids(None, 8) == [2, 4, 5]
+    assert resolve_layer_ids([1, 3, 8], 8) == [1, 3, 8]
+
+
+@pytest.mark.parametrize("num_layers", [4, 6])
+def test_colliding_default_layer_ids_are_refused(num_layers):
+    with pytest.raises(HiddenStateError, match="hidden.layer_ids"):
+        default_layer_ids(num_layers)
+
+
+@pytest.mark.parametrize("ids", [[1, 1, 2], [1, 2], [1, 2, 9]])
+def test_bad_layer_ids_are_refused(ids):
+    with pytest.raises(HiddenStateError, match="hidden.layer_ids"):
+        resolve_layer_ids(ids, 8)
+
+
+def test_token_budget_batches_cover_every_sample_once_within_budget():
+    lengths = [5, 300, 17, 17, 90, 1, 64, 64, 64, 200, 33]
+    batches = token_budget_batches(lengths, batch_tokens=256)
+    assert sorted(i for b in batches for i in b) == list(range(len(lengths)))
+    for batch in batches:
+        longest = max(lengths[i] for i in batch)
+        assert len(batch) == 1 or len(batch) * longest <= 256
+        assert min(lengths[i] for i in batch) >= 0.85 * longest  # little padding per row
+
+
+def test_plan_parts_closes_files_on_count_and_tokens():
+    parts = plan_parts({"train": [10, 10, 10, 50, 5], "eval": [3]}, samples_per_file=2,
+                       max_file_tokens=40)
+    assert [(p.split, p.index, p.rows) for p in parts] == [
+        ("train", 0, (0, 1)), ("train", 1, (2,)), ("train", 2, (3,)), ("train", 3, (4,)),
+        ("eval", 0, (0,))]
+    assert parts[1].path == "train/part-00001.safetensors"
+
+
+def test_write_safetensors_is_deterministic_and_readable(tmp_path):
+    import torch
+    from safetensors.torch import load_file
+
+    tensors = {"aux": torch.randn(5, 6).to(torch.bfloat16), "offsets": torch.tensor([0, 5]),
+               "empty": torch.zeros(0, 4, dtype=torch.bfloat16)}
+    metadata = {"sample_ids": '["a"]', "layer_ids": "[2, 4, 5]", "z": "1"}
+    size_a, sha_a = write_safetensors(tmp_path / "a.safetensors", tensors, metadata)
+    size_b, sha_b = write_safetensors(tmp_path / "b.safetensors", tensors, dict(metadata))
+    assert (size_a, sha_a) == (size_b, sha_b)
+    assert sha_a == sha256_file(tmp_path / "a.safetensors")
+    assert size_a == (tmp_path / "a.safetensors").stat().st_size
+    loaded = load_file(str(tmp_path / "a.safetensors"))
+    assert all(torch.equal(loaded[k], v) for k, v in tensors.items())
+    assert not list(tmp_path.glob(".*tmp*"))
+
+
+# ----------------------------------------------------------------------------- hf backend
+
+
+def test_hf_states_equal_direct_forward_pass(hf_run, tiny_target, dataset):
+    report = max_errors(hf_run, tiny_target, dataset)
+    print("hf max abs diff per layer:", {k: r["max_abs"] for k, r in report.items()})
+    assert_equivalent(report)
+
+
+def test_index_and_parts_follow_the_contract(hf_run, dataset):
+    import torch
+
+    index = read_index(hf_run)
+    assert index["layer_ids"] == [2, 4, 5] and index["num_layers"] == LAYERS
+    assert index["final_layer_id"] == LAYERS and index["hidden_size"] == HIDDEN
+    assert index["dtype"] == "bfloat16" and index["backend"] == "hf"
+    assert index["rejected"] == []
+    rows = dataset_rows(dataset)
+    stored = stored_samples(hf_run)
+    assert sorted(stored) == sorted(rows)
+    assert index["num_tokens"] == sum(len(ids) for ids, _ in rows.values())
+    for sample_id, (ids, mask) in rows.items():
+        assert stored[sample_id]["input_ids"].tolist() == ids  # real tokens only, no padding
+        assert stored[sample_id]["loss_mask"].tolist() == mask
+    ordered = [s for f in index["files"] for s in f["sample_ids"]]
+    assert ordered == list(rows)  # dataset order: train, then eval
+    tensors, _ = load_part(hf_run / index["files"][0]["path"])
+    assert tensors["aux"].dtype == tensors["final"].dtype == torch.bfloat16
+    assert tensors["aux"].shape[1] == 3 * HIDDEN and tensors["final"].shape[1] == HIDDEN
+    assert verify_index(hf_run) == []
+
+
+def test_checksums_catch_corruption(hf_run, tmp_path):
+    out = tmp_path / "copy"
+    shutil.copytree(hf_run, out)
+    index = read_index(out)
+    victim = out / index["files"][1]["path"]
+    data = bytearray(victim.read_bytes())
+    data[-3] ^= 0x01  # one bit of one hidden state
+    victim.write_bytes(bytes(data))
+    (out / index["files"][2]["path"]).unlink()
+    problems = verify_index(out)
+    assert len(problems) == 2
+    assert index["files"][1]["path"] in problems[0] and "sha256" in problems[0]
+    assert index["files"][2]["path"] in problems[1] and "missing" in problems[1]
+
+
+def test_capacity_check_fails_before_writing(tiny_target, dataset, tmp_path):
+    out = tmp_path / "hidden"
+    with pytest.raises(DiskSpaceError, match="hidden.free_bytes") as err:
+        extract(dataset, tiny_target, out, {**HF_CFG, "free_bytes": 100_000})
+    assert "hidden.disk_margin" in str(err.value)
+    assert not list(out.rglob("*.safetensors"))
+    # enough room for the states (4 x H x 2 B + 9 B a token) with the margin: it runs
+    tokens = sum(len(ids) for ids, _ in dataset_rows(dataset).values())
+    free = int(1.2 * (tokens * (4 * HIDDEN * 2 + 9) + 100_000))
+    extract(dataset, tiny_target, out, {**HF_CFG, "free_bytes": free, "layer_ids": [1, 3, 6]})
+    assert read_index(out)["layer_ids"] == [1, 3, 6]
+
+
+_KILL_AFTER_TWO_PARTS = """
+import json, os, signal, sys
+import draftline.hidden as hidden
+
+original = hidden.write_part
+written = []
+
+def write_then_die(out_dir, part, samples, states, ctx):
+    if len(written) == 2:
+        # killed in the middle of the third part: a partial temp file stays behind
+        tmp = out_dir / part.path
+        tmp.parent.mkdir(parents=True, exist_ok=True)
+        (tmp.parent / f".{tmp.name}.tmp-{os.getpid()}").write_bytes(b"partial")
+        os.kill(os.getpid(), signal.SIGKILL)
+    written.append(part.path)
+    return original(out_dir, part, samples, states, ctx)
+
+hidden.write_part = write_then_die
+hidden.extract(*json.loads(sys.argv[1]))
+"""
+
+
+def test_resume_after_kill_gives_identical_files(hf_run, tiny_target, dataset, tmp_path):
+    out = tmp_path / "hidden"
+    args = json.dumps([str(dataset), str(tiny_target), str(out), HF_CFG])
+    proc = subprocess.run([sys.executable, "-c", _KILL_AFTER_TWO_PARTS, args],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == -signal.SIGKILL, proc.stderr[-2000:]
+    assert len(list(out.rglob("part-*.safetensors"))) == 2
+    assert list(out.rglob(".*.tmp-*")) and not (out / "index.json").exists()
+
+    extract(dataset, tiny_target, out, HF_CFG)
+    stats = json.loads((out / "extract_stats.json").read_text())
+    assert stats["reused_files"] == 2 and stats["computed_files"] >= 2
+    assert not list(out.rglob(".*.tmp-*"))
+    expected = sorted(p.relative_to(hf_run) for p in hf_run.rglob("part-*"))
+    assert sorted(p.relative_to(out) for p in out.rglob("part-*")) == expected
+    for rel in expected:
+        assert (out / rel).read_bytes() == (hf_run / rel).read_bytes(), rel
+    assert (out / "index.json").read_bytes() == (hf_run / "index.json").read_bytes()
+
+
+def test_non_finite_samples_are_rejected_and_reported(work, tiny_target, tmp_path):
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    poisoned = tmp_path / "target"
+    shutil.copytree(tiny_target, poisoned)
+    weights = load_file(str(poisoned / "model.safetensors"))
+    bad_token = 5  # the dataset draws ids from 7 up, so only the planted sample has it
+    weights["model.embed_tokens.weight"][bad_token] = float("nan")
+    save_file(weights, str(poisoned / "model.safetensors"), metadata={"format": "pt"})
+    dataset = make_dataset(tmp_path / "dataset", n_train=6, n_eval=2, max_len=40, seed=3)
+    from datasets import load_from_disk
+
+    data = load_from_disk(str(dataset))
+    train = data["train"].to_dict()
+    train["input_ids"][2][len(train["input_ids"][2]) // 2] = bad_token
+    from datasets import Dataset, DatasetDict
+
+    from draftline.dataset import dataset_features
+
+    fixed = tmp_path / "dataset-poisoned"
+    DatasetDict({"train": Dataset.from_dict(train, features=dataset_features()),
+                 "eval": data["eval"]}).save_to_disk(str(fixed))
+    index = extract(fixed, poisoned, tmp_path / "hidden", HF_CFG)
+    assert [r["id"] for r in index["rejected"]] == ["train-002"]
+    assert "non-finite" in index["rejected"][0]["reason"]
+    stored = stored_samples(tmp_path / "hidden")
+    assert "train-002" not in stored and len(stored) == 7
+    assert all(torch.isfinite(s["states"][LAYERS]).all() for s in stored.values())
+    assert verify_index(tmp_path / "hidden") == []
+
+
+def test_bad_dataset_record_is_named(tiny_target, tmp_path):
+    dataset = make_dataset(tmp_path / "dataset", n_train=3, n_eval=1, max_len=10,
+                           vocab=VOCAB + 50, low=VOCAB)  # ids outside the target vocab
+    with pytest.raises(HiddenStateError, match="train-000.*outside the target vocab"):
+        extract(dataset, tiny_target, tmp_path / "hidden", HF_CFG)
+
+
+# ----------------------------------------------------------------------------- vllm backend
+
+
+@requires_vllm
+@pytest.mark.vllm
+@pytest.mark.slow
+def test_vllm_states_equal_direct_forward_pass(toy_target, tmp_path):
+    """vLLM (CPU build, our connector) and hf both match the reference on the toy target.
+
+    Samples up to 300 tokens with a 256-token step budget: long prompts are prefilled in
+    chunks across engine steps, and their states must still come out whole and in order.
+    """
+    dataset = make_dataset(tmp_path / "dataset", n_train=10, n_eval=3, max_len=300, seed=1,
+                           vocab=json.loads((toy_target / "config.json").read_text())["vocab_size"])
+    cfg = {"backend": "vllm", "samples_per_file": 8, "batch_tokens": 256}
+    server_cfg = {"enforce_eager": True, "max_model_len": 512, "dtype": "bfloat16",
+                  "cpu_kvcache_space_gib": 1}
+    index = extract(dataset, toy_target, tmp_path / "vllm", cfg, server_cfg)
+    assert index["backend"] == "vllm" and index["rejected"] == []
+    assert not (tmp_path / "vllm" / ".spool").exists()
+    assert verify_index(tmp_path / "vllm") == []
+    report = max_errors(tmp_path / "vllm", toy_target, dataset)
+    print("vllm max abs diff per layer:", {k: r["max_abs"] for k, r in report.items()})
+    assert_equivalent(report)
+
+    extract(dataset, toy_target, tmp_path / "hf", {**cfg, "backend": "hf"})
+    vllm_states, hf_states = stored_samples(tmp_path / "vllm"), stored_samples(tmp_path / "hf")
+    assert sorted(vllm_states) == sorted(hf_states)
+    for sample_id, got in vllm_states.items():
+        assert got["input_ids"].tolist() == hf_states[sample_id]["input_ids"].tolist()
+        for k, state in got["states"].items():
+            scale = hf_states[sample_id]["states"][k].abs().max().item()
+            assert (state - hf_states[sample_id]["states"][k]).abs().max().item() <= \
+                2 * REL_TOL * scale

@@ -1,0 +1,231 @@
+"""The load generator: request shape, chunk accounting, window statistics, /metrics, a real run."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+from openai.types.chat import ChatCompletionChunk
+
+from draftline.loadgen import (
+    DynamicLimit,
+    Prompt,
+    RequestResult,
+    SamplingSpec,
+    _absorb_chunk,
+    acceptance_length,
+    counter_deltas,
+    fetch_metrics,
+    measure_window,
+    parse_metrics,
+    percentiles,
+    request_seed,
+    run_requests,
+    window_stats,
+)
+
+# ---------------------------------------------------------------- request shape
+
+
+def test_sampling_spec_from_generate_config_builds_streaming_requests():
+    spec = SamplingSpec.from_generate_cfg({"max_tokens": 160, "temperature": 0.6, "top_p": 0.9,
+                                           "seed": 3,
+                                           "chat_template_kwargs": {"enable_thinking": False}})
+    kwargs = spec.create_kwargs("target", [{"role": "user", "content": "hi"}], "p1")
+    assert kwargs["stream"] is True
+    assert kwargs["stream_options"] == {"include_usage": True, "continuous_usage_stats": True}
+    assert kwargs["max_tokens"] == 160 and kwargs["temperature"] == 0.6 and kwargs["top_p"] == 0.9
+    assert kwargs["extra_body"] == {"chat_template_kwargs": {"enable_thinking": False},
+                                    "return_token_ids": True}
+    assert kwargs["seed"] == request_seed(3, "p1") != request_seed(3, "p2")
+    unseeded = SamplingSpec(max_tokens=8, seed=None, continuous_usage=False)
+    kwargs = unseeded.create_kwargs("m", [], "p1")
+    assert "seed" not in kwargs and kwargs["stream_options"] == {"include_usage": True}
+    assert spec.workload_params()["max_tokens"] == 160
+
+
+# ---------------------------------------------------------------- chunk accounting
+
+
+def chunk(content=None, reasoning=None, completion_tokens=None, finish=None, token_ids=None,
+          with_choice=True) -> ChatCompletionChunk:
+    choices = []
+    if with_choice:
+        delta = {"content": content}
+        if reasoning is not None:
+            delta["reasoning"] = reasoning
+        choice = {"index": 0, "delta": delta, "finish_reason": finish}
+        if token_ids is not None:
+            choice["token_ids"] = token_ids
+        choices.append(choice)
+    data = {"id": "x", "object": "chat.completion.chunk", "created": 0, "model": "m",
+            "choices": choices}
+    if completion_tokens is not None:
+        data["usage"] = {"prompt_tokens": 7, "completion_tokens": completion_tokens,
+                         "total_tokens": 7 + completion_tokens}
+    return ChatCompletionChunk.model_validate(data)
+
+
+def test_cumulative_usage_counts_tokens_exactly():
+    r = RequestResult("p", start=0.0)
+    _absorb_chunk(chunk(content="", completion_tokens=0), r, 0.1, keep_text=True)  # role chunk
+    assert r.first_token is None
+    _absorb_chunk(chunk(reasoning="think", completion_tokens=1), r, 0.5, keep_text=True)
+    _absorb_chunk(chunk(content="ab", completion_tokens=4), r, 0.7, keep_text=True)  # 3 at once
+    _absorb_chunk(chunk(content="c", completion_tokens=5, finish="stop"), r, 0.9, keep_text=True)
+    _absorb_chunk(chunk(with_choice=False, completion_tokens=5), r, 0.95, keep_text=True)
+    r.end = 1.0
+    assert r.output_tokens == 5 and r.prompt_tokens == 7
+    assert r.arrivals == [(0.5, 1), (0.7, 3), (0.9, 1)]
+    assert r.first_token == 0.5 and r.ttft_s == 0.5
+    assert r.tpot_s == pytest.approx((1.0 - 0.5) / 4)
+    assert (r.reasoning, r.content, r.finish_reason) == ("think", "abc", "stop")
+
+
+def test_without_usage_token_ids_or_text_chunks_are_counted():
+    r = RequestResult("p", start=0.0)
+    _absorb_chunk(chunk(content="a", token_ids=[5, 6]), r, 0.2, keep_text=False)
+    _absorb_chunk(chunk(content="b"), r, 0.3, keep_text=False)
+    _absorb_chunk(chunk(content=""), r, 0.4, keep_text=False)
+    assert r.output_tokens == 3 and r.content == ""
+
+
+# ---------------------------------------------------------------- window statistics
+
+
+def finished(start, arrivals, end, error=None) -> RequestResult:
+    r = RequestResult("p", start=start, end=end, first_token=arrivals[0][0] if arrivals else None,
+                      arrivals=list(arrivals), output_tokens=sum(n for _, n in arrivals),
+                      error=error, finish_reason="stop" if error is None else None)
+    return r
+
+
+def test_window_attributes_tokens_by_arrival_time():
+    straddling = finished(0.0, [(0.5, 1), (1.5, 1), (2.5, 1), (3.5, 1)], 11.0)
+    inside = finished(2.0, [(2.2, 1), (2.4, 1), (2.6, 2)], 3.0)
+    cut_off = RequestResult("p", start=9.0, first_token=9.5, arrivals=[(9.5, 1), (10.5, 1)],
+                            output_tokens=2, cancelled=True)
+    failed = finished(4.0, [], 4.1, error="APIStatusError: 500")
+    stats = window_stats([straddling, inside, cut_off, failed], t0=1.0, t1=11.0)
+    assert stats["output_tokens"] == 3 + 4 + 2  # 0.5 is before the window; 10.5 is inside
+    assert stats["output_tok_s"] == pytest.approx(0.9)
+    assert stats["requests_completed"] == 1  # `straddling` ends at 11.0, outside [1, 11)
+    assert stats["errors"] == 1 and stats["error_examples"] == ["APIStatusError: 500"]
+    assert stats["ttft_ms"]["p50"] == pytest.approx(350.0)  # inside (0.2 s) and cut_off (0.5 s)
+    assert stats["tpot_ms"]["mean"] == pytest.approx(800.0 / 3, abs=1e-3)  # (3.0 - 2.2) / 3
+    assert stats["e2e_s"]["p99"] == pytest.approx(1.0)
+    assert stats["halves_tok_s"] == [pytest.approx(7 / 5), pytest.approx(2 / 5)]
+    assert stats["finish_reasons"] == {"stop": 1}
+
+
+def test_percentiles_interpolate():
+    assert percentiles([]) is None
+    p = percentiles([float(v) for v in range(1, 101)], scale=1e3)
+    assert p["p50"] == pytest.approx(50500.0) and p["p99"] == pytest.approx(99010.0)
+    assert p["mean"] == pytest.approx(50500.0)
+
+
+# ---------------------------------------------------------------- the gate
+
+
+def test_dynamic_limit_grows_and_shrinks_while_running():
+    async def scenario() -> list[int]:
+        gate, peaks = DynamicLimit(2), []
+        release = asyncio.Event()
+
+        async def job():
+            await gate.acquire()
+            peaks.append(gate.in_flight)
+            await release.wait()
+            await gate.release()
+
+        tasks = [asyncio.create_task(job()) for _ in range(6)]
+        await asyncio.sleep(0.01)
+        first = gate.in_flight
+        await gate.set_limit(5)
+        await asyncio.sleep(0.01)
+        second = gate.in_flight
+        await gate.set_limit(1)
+        release.set()
+        await asyncio.gather(*tasks)
+        return [first, second, max(peaks), gate.in_flight]
+
+    assert asyncio.run(scenario()) == [2, 5, 5, 0]
+
+
+# ---------------------------------------------------------------- /metrics
+
+METRICS_TEXT = """\
+# HELP vllm:num_requests_running Number of requests in model execution batches.
+# TYPE vllm:num_requests_running gauge
+vllm:num_requests_running{engine="0",model_name="target"} 3.0
+# TYPE vllm:generation_tokens_total counter
+vllm:generation_tokens_total{engine="0",model_name="target"} 1000.0
+vllm:generation_tokens_created{engine="0",model_name="target"} 1.7e+09
+vllm:spec_decode_num_drafts_total{engine="0",model_name="target"} 100.0
+vllm:spec_decode_num_draft_tokens_total{engine="0",model_name="target"} 300.0
+vllm:spec_decode_num_accepted_tokens_total{engine="0",model_name="target"} 150.0
+vllm:spec_decode_num_accepted_tokens_per_pos_total{engine="0",model_name="target",position="0"} 80.0
+vllm:spec_decode_num_accepted_tokens_per_pos_total{engine="0",model_name="target",position="1"} 50.0
+vllm:spec_decode_num_accepted_tokens_per_pos_total{engine="0",model_name="target",position="2"} 20.0
+vllm:spec_decode_num_accepted_tokens_per_pos_total{engine="1",model_name="target",position="0"} 5.0
+"""
+
+
+def test_metrics_parse_sum_and_group():
+    m = parse_metrics(METRICS_TEXT)
+    assert m.total("vllm:num_requests_running") == 3.0
+    assert m.total("vllm:generation_tokens") == 1000.0  # "_total" spelling accepted
+    assert not m.has("vllm:generation_tokens_created")  # timestamps are not samples
+    per_pos = m.by_label("vllm:spec_decode_num_accepted_tokens_per_pos", "position")
+    assert per_pos == {"0": 85.0, "1": 50.0, "2": 20.0}
+    assert m.total("vllm:spec_decode_num_accepted_tokens_per_pos", engine="1") == 5.0
+
+
+def test_counter_deltas_and_acceptance_length():
+    before = parse_metrics(METRICS_TEXT)
+    after = parse_metrics(METRICS_TEXT.replace(" 100.0", " 140.0").replace(" 150.0", " 230.0")
+                          .replace(" 1000.0", " 1400.0").replace(" 80.0", " 120.0"))
+    deltas = counter_deltas(before, after)
+    assert deltas["vllm:generation_tokens"] == 400.0
+    assert deltas["vllm:spec_decode_num_drafts"] == 40.0
+    assert deltas["vllm:spec_decode_num_accepted_tokens_per_pos"] == {"0": 40.0, "1": 0.0,
+                                                                     "2": 0.0}
+    assert acceptance_length(deltas) == pytest.approx(1.0 + 80.0 / 40.0)
+    assert acceptance_length({}) is None
+
+
+# ---------------------------------------------------------------- against a real server
+
+
+def prompts(n: int) -> list[Prompt]:
+    return [Prompt(f"p{i}", [{"role": "user", "content": f"Question {i}: why is the sky blue?"}])
+            for i in range(n)]
+
+
+@pytest.mark.vllm
+def test_real_window_matches_the_server_token_counter(vllm_server):
+    spec = SamplingSpec(max_tokens=48, temperature=0.7)
+    window = measure_window(vllm_server.endpoint, prompts(16), spec, 4, warmup_s=1.0,
+                            measure_s=5.0, warmup_turnover=1.0, max_warmup_s=30.0)
+    stats = window.stats
+    assert stats["errors"] == 0 and stats["requests_completed"] >= 4
+    assert stats["output_tok_s"] > 0
+    server_tok_s = window.server["output_tok_s"]
+    # client (chunk arrival) and server (engine counter) count the same window within 5%
+    assert stats["output_tok_s"] == pytest.approx(server_tok_s, rel=0.05)
+    assert window.server["num_requests_running_mean"] == pytest.approx(4.0, abs=0.8)
+    assert stats["ttft_ms"]["p50"] < 1e3 * stats["e2e_s"]["p50"]
+    assert 0 < stats["mean_output_tokens"] <= 48 and stats["mean_prompt_tokens"] > 5
+
+
+@pytest.mark.vllm
+def test_real_fixed_run_sends_each_prompt_once(vllm_server):
+    spec = SamplingSpec(max_tokens=48, temperature=0.7)
+    run = run_requests(vllm_server.endpoint, prompts(12), spec, 4, keep_text=True)
+    assert sorted(r.prompt_id for r in run.results) == sorted(p.id for p in prompts(12))
+    assert all(r.ok for r in run.results), [r.error for r in run.results]
+    assert sum(bool(r.reasoning or r.content) for r in run.results) == 12
+    assert run.stats["output_tokens"] == sum(r.output_tokens for r in run.results)
+    assert run.server["counters"]["vllm:generation_tokens"] == run.stats["output_tokens"]
+    assert fetch_metrics(vllm_server.url).total("vllm:num_requests_running") == 0

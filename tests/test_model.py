@@ -1,0 +1,245 @@
+"""The draft model: TTT attention mask, no leakage, inference equivalence, loss and metrics."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from draftline.model import (
+    DraftConfig,
+    Eagle3Draft,
+    TargetHead,
+    apply_rotary,
+    fused_attention_ok,
+    init_draft_weights,
+    metrics_from_counts,
+    rotary_tables,
+    shift_left,
+    ttt_attention,
+    ttt_attention_reference,
+    ttt_loss,
+)
+
+TINY = DraftConfig(hidden_size=32, target_hidden_size=32, num_attention_heads=4,
+                   num_key_value_heads=2, head_dim=8, intermediate_size=48, rms_norm_eps=1e-6,
+                   rope_theta=10000.0, vocab_size=50, draft_vocab_size=20,
+                   max_position_embeddings=256)
+
+
+def tiny_draft(seed: int = 0) -> Eagle3Draft:
+    torch.manual_seed(seed)
+    model = Eagle3Draft(TINY, torch.randn(TINY.vocab_size, TINY.hidden_size))
+    init_draft_weights(model, seed)
+    with torch.no_grad():  # non-trivial norms, so a wrong wiring shows up
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight") or name.endswith("layernorm.weight"):
+                p.uniform_(0.5, 1.5)
+    return model.eval()
+
+
+def dense_masked_attention(q, k_steps, v_steps):
+    """Reference: all steps' keys in one [T, T*(k+1)] block, masked (what TTT must equal)."""
+    length, steps = q.shape[-2], len(k_steps)
+    keys, values = torch.cat(k_steps, dim=-2), torch.cat(v_steps, dim=-2)  # [B,n,T*(k+1),hd]
+    allowed = torch.zeros(length, length * steps, dtype=torch.bool)
+    allowed[:, :length] = torch.ones(length, length, dtype=torch.bool).tril()
+    for s in range(1, steps):
+        allowed[:, s * length:(s + 1) * length] = torch.eye(length, dtype=torch.bool)
+    scores = q @ keys.transpose(-1, -2) / math.sqrt(q.shape[-1])
+    return torch.softmax(scores.masked_fill(~allowed, float("-inf")), -1) @ values
+
+
+@pytest.mark.parametrize("attention", [ttt_attention, ttt_attention_reference])
+@pytest.mark.parametrize(("step", "length"), [(0, 7), (1, 7), (3, 7), (2, 130)])
+def test_ttt_attention_equals_dense_masked_reference(attention, step, length):
+    """Both the fused (flash-kernel) path and the eager reference equal the dense mask."""
+    gen = torch.Generator().manual_seed(step)
+    shape = (2, 3, length, 8)  # [B, nh, T, hd]
+    q = torch.randn(shape, generator=gen, requires_grad=True)
+    ks = [torch.randn(shape, generator=gen, requires_grad=True) for _ in range(step + 1)]
+    vs = [torch.randn(shape, generator=gen, requires_grad=True) for _ in range(step + 1)]
+    out = attention(q, ks[0], vs[0], ks[1:], vs[1:])
+    ref = dense_masked_attention(q, ks, vs)
+    torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+    # Gradients agree too, so training sees the same attention as the reference.
+    grads = torch.autograd.grad(out.square().sum(), [q, *ks, *vs])
+    ref_grads = torch.autograd.grad(ref.square().sum(), [q, *ks, *vs])
+    for g, r in zip(grads, ref_grads, strict=True):
+        torch.testing.assert_close(g, r, atol=1e-5, rtol=1e-4)
+
+
+def test_fused_path_is_used_on_cpu():
+    assert fused_attention_ok(torch.zeros(1, 1, 4, 8))  # so the tests above cover it
+
+
+def test_rotary_matches_transformers_llama():
+    from transformers import LlamaConfig
+    from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding, apply_rotary_pos_emb
+
+    head_dim, theta = 16, 50000.0
+    cfg = LlamaConfig(hidden_size=64, num_attention_heads=4, head_dim=head_dim,
+                      rope_parameters={"rope_type": "default", "rope_theta": theta})
+    positions = torch.arange(3, 12)
+    q, k = torch.randn(2, 4, 9, head_dim), torch.randn(2, 4, 9, head_dim)
+    cos_ref, sin_ref = LlamaRotaryEmbedding(cfg)(q, positions[None])
+    q_ref, k_ref = apply_rotary_pos_emb(q, k, cos_ref, sin_ref)
+    cos, sin = rotary_tables(positions, head_dim, theta)
+    torch.testing.assert_close(apply_rotary(q, cos, sin), q_ref, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(apply_rotary(k, cos, sin), k_ref, atol=1e-5, rtol=1e-5)
+
+
+def _inputs(seed: int = 1, length: int = 12):
+    gen = torch.Generator().manual_seed(seed)
+    aux = torch.randn(1, length, 3 * TINY.hidden_size, generator=gen)
+    ids = torch.randint(0, TINY.vocab_size, (1, length), generator=gen)
+    return aux, ids
+
+
+def test_no_leakage_of_future_tokens_or_states():
+    """Logits of step k, row i predict token i+2+k and may see only aux[<=i], tokens[<=i+1+k]."""
+    model, steps = tiny_draft(), 4
+    aux, ids = _inputs()
+    with torch.no_grad():
+        base = model(aux, ids, steps)
+        for cut in (3, 6, 9):
+            changed_ids = ids.clone()
+            changed_ids[0, cut] = (ids[0, cut] + 1) % TINY.vocab_size  # one future token
+            out = model(aux, changed_ids, steps)
+            for k in range(steps):
+                first_seeing = cut - 1 - k  # row i consumes token i+1+k at step k
+                if first_seeing > 0:
+                    assert torch.equal(out[k][0, :first_seeing], base[k][0, :first_seeing])
+                if first_seeing >= 0:  # the test can fail: the consuming row does change
+                    assert not torch.allclose(out[k][0, first_seeing], base[k][0, first_seeing])
+            changed_aux = aux.clone()
+            changed_aux[0, cut:] += 1.0  # future target states
+            out = model(changed_aux, ids, steps)
+            for k in range(steps):
+                assert torch.equal(out[k][0, :cut], base[k][0, :cut])
+                assert not torch.allclose(out[k][0, cut], base[k][0, cut])
+
+
+def test_unroll_equals_step_by_step_drafting():
+    """Each (row, step) equals a vLLM-style drafting run from that row: step-0 KV of rows <= i,
+    then one query per step at position i+k with the row's own earlier keys appended."""
+    model, steps = tiny_draft(), 3
+    aux, ids = _inputs(seed=2, length=10)
+    layer, attn = model.midlayer, model.midlayer.self_attn
+    groups = attn.heads // attn.kv_heads
+    with torch.no_grad():
+        unrolled = model(aux, ids, steps)
+        h0 = model.fc(aux)[0]  # [T, H]
+        length = ids.shape[1]
+
+        def qkv(embed, hidden, pos):
+            x = torch.cat([layer.input_layernorm(embed), layer.hidden_norm(hidden)], -1)
+            cos, sin = rotary_tables(torch.tensor([pos]), TINY.head_dim, TINY.rope_theta)
+            q = apply_rotary(attn.q_proj(x).view(1, attn.heads, 1, -1), cos, sin)[0, :, 0]
+            k = apply_rotary(attn.k_proj(x).view(1, attn.kv_heads, 1, -1), cos, sin)[0, :, 0]
+            v = attn.v_proj(x).view(attn.kv_heads, -1)
+            return q, k.repeat_interleave(groups, 0), v.repeat_interleave(groups, 0)
+
+        context = [qkv(model.embed_tokens(ids[0, j + 1]), h0[j], j) for j in range(length - 1)]
+        for row in range(length - steps - 1):
+            keys = [c[1] for c in context[:row + 1]]
+            values = [c[2] for c in context[:row + 1]]
+            hidden = h0[row]
+            for k in range(steps):
+                embed = model.embed_tokens(ids[0, row + 1 + k])
+                q, key, value = qkv(embed, hidden, row + k)
+                if k > 0:  # step 0's key/value of this row is already in the context
+                    keys.append(key)
+                    values.append(value)
+                kk, vv = torch.stack(keys, 1), torch.stack(values, 1)  # [nh, n, hd]
+                probs = torch.softmax((q[:, None] * kk).sum(-1) / math.sqrt(TINY.head_dim), -1)
+                out = attn.o_proj((probs[..., None] * vv).sum(1).reshape(-1))
+                hidden = hidden + out
+                hidden = hidden + layer.mlp(layer.post_attention_layernorm(hidden))
+                logits = model.lm_head(model.norm(hidden))
+                torch.testing.assert_close(unrolled[k][0, row], logits, atol=1e-5, rtol=1e-4)
+
+
+def test_shift_left_fills_the_tail():
+    x = torch.arange(6).view(1, 6)
+    assert shift_left(x, 2).tolist() == [[2, 3, 4, 5, 0, 0]]
+    assert shift_left(x, 0).tolist() == x.tolist()
+
+
+def _log(probs):
+    return torch.tensor(probs).log()
+
+
+def test_loss_and_metrics_on_hand_made_tensors():
+    """T=5, K=2, D=3; prompt = tokens 0,1; target row 3's argmax is outside the draft vocab.
+
+    Step 0 rows 0..2 vs target rows 1..3, step 1 rows 0..1 vs target rows 2..3.
+    """
+    tgt = [[1 / 3] * 3, [0.7, 0.2, 0.1], [0.1, 0.8, 0.1], [0.2, 0.2, 0.6], [1 / 3] * 3]
+    target_logp = _log(tgt)[None]  # [1, 5, 3]
+    in_draft = torch.tensor([[True, True, True, False, True]])
+    loss_mask = torch.tensor([[0, 0, 1, 1, 1]])
+    d0 = [[0.6, 0.3, 0.1], [0.2, 0.3, 0.5], [0.1, 0.1, 0.8], [1 / 3] * 3, [1 / 3] * 3]
+    d1 = [[0.3, 0.5, 0.2], [0.1, 0.2, 0.7], [1 / 3] * 3, [1 / 3] * 3, [1 / 3] * 3]
+    logits = [_log(d0)[None], _log(d1)[None]]
+    loss, counts = ttt_loss(logits, target_logp, in_draft, loss_mask, decay=0.5)
+
+    def kl(p, q):
+        return sum(a * math.log(a / b) for a, b in zip(p, q, strict=True))
+
+    step0 = (kl(tgt[1], d0[0]) + kl(tgt[2], d0[1])) / 2  # row 2's target is out of vocab
+    step1 = kl(tgt[2], d1[0])  # row 1's target (row 3) is out of vocab
+    assert loss.item() == pytest.approx(step0 + 0.5 * step1, rel=1e-5)
+    m = metrics_from_counts(counts)
+    # step 0: row 0 right (0 = 0), row 1 wrong (2 != 1), row 2 out of vocab -> a miss
+    # step 1: row 0 right (1 = 1), row 1 out of vocab; only row 0 was still in its chain
+    assert m["accuracy"] == pytest.approx([1 / 3, 1 / 2])
+    assert m["cond_accuracy"] == pytest.approx([1 / 3, 1.0])
+    assert m["valid_tokens"] == [3, 2]
+    assert m["loss"] == pytest.approx([step0, step1], rel=1e-5)
+    assert m["simulated_acceptance_length"] == pytest.approx(1 + 1 / 3 + 1 / 3)
+    assert m["simulated_acceptance_length_by_num_drafts"] == pytest.approx([4 / 3, 5 / 3])
+
+
+def test_loss_gradient_is_zero_on_masked_rows():
+    target_logp = torch.log_softmax(torch.randn(1, 6, 4), -1)
+    logits = [torch.randn(1, 6, 4, requires_grad=True) for _ in range(2)]
+    mask = torch.tensor([[0, 0, 0, 1, 1, 0]])
+    loss, _ = ttt_loss(logits, target_logp, torch.ones(1, 6, dtype=torch.bool), mask, 0.8)
+    loss.backward()
+    # step 0 trains rows 1, 2 (predicting tokens 3, 4); step 1 rows 0, 1
+    assert logits[0].grad[0].abs().sum(-1).nonzero().flatten().tolist() == [1, 2]
+    assert logits[1].grad[0].abs().sum(-1).nonzero().flatten().tolist() == [0, 1]
+
+
+def test_target_head_restricts_to_draft_vocab():
+    gen = torch.Generator().manual_seed(0)
+    hidden, vocab = 8, 12
+    final = torch.randn(2, 5, hidden, generator=gen)
+    lm_head, norm_w = torch.randn(vocab, hidden, generator=gen), torch.rand(hidden) + 0.5
+    chosen = torch.tensor([1, 4, 5, 9])
+    d2t = chosen - torch.arange(4)
+    t2d = torch.zeros(vocab, dtype=torch.bool)
+    t2d[chosen] = True
+    head = TargetHead(norm_w, lm_head, 1e-6, d2t, t2d)
+    logp, in_draft = head(final, chunk_rows=3)
+    normed = final * torch.rsqrt(final.pow(2).mean(-1, keepdim=True) + 1e-6) * norm_w
+    full = normed @ lm_head.T  # [2, 5, V]
+    torch.testing.assert_close(logp, torch.log_softmax(full[..., chosen], -1))
+    assert torch.equal(in_draft, t2d[full.argmax(-1)])
+
+
+def test_draft_config_from_a_kimi_like_target():
+    kimi = {"architectures": ["KimiK25ForConditionalGeneration"], "text_config": {
+        "hidden_size": 7168, "num_attention_heads": 64, "num_key_value_heads": 64,
+        "intermediate_size": 18432, "vocab_size": 163840, "rms_norm_eps": 1e-6,
+        "rope_theta": 50000.0, "max_position_embeddings": 262144, "kv_lora_rank": 512}}
+    cfg = DraftConfig.from_target(kimi, 32000)
+    assert (cfg.head_dim, cfg.rope_theta, cfg.vocab_size) == (112, 50000.0, 163840)
+    with torch.device("meta"):
+        model = Eagle3Draft(cfg, torch.empty(cfg.vocab_size, cfg.hidden_size))
+    total = sum(p.numel() for p in model.parameters())
+    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    assert 2.2e9 < total < 2.8e9  # DESIGN.md: about 2.6 B with the shared embedding
+    assert trainable == total - cfg.vocab_size * cfg.hidden_size

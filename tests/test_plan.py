@@ -1,0 +1,107 @@
+"""Capacity plan: exact hidden-state sizes, measured rates over assumptions, the disk verdict."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+from conftest import default_config
+
+from draftline.plan import (
+    format_plan,
+    peak_output_tok_s,
+    plan,
+    production_example,
+    target_dims,
+)
+
+STAGES = ["target", "prompts", "profile", "generate", "dataset", "vocab", "hidden", "train",
+          "bench", "bundle", "total"]
+
+
+def by_stage(rows: list[dict]) -> dict[str, dict]:
+    return {row["stage"]: row for row in rows}
+
+
+def test_production_hidden_state_bytes():
+    config, measured = production_example()
+    rows = by_stage(plan(config, measured))
+    hidden = rows["hidden"]
+    assert hidden["state_bytes_per_token"] == 4 * 7168 * 2 == 57_344  # 56 KiB
+    assert hidden["bytes_per_token"] == 57_344 + 9  # + int64 id + uint8 mask
+    tokens = 10_000 * min(4096, 256 + 2048)  # upper bound: prompt assumption + max_tokens
+    assert hidden["disk_bytes"] == tokens * 57_353
+    assert 1.2e12 < hidden["disk_bytes"] < 1.4e12  # ~1.3 TB
+    generate = rows["generate"]
+    assert generate["tok_s"] == 1536.0 and "measured" in generate["basis"]
+    assert abs(generate["time_s"] - 10_000 * 2048 / 1536) < 1  # 3.7 h, as on the GPU host
+    text = format_plan(list(rows.values()))
+    assert "57,344 B/token of states (56.0 KiB)" in text
+
+
+def test_toy_plan_has_every_stage_and_a_total():
+    rows = plan(default_config(), None)
+    assert [r["stage"] for r in rows] == STAGES
+    total = rows[-1]
+    assert total["disk_bytes"] == sum(r["disk_bytes"] for r in rows[:-1])
+    assert total["time_s"] == sum(r["time_s"] for r in rows[:-1])
+    assert "assumed" in by_stage(rows)["generate"]["basis"]
+    assert by_stage(rows)["hidden"]["state_bytes_per_token"] == 4 * 128 * 2
+
+
+def test_measured_counts_and_rates_replace_assumptions():
+    config = default_config()
+    measured = {
+        "dataset": {"tokens": {"train": 9_000, "eval": 1_000},
+                    "samples_out": {"train": 90, "eval": 10},
+                    "supervised_tokens": {"train": 5_000, "eval": 500}},
+        "hidden": {"tokens_per_s": 500.0},
+        "profile": {"chosen_concurrency": 16,
+                    "levels": [{"concurrency": 4, "output_tok_s": 900.0},
+                               {"concurrency": 16, "output_tok_s": 2500.0}]},
+    }
+    rows = by_stage(plan(config, measured))
+    assert rows["hidden"]["disk_bytes"] == 10_000 * (4 * 128 * 2 + 9)
+    assert rows["hidden"]["tok_s"] == 500.0 and "measured" in rows["hidden"]["basis"]
+    assert rows["generate"]["tok_s"] == 2500.0
+    assert abs(rows["generate"]["time_s"] - 5_500 / 2500.0) < 1e-9
+
+
+def test_too_little_disk_is_flagged():
+    config = default_config(**{"hidden.free_bytes": 1_000_000})
+    rows = plan(config, None)
+    assert rows[-1]["fits"] is False and rows[-1]["free_bytes"] == 1_000_000
+    assert "DOES NOT FIT" in format_plan(rows)
+    assert plan(default_config(**{"hidden.free_bytes": 10**12}), None)[-1]["fits"] is True
+
+
+def test_target_dims_from_a_local_model_dir(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps({"text_config": {
+        "hidden_size": 256, "num_hidden_layers": 12, "vocab_size": 5000,
+        "num_attention_heads": 8, "intermediate_size": 512, "torch_dtype": "bfloat16"}}))
+    config = default_config(**{"target.model": str(tmp_path)})
+    dims = target_dims(config)
+    assert (dims["hidden_size"], dims["num_layers"], dims["vocab_size"]) == (256, 12, 5000)
+    assert by_stage(plan(config, None))["hidden"]["state_bytes_per_token"] == 4 * 256 * 2
+
+
+def test_unknown_target_leaves_sizes_open():
+    config = default_config(**{"target.model": "some-org/unknown-model"})
+    rows = by_stage(plan(config, None))
+    assert rows["hidden"]["disk_bytes"] is None and "unknown" in rows["hidden"]["basis"]
+    assert "?" in format_plan(list(rows.values()))
+
+
+def test_peak_throughput_of_a_profile():
+    assert peak_output_tok_s(None) is None
+    assert peak_output_tok_s({"peak_output_tok_s": 7}) == 7.0
+    assert peak_output_tok_s({"levels": [{"output_tokens_per_s": 3}, {"output_tok_s": 5}]}) == 5.0
+    assert peak_output_tok_s({"levels": [{"concurrency": 1}]}) is None
+
+
+def test_plan_command_prints_the_production_plan():
+    proc = subprocess.run([sys.executable, "-m", "draftline.plan", "--production"],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert "57,344 B/token" in proc.stdout and "hidden" in proc.stdout

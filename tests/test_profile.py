@@ -1,0 +1,253 @@
+"""Concurrency profile: the choice rule, the fingerprint, the adaptive limiter, a real sweep."""
+
+from __future__ import annotations
+
+import json
+import random
+
+import pytest
+
+from draftline.loadgen import Prompt, SamplingSpec
+from draftline.profile import (
+    AdaptiveLimiter,
+    ProfileError,
+    choose_concurrency,
+    fingerprint_from_config,
+    plan_levels,
+    plot_profile,
+    profile_is_stale,
+    prompt_length_stats,
+    read_prompts,
+    run_profile,
+    server_info_from_config,
+    workload_fingerprint,
+)
+
+# ---------------------------------------------------------------- the choice rule
+
+
+def table(tok_s: dict[int, float], p99_tpot: dict[int, float] | None = None,
+          errors: dict[int, int] | None = None) -> list[dict]:
+    return [{"concurrency": c, "output_tok_s": v, "requests_completed": 100,
+             "errors": (errors or {}).get(c, 0),
+             "tpot_ms": {"p99": (p99_tpot or {}).get(c, 10.0 + c)}} for c, v in tok_s.items()]
+
+
+def test_clean_plateau_takes_the_first_level_on_it():
+    rows = table({1: 100, 2: 200, 4: 400, 8: 780, 16: 1000, 32: 1010, 64: 1005})
+    choice = choose_concurrency(rows, tolerance=0.05)
+    assert choice["peak"] == {"concurrency": 32, "output_tok_s": 1010}
+    assert choice["threshold_tok_s"] == pytest.approx(959.5)
+    assert choice["chosen_concurrency"] == 16
+    assert choice["limited_by"] == "throughput"
+    assert "5%" in choice["rule"]
+
+
+def test_noisy_plateau_ignores_a_later_noise_peak_within_tolerance():
+    rows = table({1: 100, 2: 195, 4: 390, 8: 700, 16: 960, 32: 1020, 64: 990, 128: 1030})
+    choice = choose_concurrency(rows, tolerance=0.05)
+    assert choice["peak"]["concurrency"] == 128
+    assert choice["chosen_concurrency"] == 32  # 16 (960) is below 0.95 * 1030 = 978.5
+    assert choose_concurrency(rows, tolerance=0.10)["chosen_concurrency"] == 16
+
+
+def test_drop_after_the_peak_as_at_256():
+    # the production curve: linear up to 128 (about 1,536 tok/s), lower at 256
+    rows = table({c: 12.0 * c for c in (1, 2, 4, 8, 16, 32, 64, 128)} | {256: 1300.0})
+    choice = choose_concurrency(rows, tolerance=0.05)
+    assert choice["peak"]["concurrency"] == 128
+    assert choice["chosen_concurrency"] == 128
+
+
+def test_latency_limit_that_binds_takes_the_fastest_level_meeting_it():
+    tok = {1: 100, 2: 200, 4: 400, 8: 780, 16: 1000, 32: 1010, 64: 1005}
+    tpot = {1: 10, 2: 11, 4: 12, 8: 14, 16: 20, 32: 35, 64: 70}
+    choice = choose_concurrency(table(tok, tpot), tolerance=0.05, max_p99_tpot_ms=15)
+    assert choice["chosen_concurrency"] == 8
+    assert choice["limited_by"] == "latency" and choice["latency_limit_met"] is True
+    assert choice["peak"]["concurrency"] == 32  # the peak is still the curve's peak
+    loose = choose_concurrency(table(tok, tpot), tolerance=0.05, max_p99_tpot_ms=25)
+    assert loose["chosen_concurrency"] == 16 and loose["limited_by"] == "throughput"
+
+
+def test_latency_limit_nobody_meets_is_flagged():
+    choice = choose_concurrency(table({1: 100, 4: 380}, {1: 30, 4: 40}), max_p99_tpot_ms=5)
+    assert choice["chosen_concurrency"] == 1
+    assert choice["latency_limit_met"] is False
+
+
+def test_failing_levels_are_excluded_and_all_failing_is_an_error():
+    rows = table({1: 100, 4: 390, 16: 1200}, errors={16: 30})
+    choice = choose_concurrency(rows)
+    assert choice["excluded_levels"] == [16]
+    assert choice["chosen_concurrency"] == 4
+    with pytest.raises(ProfileError, match="every level failed"):
+        choose_concurrency(table({1: 0.0, 4: 0.0}))
+
+
+def test_levels_are_capped_by_max_num_seqs():
+    levels, capped = plan_levels([1, 4, 16, 64, 128, 256], max_num_seqs=100)
+    assert levels == [1, 4, 16, 64, 100]
+    assert capped == {"128": 100, "256": 100}
+    assert plan_levels([8, 2, 2], None) == ([2, 8], {})
+
+
+# ---------------------------------------------------------------- fingerprint and staleness
+
+
+def test_fingerprint_makes_the_profile_stale_when_max_tokens_changes(config, tmp_path):
+    fp = fingerprint_from_config(config, "results/target")
+    path = tmp_path / "concurrency.json"
+    assert profile_is_stale(path, fp)  # missing
+    path.write_text(json.dumps({"chosen_concurrency": 4, "fingerprint": fp}))
+    assert not profile_is_stale(path, fp)
+    longer = json.loads(json.dumps(config))
+    longer["generate"]["max_tokens"] += 1
+    assert profile_is_stale(path, fingerprint_from_config(longer, "results/target"))
+    thinking_off = json.loads(json.dumps(config))
+    thinking_off["generate"]["chat_template_kwargs"] = {"enable_thinking": False}
+    assert profile_is_stale(path, fingerprint_from_config(thinking_off, "results/target"))
+    moved = json.loads(json.dumps(config))
+    moved["server"]["port"] = 18000  # where the server listens is not the workload
+    assert not profile_is_stale(path, fingerprint_from_config(moved, "results/target"))
+    bigger = json.loads(json.dumps(config))
+    bigger["server"]["max_num_seqs"] = 64
+    assert profile_is_stale(path, fingerprint_from_config(bigger, "results/target"))
+    path.write_text("{not json")
+    assert profile_is_stale(path, fp)
+
+
+def test_prompt_lengths_are_compared_when_given(tmp_path):
+    spec = SamplingSpec(max_tokens=64)
+    short = [Prompt("a", [{"role": "user", "content": "hi"}])]
+    long = [Prompt("a", [{"role": "user", "content": "hi" * 500}])]
+    fp_short = workload_fingerprint("m", {"max_num_seqs": 8}, spec, prompt_length_stats(short))
+    fp_long = workload_fingerprint("m", {"max_num_seqs": 8}, spec, prompt_length_stats(long))
+    assert fp_short["config_hash"] == fp_long["config_hash"]
+    path = tmp_path / "p.json"
+    path.write_text(json.dumps({"fingerprint": fp_short}))
+    assert profile_is_stale(path, fp_long)
+    assert not profile_is_stale(path, {**fp_long, "prompt_lengths": None})  # config-only check
+
+
+def test_read_prompts_names_the_bad_line(tmp_path):
+    path = tmp_path / "shard-0.jsonl"
+    path.write_text('{"id": "a", "messages": []}\n{"id": "b"}\n')
+    with pytest.raises(ProfileError, match=r"shard-0.jsonl:2"):
+        read_prompts([path])
+
+
+def test_plot_is_written(tmp_path):
+    rows = table({1: 100, 4: 390, 16: 1000, 64: 1010})
+    profile = {**choose_concurrency(rows), "levels": rows, "fingerprint": {"model": "toy"},
+               "sampling": {"max_tokens": 64, "temperature": 0.7}}
+    out = tmp_path / "concurrency.png"
+    plot_profile(profile, out)
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert out.stat().st_size > 10_000
+
+
+# ---------------------------------------------------------------- adaptive limiter
+
+
+def production_curve(limit: int) -> float:
+    """Linear to 128 (1,536 tok/s), flat to 192, then falling (KV-cache pressure)."""
+    if limit <= 128:
+        return 12.0 * limit
+    return 1536.0 if limit <= 192 else 1536.0 - 4.0 * (limit - 192)
+
+
+def simulate(limiter: AdaptiveLimiter, curve, seconds: float, noise: float = 0.0,
+             seed: int = 0) -> tuple[list[int], float]:
+    """Feed the limiter a server whose throughput follows ``curve`` (1 s ticks, gaussian noise)."""
+    rng = random.Random(seed)
+    tokens, limits = 0.0, []
+    for t in range(1, int(seconds) + 1):
+        tokens += curve(limiter.limit) * (1.0 + rng.gauss(0.0, noise))
+        limiter.update(float(t), int(tokens))
+        limits.append(limiter.limit)
+    return limits, tokens / seconds
+
+
+def test_limiter_climbs_from_a_wrong_low_start_to_the_plateau():
+    limiter = AdaptiveLimiter(16, lower=4, upper=256, window_s=30, log=lambda _: None)
+    limits, _ = simulate(limiter, production_curve, 3600, noise=0.02)
+    assert all(4 <= lim <= 256 for lim in limits)
+    assert production_curve(limits[-1]) >= 0.95 * 1536
+    assert [c["to"] for c in limiter.changes if c.get("kept")][:4] == [24, 36, 54, 81]
+
+
+def test_limiter_backs_off_from_a_wrong_high_start():
+    limiter = AdaptiveLimiter(256, lower=32, upper=256, window_s=30, log=lambda _: None)
+    limits, _ = simulate(limiter, production_curve, 3600, noise=0.02)
+    assert 120 <= limits[-1] <= 200
+
+
+def test_limiter_on_the_plateau_probes_rarely_and_loses_little():
+    limiter = AdaptiveLimiter.around(128, max_limit=256, window_s=30, log=lambda _: None)
+    assert (limiter.lower, limiter.upper) == (64, 256)
+    _, mean_rate = simulate(limiter, production_curve, 4 * 3600, noise=0.03, seed=1)
+    assert mean_rate >= 0.97 * 1536
+    probes = [c for c in limiter.changes if c["reason"] == "probe"]
+    assert len(probes) <= 4 * 3600 / 30 / 4  # back-off: far fewer probes than windows
+
+
+def test_limiter_bounds_and_arguments():
+    with pytest.raises(ValueError, match="lower"):
+        AdaptiveLimiter(4, lower=8, upper=4)
+    fixed = AdaptiveLimiter(8, lower=8, upper=8, window_s=5, log=lambda _: None)
+    limits, _ = simulate(fixed, production_curve, 120)
+    assert set(limits) == {8} and fixed.changes == []
+
+
+# ---------------------------------------------------------------- a real sweep
+
+
+def write_prompt_shards(directory, n: int = 48) -> list:
+    rng = random.Random(0)
+    topics = ["rivers", "prime numbers", "bread", "comets", "chess", "tides", "glass", "owls"]
+    files = []
+    for shard in range(2):
+        path = directory / f"shard-{shard}.jsonl"
+        with open(path, "w") as f:
+            for i in range(shard, n, 2):
+                words = " ".join(rng.choice(topics) for _ in range(rng.randint(3, 30)))
+                msg = {"role": "user", "content": f"Tell me about {words}."}
+                f.write(json.dumps({"id": f"p{i}", "messages": [msg]}) + "\n")
+        files.append(path)
+    return files
+
+
+@pytest.mark.vllm
+@pytest.mark.slow
+def test_real_sweep_gives_a_rising_curve_and_a_choice_by_the_rule(vllm_server, config, tmp_path):
+    profile_cfg = {**config["profile"], "levels": [1, 4, 16], "num_prompts": 48,
+                   "warmup_s": 2, "measure_s": 8}
+    generate_cfg = {**config["generate"], "max_tokens": 64}
+    server_info = server_info_from_config(config, vllm_server.spec.model)
+    out_json, out_png = tmp_path / "concurrency.json", tmp_path / "concurrency.png"
+    profile = run_profile(write_prompt_shards(tmp_path), [vllm_server.endpoint], profile_cfg,
+                          generate_cfg, server_info, out_json, out_png)
+
+    on_disk = json.loads(out_json.read_text())
+    assert on_disk["chosen_concurrency"] == profile["chosen_concurrency"]
+    assert out_png.stat().st_size > 10_000
+    assert on_disk["levels_measured"] == [1, 4, 16] and on_disk["capped_levels"] == {}
+    rows = on_disk["levels"]
+    tok_s = [r["output_tok_s"] for r in rows]
+    assert tok_s[0] > 0 and tok_s[1] > 1.5 * tok_s[0] and tok_s[2] > tok_s[1], tok_s
+    assert all(r["errors"] == 0 and r["requests_completed"] > 0 for r in rows)
+    assert all(r["tpot_ms"]["p99"] > 0 and r["ttft_ms"]["p50"] > 0 for r in rows)
+    # the server saw the intended concurrency (the client was not the bottleneck)
+    running = [r["server"]["num_requests_running_mean"] for r in rows]
+    assert running[2] > 0.8 * 16, running
+    expected = choose_concurrency(rows, profile_cfg["tolerance"])
+    assert on_disk["chosen_concurrency"] == expected["chosen_concurrency"]
+    assert on_disk["peak"] == expected["peak"]
+    fp = on_disk["fingerprint"]
+    assert fp["sampling"]["max_tokens"] == 64 and fp["prompt_lengths"]["count"] == 48
+    assert not profile_is_stale(out_json, fp)
+    changed = workload_fingerprint(fp["model"], server_info,
+                                   SamplingSpec.from_generate_cfg({**generate_cfg,
+                                                                   "max_tokens": 65}))
+    assert profile_is_stale(out_json, changed)

@@ -1,0 +1,160 @@
+"""Draft training: outputs, learning, resume after a kill, DDP/FSDP equal to one process.
+
+Inputs come from the ``draft_inputs`` fixture (conftest.py): a random tiny Llama target and
+hidden states from its real forward. Everything runs on CPU with one thread per process, so
+runs are bit-reproducible; about 60 s in all on 2 idle cores (torchrun starts dominate).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from draftline.config import ConfigError
+from draftline.train import plan_micro_batches, resolve_train_cfg, train
+
+SMALL = {"epochs": 6, "ttt_steps": 3, "batch_tokens": 256, "lr": 1e-3, "warmup_steps": 3,
+         "eval_every": 4, "checkpoint_every": 4}
+
+
+@contextlib.contextmanager
+def one_thread():
+    """Same thread count in-process as in the subprocesses (OMP_NUM_THREADS=1): same floats."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
+def run(inputs: dict, out_dir: Path, cfg: dict) -> dict:
+    with one_thread():
+        return train(inputs["hidden_dir"], inputs["vocab_map"], inputs["target_dir"], out_dir,
+                     cfg)
+
+
+def final_weights(out_dir: Path) -> dict[str, torch.Tensor]:
+    latest = json.loads((out_dir / "state" / "latest.json").read_text())
+    return load_file(str(out_dir / "state" / latest["dir"] / "model.safetensors"))
+
+
+def records(out_dir: Path, kind: str) -> list[dict]:
+    lines = (out_dir / "metrics.jsonl").read_text().splitlines()
+    rows = [json.loads(line) for line in lines]
+    return [r for r in rows if ("lr" in r) == (kind == "train")]
+
+
+def test_config_defaults_and_unknown_keys():
+    cfg = resolve_train_cfg({"epochs": 1})
+    assert cfg["ttt_steps"] == 7 and cfg["loss_decay"] == 0.8 and cfg["epochs"] == 1
+    with pytest.raises(ConfigError, match="train"):
+        resolve_train_cfg({"ttt_step": 3})
+    with pytest.raises(ConfigError, match="train.lr"):
+        resolve_train_cfg({"lr": -1})
+
+
+def test_micro_batches_respect_the_token_budget():
+    lengths = [5, 40, 17, 33, 80, 8, 8, 12, 300, 21]
+    batches = plan_micro_batches(lengths, batch_tokens=64, seed=3)
+    assert sorted(i for b in batches for i in b) == list(range(len(lengths)))
+    for batch in batches:  # padded size within budget, except a sample longer than it, alone
+        assert len(batch) * max(lengths[i] for i in batch) <= 64 or len(batch) == 1
+    assert batches == plan_micro_batches(lengths, batch_tokens=64, seed=3)
+    assert batches != plan_micro_batches(lengths, batch_tokens=64, seed=4)
+
+
+def test_training_learns_and_writes_its_outputs(draft_inputs, tmp_path):
+    cfg = {**SMALL, "max_steps": 24}
+    record = run(draft_inputs, tmp_path, cfg)
+    out = tmp_path
+    train_rows, eval_rows = records(out, "train"), records(out, "eval")
+    assert [r["step"] for r in train_rows] == list(range(1, 25))
+    assert [r["step"] for r in eval_rows] == [4, 8, 12, 16, 20, 24]
+    first = sum(r["loss"] for r in train_rows[:4]) / 4
+    last = sum(r["loss"] for r in train_rows[-4:]) / 4
+    assert last < 0.6 * first, (first, last)
+    assert eval_rows[-1]["loss"][0] < eval_rows[0]["loss"][0]
+    assert all(r["tokens_per_s"] > 0 for r in train_rows)
+
+    saved = json.loads((out / "eval.json").read_text())
+    assert saved == json.loads(json.dumps(record))
+    assert saved["layer_ids"] == draft_inputs["layer_ids"] and saved["ttt_steps"] == 3
+    assert len(saved["accuracy"]) == 3 and len(saved["cond_accuracy"]) == 3
+    best = max(eval_rows, key=lambda r: r["simulated_acceptance_length"])
+    assert saved["simulated_acceptance_length"] == best["simulated_acceptance_length"]
+    assert saved["best_step"] == min(r["step"] for r in eval_rows
+                                     if r["simulated_acceptance_length"] == best[
+                                         "simulated_acceptance_length"])
+    assert (out / "best" / "model.safetensors").exists()
+    assert json.loads((out / "best" / "best.json").read_text())["step"] == saved["best_step"]
+    assert "embed_tokens.weight" not in load_file(str(out / "best" / "model.safetensors"))
+    assert list((out / "tb").glob("events.out.tfevents.*"))
+
+    # A rerun of a finished run resumes at its end and changes nothing ...
+    again = run(draft_inputs, tmp_path, cfg)
+    assert again == record
+    assert len(records(out, "train")) == 24
+    # ... a changed config starts afresh.
+    changed = run(draft_inputs, tmp_path, {**cfg, "lr": 5e-4, "max_steps": 8})
+    assert changed["steps"] == 8 and len(records(out, "train")) == 8
+
+
+def test_resume_after_kill_equals_uninterrupted_run(draft_inputs, tmp_path):
+    cfg = {**SMALL, "max_steps": 16, "checkpoint_every": 3, "eval_every": 5}
+    reference = run(draft_inputs, tmp_path / "reference", cfg)
+
+    out = tmp_path / "killed"
+    cmd = [sys.executable, "-m", "draftline.train", "--hidden-dir", str(draft_inputs["hidden_dir"]),
+           "--vocab-map", str(draft_inputs["vocab_map"]),
+           "--target-dir", str(draft_inputs["target_dir"]), "--out-dir", str(out),
+           "--config-json", json.dumps(cfg)]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    latest = out / "state" / "latest.json"
+    deadline = time.monotonic() + 300
+    while time.monotonic() < deadline and proc.poll() is None:
+        if latest.exists() and json.loads(latest.read_text())["step"] >= 3:
+            proc.send_signal(signal.SIGKILL)
+            break
+        time.sleep(0.01)
+    proc.wait()
+    assert proc.returncode == -signal.SIGKILL, proc.stderr.read().decode()[-2000:]
+    killed_at = json.loads(latest.read_text())["step"]
+    assert 3 <= killed_at < 16
+
+    resumed = run(draft_inputs, out, cfg)
+    ref_w, got_w = final_weights(tmp_path / "reference"), final_weights(out)
+    assert ref_w.keys() == got_w.keys()
+    for name in ref_w:
+        assert torch.equal(ref_w[name], got_w[name]), name
+    assert resumed["simulated_acceptance_length"] == reference["simulated_acceptance_length"]
+    assert [r["step"] for r in records(out, "train")] == list(range(1, 17))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
+def test_two_processes_reach_the_weights_of_one(draft_inputs, tmp_path, strategy):
+    """torchrun, 2 CPU processes (gloo), grad_accum 1 == one process with grad_accum 2."""
+    cfg = {**SMALL, "max_steps": 6, "eval_every": 3, "checkpoint_every": 3}
+    single = run(draft_inputs, tmp_path / "single", {**cfg, "grad_accum": 2})
+    multi = run(draft_inputs, tmp_path / strategy,
+                {**cfg, "nproc_per_node": 2, "strategy": strategy})
+    assert multi["world_size"] == 2 and single["world_size"] == 1
+    one, two = final_weights(tmp_path / "single"), final_weights(tmp_path / strategy)
+    for name in one:
+        torch.testing.assert_close(two[name], one[name], atol=1e-5, rtol=1e-4)
+    assert multi["simulated_acceptance_length"] == pytest.approx(
+        single["simulated_acceptance_length"], abs=1e-6)
+    assert multi["accuracy"] == pytest.approx(single["accuracy"], abs=1e-6)
+    assert [r["step"] for r in records(tmp_path / strategy, "train")] == list(range(1, 7))
