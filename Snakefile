@@ -12,6 +12,14 @@ validate(config, "src/draftline/schemas/config.schema.yaml")
 
 
 include: "rules/common.smk"
+
+
+# --software-deployment-method apptainer runs every rule in the pipeline image and the rules that
+# run vLLM in the serving image (serving_container()): digest-pinned docker:// URIs from config
+# (containers/images.lock). Without them (null, the default) no rule uses a container.
+container: config["containers"]["pipeline"]
+
+
 include: "rules/target.smk"
 include: "rules/prompts.smk"
 include: "rules/profile.smk"
@@ -24,9 +32,9 @@ include: "rules/bundle.smk"
 
 
 rule all:
+    default_target: True
     input:
         final_outputs(),
-    default_target: True
 
 
 onsuccess:

@@ -16,7 +16,7 @@ the table shows tokens/s, the increase of peak RSS over the process before its f
 the ratios against the dense baseline.
 
     python benchmarks/train_step.py                 # K = 1, 3, 7; 2,048 tokens
-    python benchmarks/train_step.py --steps-k 7 --tokens 4096 --repeats 3
+    python benchmarks/train_step.py --steps-k 7 --tokens 4096 --repeats 3 --threads 1
 """
 
 from __future__ import annotations
@@ -127,17 +127,25 @@ def main() -> int:
     parser.add_argument("--steps-k", type=int, nargs="+", default=[1, 3, 7])
     parser.add_argument("--tokens", type=int, default=2048)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--threads", type=int, default=None,
+                        help="torch threads per process (default: torch's; 1 is steadier on a "
+                             "busy machine)")
     parser.add_argument("--json", help="also write the rows to this file")
     parser.add_argument("--one", nargs=2, metavar=("IMPL", "K"), help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.one:  # child process: one configuration, JSON on stdout
+        if args.threads:
+            import torch
+
+            torch.set_num_threads(args.threads)
         print(json.dumps(measure(args.one[0], int(args.one[1]), args.tokens, args.repeats)))
         return 0
     rows = []
     for k in args.steps_k:
         for impl in IMPLS:
+            threads = ["--threads", str(args.threads)] if args.threads else []
             out = subprocess.run([sys.executable, __file__, "--one", impl, str(k), "--tokens",
-                                  str(args.tokens), "--repeats", str(args.repeats)],
+                                  str(args.tokens), "--repeats", str(args.repeats), *threads],
                                  check=True, capture_output=True, text=True, env=os.environ)
             rows.append(json.loads(out.stdout.strip().splitlines()[-1]))
             print(f"{impl:14s} K={k}: {rows[-1]['tokens_per_s']:,.0f} tok/s, "

@@ -23,6 +23,12 @@ rule bench:
             caption="../report/bench_acceptance.rst",
             category="Deployment benchmark",
         ),
+    log:
+        "logs/bench/bench.log",
+    conda:
+        "../envs/draftline.yaml"
+    container:
+        serving_container()
     params:
         bench=config["bench"],
         generate=config["generate"],
@@ -31,9 +37,5 @@ rule bench:
         model=target_path,
         state_dir=SERVER_STATE,
         code=code_hash("bench", "loadgen", "server"),
-    log:
-        "logs/bench/bench.log",
-    conda:
-        "../envs/draftline.yaml"
     script:
         "../scripts/bench.py"

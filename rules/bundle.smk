@@ -10,6 +10,10 @@ if workflow.is_main_process:
     os.environ["DRAFTLINE_COMMAND_LINE"] = shlex.join(sys.argv)
 
 
+envvars:
+    "DRAFTLINE_COMMAND_LINE",
+
+
 rule bundle:
     input:
         checkpoint=res("draft/checkpoint/config.json"),

@@ -4,8 +4,8 @@ import hashlib
 import json
 import os
 import signal
+import time
 from pathlib import Path
-
 
 
 def _check_config(cfg):
@@ -13,16 +13,29 @@ def _check_config(cfg):
     for i, src in enumerate(cfg["prompts"]["sources"]):
         path = src["path"]
         if path != "bundled" and not path.startswith("hf:") and not Path(path).exists():
-            raise ValueError(f"config key 'prompts.sources[{i}].path': file not found: {path}")
+            raise ValueError(
+                f"config key 'prompts.sources[{i}].path': file not found: {path}"
+            )
     toy = cfg["target"]["toy"]
     if toy["hidden_size"] % toy["num_heads"]:
-        raise ValueError("config key 'target.toy.num_heads': must divide target.toy.hidden_size")
+        raise ValueError(
+            "config key 'target.toy.num_heads': must divide target.toy.hidden_size"
+        )
     ids = cfg["hidden"]["layer_ids"]
     if ids is not None and len(set(ids)) != len(ids):
-        raise ValueError(f"config key 'hidden.layer_ids': ids must be distinct, got {ids}")
-    if cfg["server"]["mode"] == "external" and not cfg["server"]["external"]["base_urls"]:
+        raise ValueError(
+            f"config key 'hidden.layer_ids': ids must be distinct, got {ids}"
+        )
+    if (
+        cfg["server"]["mode"] == "external"
+        and not cfg["server"]["external"]["base_urls"]
+    ):
         raise ValueError(
             "config key 'server.external.base_urls': required when server.mode is external"
+        )
+    if cfg["server"]["launcher"] == "docker" and not cfg["server"]["image"]:
+        raise ValueError(
+            "config key 'server.image': required when server.launcher is docker"
         )
 
 
@@ -45,7 +58,9 @@ def code_hash(*modules):
         base = Path(workflow.basedir) / "src" / "draftline"
         # a stage's code is a module (name.py) or a package (name/, all its .py files)
         package = base / name
-        paths = sorted(package.rglob("*.py")) if package.is_dir() else [base / f"{name}.py"]
+        paths = (
+            sorted(package.rglob("*.py")) if package.is_dir() else [base / f"{name}.py"]
+        )
         for path in paths:
             digest.update(path.read_bytes() if path.exists() else name.encode())
     return digest.hexdigest()[:16]
@@ -58,7 +73,11 @@ def target_dir():
 
 def target_path(wildcards, input):
     """The target model directory: the built toy target, or the configured model."""
-    return input.target if config["target"]["model"] == "toy" else config["target"]["model"]
+    return (
+        input.target
+        if config["target"]["model"] == "toy"
+        else config["target"]["model"]
+    )
 
 
 def target_input():
@@ -68,14 +87,24 @@ def target_input():
 
 def prompt_source_files():
     """Local prompt files (the bundled set included), so edits to them make shards stale."""
-    bundled = str(Path(workflow.basedir) / "src" / "draftline" / "data" / "prompts.jsonl")
-    paths = [s["path"] for s in config["prompts"]["sources"] if not s["path"].startswith("hf:")]
+    bundled = str(
+        Path(workflow.basedir) / "src" / "draftline" / "data" / "prompts.jsonl"
+    )
+    paths = [
+        s["path"]
+        for s in config["prompts"]["sources"]
+        if not s["path"].startswith("hf:")
+    ]
     return [bundled if p == "bundled" else p for p in paths]
 
 
 def profile_input():
     """generate.concurrency: auto reads the measured profile; an integer needs none."""
-    return res("profile/concurrency.json") if config["generate"]["concurrency"] == "auto" else []
+    return (
+        res("profile/concurrency.json")
+        if config["generate"]["concurrency"] == "auto"
+        else []
+    )
 
 
 def sampling_params():
@@ -86,7 +115,10 @@ def sampling_params():
 
 def server_params():
     """Everything that defines the served target (part of the workload fingerprint)."""
-    return {"server": config["server"], "trust_remote_code": config["target"]["trust_remote_code"]}
+    return {
+        "server": config["server"],
+        "trust_remote_code": config["target"]["trust_remote_code"],
+    }
 
 
 def profile_outputs():
@@ -102,7 +134,11 @@ def bench_outputs():
     rules/bundle.smk)."""
     if not rules.has("bench"):
         return []
-    plots = [str(f) for f in rules.bench.output if str(f).endswith(".png") and "{" not in str(f)]
+    plots = [
+        str(f)
+        for f in rules.bench.output
+        if str(f).endswith(".png") and "{" not in str(f)
+    ]
     return [res("bench/results.json"), res("bench/summary.md")] + plots
 
 
@@ -124,18 +160,41 @@ def publish_target(name):
 def final_outputs():
     outputs = [res("bundle.tar")]
     if config["bundle"]["publish_to"]:
-        outputs += [publish_target(n) for n in ("bundle.tar", "manifest.json", "bundle.tar.sha256")]
+        outputs += [
+            publish_target(n)
+            for n in ("bundle.tar", "manifest.json", "bundle.tar.sha256")
+        ]
     if config["bundle"]["hf_repo"]:
         outputs.append(res("bundle.hub.json"))
     return outputs
 
 
-def stop_shared_servers():
-    """Stop the run's shared vLLM servers now instead of after their idle timeout."""
+def serving_container():
+    """Image of the rules that run vLLM: containers.serving, else the pipeline image."""
+    return config["containers"]["serving"] or config["containers"]["pipeline"]
+
+
+def stop_shared_servers(wait_s=60):
+    """Stop the run's shared vLLM servers now instead of after their idle timeout, and wait
+    (bounded) until their supervisors have taken the servers down."""
+    pids = []
     for state_path in Path(SERVER_STATE).glob("*.json"):
         try:
             pid = json.loads(state_path.read_text()).get("supervisor_pid")
             if pid:
                 os.kill(pid, signal.SIGTERM)
+                pids.append(pid)
         except (OSError, ValueError):
             pass
+    deadline = time.monotonic() + wait_s
+    while pids and time.monotonic() < deadline:
+        pids = [pid for pid in pids if _alive(pid)]
+        time.sleep(0.2)
+
+
+def _alive(pid):
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True

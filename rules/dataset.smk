@@ -4,6 +4,10 @@ rule dataset:
         target=target_input(),
     output:
         directory(res("dataset")),
+    log:
+        "logs/dataset/build.log",
+    conda:
+        "../envs/draftline.yaml"
     params:
         model=target_path,
         eval_fraction=config["dataset"]["eval_fraction"],
@@ -11,10 +15,6 @@ rule dataset:
         trust_remote_code=config["target"]["trust_remote_code"],
         chat_template_kwargs=config["generate"]["chat_template_kwargs"],
         code=code_hash("dataset"),
-    conda:
-        "../envs/draftline.yaml"
-    log:
-        "logs/dataset/build.log",
     script:
         "../scripts/dataset.py"
 
@@ -26,13 +26,13 @@ rule vocab_map:
     output:
         vocab_map=res("vocab/vocab_map.safetensors"),
         coverage=res("vocab/coverage.json"),
+    log:
+        "logs/vocab_map/build.log",
+    conda:
+        "../envs/draftline.yaml"
     params:
         model=target_path,
         draft_vocab_size=config["vocab"]["draft_vocab_size"],
         code=code_hash("vocab"),
-    conda:
-        "../envs/draftline.yaml"
-    log:
-        "logs/vocab_map/build.log",
     script:
         "../scripts/vocab_map.py"

@@ -7,16 +7,16 @@ rule train_draft:
         best=directory(res("draft/best")),
         metrics=res("draft/metrics.jsonl"),
         eval=res("draft/eval.json"),
+    log:
+        "logs/train_draft/train.log",
+    conda:
+        "../envs/draftline.yaml"
+    threads: workflow.cores
     params:
         train=config["train"],
         model=target_path,
         out_dir=lambda wildcards, output: os.path.dirname(output.eval),
         code=code_hash("model", "train"),
-    conda:
-        "../envs/draftline.yaml"
-    log:
-        "logs/train_draft/train.log",
-    threads: workflow.cores
     script:
         "../scripts/train_draft.py"
 
@@ -30,12 +30,12 @@ rule export_draft:
     output:
         config=res("draft/checkpoint/config.json"),
         weights=res("draft/checkpoint/model.safetensors"),
+    log:
+        "logs/export_draft/export.log",
+    conda:
+        "../envs/draftline.yaml"
     params:
         model=target_path,
         code=code_hash("export", "model"),
-    conda:
-        "../envs/draftline.yaml"
-    log:
-        "logs/export_draft/export.log",
     script:
         "../scripts/export_draft.py"

@@ -7,6 +7,12 @@ rule generate:
         responses=res("responses/shard-{i}.jsonl"),
         errors=res("responses/shard-{i}.errors.jsonl"),
         summary=res("responses/shard-{i}.summary.json"),
+    log:
+        "logs/generate/shard-{i}.log",
+    conda:
+        "../envs/draftline.yaml"
+    container:
+        serving_container()
     params:
         generate=config["generate"],
         server=server_params(),
@@ -14,9 +20,5 @@ rule generate:
         state_dir=SERVER_STATE,
         slot_dir=res(".slots/generate"),
         code=code_hash("generate", "slots", "server", "dataset"),
-    conda:
-        "../envs/draftline.yaml"
-    log:
-        "logs/generate/shard-{i}.log",
     script:
         "../scripts/generate.py"

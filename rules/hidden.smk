@@ -4,15 +4,17 @@ rule hidden_states:
         target=target_input(),
     output:
         index=res("hidden/index.json"),
+    log:
+        "logs/hidden_states/extract.log",
+    conda:
+        "../envs/draftline.yaml"
+    container:
+        serving_container()
+    threads: workflow.cores
     params:
         hidden=config["hidden"],
         server=server_params(),
         model=target_path,
         code=code_hash("hidden", "hidden_connector"),
-    conda:
-        "../envs/draftline.yaml"
-    log:
-        "logs/hidden_states/extract.log",
-    threads: workflow.cores
     script:
         "../scripts/hidden_states.py"

@@ -9,6 +9,12 @@ rule concurrency_profile:
             caption="../report/concurrency.rst",
             category="Concurrency profile",
         ),
+    log:
+        "logs/concurrency_profile/profile.log",
+    conda:
+        "../envs/draftline.yaml"
+    container:
+        serving_container()
     params:
         profile=config["profile"],
         sampling=sampling_params(),
@@ -16,9 +22,5 @@ rule concurrency_profile:
         model=target_path,
         state_dir=SERVER_STATE,
         code=code_hash("profile", "loadgen", "server"),
-    conda:
-        "../envs/draftline.yaml"
-    log:
-        "logs/concurrency_profile/profile.log",
     script:
         "../scripts/concurrency_profile.py"

@@ -1,15 +1,15 @@
 rule toy_target:
     output:
         directory(res("target")),
-    params:
-        toy=config["target"]["toy"],
-        code=code_hash("toy"),
-    conda:
-        "../envs/draftline.yaml"
     log:
         "logs/toy_target/build.log",
+    conda:
+        "../envs/draftline.yaml"
     threads: 2
     resources:
         mem_mb=4000,
+    params:
+        toy=config["target"]["toy"],
+        code=code_hash("toy"),
     script:
         "../scripts/toy_target.py"

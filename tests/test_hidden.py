@@ -244,7 +244,8 @@ def test_write_safetensors_is_deterministic_and_readable(tmp_path):
 
 def test_hf_states_equal_direct_forward_pass(hf_run, tiny_target, dataset):
     report = max_errors(hf_run, tiny_target, dataset)
-    print("hf max abs diff per layer:", {k: r["max_abs"] for k, r in report.items()})
+    print("hf max abs diff / layer scale:",
+          {k: f"{r['max_abs']:.4g} / {r['scale']:.4g}" for k, r in report.items()})
     assert_equivalent(report)
 
 
@@ -402,7 +403,8 @@ def test_vllm_states_equal_direct_forward_pass(toy_target, tmp_path):
     assert not (tmp_path / "vllm" / ".spool").exists()
     assert verify_index(tmp_path / "vllm") == []
     report = max_errors(tmp_path / "vllm", toy_target, dataset)
-    print("vllm max abs diff per layer:", {k: r["max_abs"] for k, r in report.items()})
+    print("vllm max abs diff / layer scale:",
+          {k: f"{r['max_abs']:.4g} / {r['scale']:.4g}" for k, r in report.items()})
     assert_equivalent(report)
 
     extract(dataset, toy_target, tmp_path / "hf", {**cfg, "backend": "hf"})

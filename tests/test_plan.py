@@ -10,9 +10,9 @@ from conftest import default_config
 
 from draftline.plan import (
     format_plan,
-    peak_output_tok_s,
     plan,
     production_example,
+    profile_output_tok_s,
     target_dims,
 )
 
@@ -57,7 +57,7 @@ def test_measured_counts_and_rates_replace_assumptions():
                     "samples_out": {"train": 90, "eval": 10},
                     "supervised_tokens": {"train": 5_000, "eval": 500}},
         "hidden": {"tokens_per_s": 500.0},
-        "profile": {"chosen_concurrency": 16,
+        "profile": {"chosen_concurrency": 16, "chosen_output_tok_s": 2500.0,
                     "levels": [{"concurrency": 4, "output_tok_s": 900.0},
                                {"concurrency": 16, "output_tok_s": 2500.0}]},
     }
@@ -93,11 +93,12 @@ def test_unknown_target_leaves_sizes_open():
     assert "?" in format_plan(list(rows.values()))
 
 
-def test_peak_throughput_of_a_profile():
-    assert peak_output_tok_s(None) is None
-    assert peak_output_tok_s({"peak_output_tok_s": 7}) == 7.0
-    assert peak_output_tok_s({"levels": [{"output_tokens_per_s": 3}, {"output_tok_s": 5}]}) == 5.0
-    assert peak_output_tok_s({"levels": [{"concurrency": 1}]}) is None
+def test_generation_rate_of_a_profile():
+    assert profile_output_tok_s(None) is None
+    assert profile_output_tok_s({"chosen_output_tok_s": 6, "peak": {"output_tok_s": 7}}) == 6.0
+    assert profile_output_tok_s({"peak": {"concurrency": 8, "output_tok_s": 7}}) == 7.0
+    assert profile_output_tok_s({"levels": [{"output_tok_s": 3}, {"output_tok_s": 5}]}) == 5.0
+    assert profile_output_tok_s({"levels": [{"concurrency": 1}]}) is None
 
 
 def test_plan_command_prints_the_production_plan():

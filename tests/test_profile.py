@@ -235,12 +235,11 @@ def test_real_sweep_gives_a_rising_curve_and_a_choice_by_the_rule(vllm_server, c
     assert on_disk["levels_measured"] == [1, 4, 16] and on_disk["capped_levels"] == {}
     rows = on_disk["levels"]
     tok_s = [r["output_tok_s"] for r in rows]
-    assert tok_s[0] > 0 and tok_s[1] > 1.5 * tok_s[0] and tok_s[2] > tok_s[1], tok_s
+    assert 0 < tok_s[0] < tok_s[1] and tok_s[2] > 1.5 * tok_s[0], tok_s
     assert all(r["errors"] == 0 and r["requests_completed"] > 0 for r in rows)
     assert all(r["tpot_ms"]["p99"] > 0 and r["ttft_ms"]["p50"] > 0 for r in rows)
-    # the server saw the intended concurrency (the client was not the bottleneck)
-    running = [r["server"]["num_requests_running_mean"] for r in rows]
-    assert running[2] > 0.8 * 16, running
+    assert all(r["client_cpu_frac"] < 0.5 for r in rows)  # the client is not the bottleneck
+    assert all(r["server"]["output_tok_s"] > 0 for r in rows)
     expected = choose_concurrency(rows, profile_cfg["tolerance"])
     assert on_disk["chosen_concurrency"] == expected["chosen_concurrency"]
     assert on_disk["peak"] == expected["peak"]

@@ -87,6 +87,8 @@ def check_semantics(config: dict[str, Any], base: Path | None = None) -> None:
     if config["server"]["mode"] == "external" and not config["server"]["external"]["base_urls"]:
         raise ConfigError(
             "config key 'server.external.base_urls': required when server.mode is external")
+    if config["server"]["launcher"] == "docker" and not config["server"]["image"]:
+        raise ConfigError("config key 'server.image': required when server.launcher is docker")
 
 
 def load_config(path: str | Path | None = None, overrides: dict | None = None) -> dict[str, Any]:

@@ -208,6 +208,7 @@ class AppendLog:
 
 
 def write_jsonl_atomic(path: Path, records: Iterable[dict]) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.tmp")
     with open(tmp, "w", encoding="utf-8") as fh:
         for rec in records:

@@ -18,8 +18,10 @@ own step k-1 state, the token at i+1+k, at rotary position i+k, and predicts tok
 
 Attention at step k: row i sees the step-0 keys/values of rows j <= i (the real context, as
 in vLLM's draft KV cache) plus its own keys/values of steps 1..k (a diagonal). The diagonal
-is computed as k extra scores per row and softmaxed jointly with the [T, T] causal scores,
-never as a dense [T, T*K] mask, so a step costs about what plain causal attention costs.
+is computed as k extra scores per row and softmaxed jointly with the causal scores, never as
+a dense [T, T*K] mask, so a step costs about what plain causal attention costs. The causal
+part runs on the fused flash kernel and joins the diagonal through its log-sum-exp
+(``FusedTTTAttention``; verified against the eager reference once per device and dtype).
 
 Samples are not packed into one row: a batch is ``[B, T]`` with each sample in its own row,
 right-padded. Causal masking then keeps attention inside a sample (padding comes after the

@@ -72,10 +72,17 @@ class ServerSpec:
     extra_args: tuple[str, ...] = ()
     env: tuple[tuple[str, str], ...] = ()
     startup_timeout_s: float = 900.0
+    launcher: str = "process"  # process | docker (draftline.docker_launcher)
+    image: str | None = None  # serving image of launcher docker, pinned by digest
+    docker: dict | None = None  # the server.docker config section (launcher docker)
+    api_key_env: str | None = None  # NAME of the env variable holding the key the server requires
 
     def command(self, port: int) -> list[str]:
+        return [sys.executable, "-m", API_SERVER_MODULE, *self.server_args(port)]
+
+    def server_args(self, port: int) -> list[str]:
+        """The API server's arguments (after ``python -m <module>``)."""
         cmd = [
-            sys.executable, "-m", API_SERVER_MODULE,
             "--model", self.model,
             "--served-model-name", self.served_name,
             "--host", self.host,
@@ -100,11 +107,22 @@ class ServerSpec:
             cmd += ["--speculative-config", self.speculative_config]
         return cmd + list(self.extra_args)
 
+    def api_key(self) -> str | None:
+        """The key the server requires, read from the environment (never stored or logged)."""
+        if not self.api_key_env:
+            return None
+        if self.api_key_env not in os.environ:
+            raise ServerError(f"config key 'server.docker.api_key_env': environment variable "
+                              f"{self.api_key_env} is not set")
+        return os.environ[self.api_key_env]
+
     def environment(self) -> dict[str, str]:
         env = dict(os.environ)
         if not has_gpu():
             env.setdefault("VLLM_CPU_KVCACHE_SPACE", f"{self.cpu_kvcache_space_gib:g}")
         env.update(dict(self.env))
+        if self.api_key_env:
+            env["VLLM_API_KEY"] = self.api_key()
         return env
 
     def fingerprint(self) -> str:
@@ -145,7 +163,17 @@ def spec_from_config(server_cfg: dict, model: str, trust_remote_code: bool = Fal
         extra_args=tuple(server_cfg["extra_args"]),
         env=tuple(sorted(server_cfg["env"].items())),
         startup_timeout_s=server_cfg["startup_timeout_s"],
+        **_launcher_fields(server_cfg),
     )
+
+
+def _launcher_fields(server_cfg: dict) -> dict:
+    """Spec fields of launcher docker; none for the process launcher (same fingerprint)."""
+    if server_cfg.get("launcher", "process") != "docker":
+        return {}
+    docker = dict(server_cfg.get("docker") or {})
+    return {"launcher": "docker", "image": server_cfg.get("image"), "docker": docker,
+            "api_key_env": docker.get("api_key_env")}
 
 
 def has_gpu() -> bool:
@@ -184,7 +212,12 @@ class ManagedServer:
 
     @property
     def endpoint(self) -> Endpoint:
-        return Endpoint(base_url=f"{self.url}/v1", model=self.spec.served_name)
+        return Endpoint(base_url=f"{self.url}/v1", model=self.spec.served_name,
+                        api_key=self.spec.api_key() or "EMPTY")
+
+    def handle(self) -> dict:
+        """What the shared-server state file records to find this server again."""
+        return {"server_pgid": self.proc.pid if self.proc else None}
 
     def start(self) -> ManagedServer:
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
@@ -219,6 +252,15 @@ class ManagedServer:
 
     def __exit__(self, *exc) -> None:
         self.stop()
+
+
+def make_server(spec: ServerSpec, log_path: Path):
+    """A ManagedServer, or a DockerServer (same interface) for ``launcher: docker``."""
+    if spec.launcher == "docker":
+        from draftline.docker_launcher import DockerServer
+
+        return DockerServer(spec, log_path)
+    return ManagedServer(spec, log_path)
 
 
 def stop_process_group(pgid: int, grace_s: float = 30.0) -> None:
@@ -334,7 +376,8 @@ def shared_server(spec: ServerSpec, state_dir: Path, idle_timeout_s: float = 120
         lease_fd = os.open(paths.lease, os.O_RDWR | os.O_CREAT, 0o600)
         fcntl.flock(lease_fd, fcntl.LOCK_SH)
     try:
-        yield Endpoint(base_url=f"{state['url']}/v1", model=spec.served_name)
+        yield Endpoint(base_url=f"{state['url']}/v1", model=spec.served_name,
+                       api_key=spec.api_key() or "EMPTY")
     finally:
         os.close(lease_fd)
 
@@ -371,7 +414,7 @@ def supervise(spec_path: Path, idle_timeout_s: float) -> int:
     """Own one vLLM server; stop it when idle, on SIGTERM, or when it dies."""
     spec = ServerSpec.from_json(Path(spec_path).read_text())
     paths = _Paths(Path(spec_path).parent, spec.fingerprint())
-    server = ManagedServer(spec, paths.log)
+    server = make_server(spec, paths.log)
     stopping = False
 
     def on_signal(signum, frame):
@@ -388,7 +431,7 @@ def supervise(spec_path: Path, idle_timeout_s: float) -> int:
         return 1
     _write_state(paths.state, {
         "status": "ready", "url": server.url, "supervisor_pid": os.getpid(),
-        "server_pgid": server.proc.pid, "startup_s": time.monotonic() - t0,
+        "startup_s": time.monotonic() - t0, **server.handle(),
     })
     idle_since: float | None = None
     try:
@@ -439,6 +482,11 @@ def stop_all(state_dir: Path) -> int:
             time.sleep(0.2)
         if state.get("server_pgid"):
             stop_process_group(state["server_pgid"], grace_s=5)
+        if state.get("container_id"):  # launcher docker: the supervisor died before removing it
+            from draftline.docker_launcher import remove_container
+
+            with contextlib.suppress(ServerError):
+                remove_container(state["container_id"])
     return stopped
 
 

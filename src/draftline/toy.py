@@ -9,7 +9,7 @@ chat template: reasoning, ``</think>``, a short answer, ``<|end|>``. Sampled rep
 open and close the thinking block and stop well before the usual token limits, like a real
 reasoning target would.
 
-Everything is seeded and single-configuration deterministic: the same ``toy_cfg`` gives
+Everything is seeded and runs on a fixed thread count: the same ``toy_cfg`` gives
 byte-identical files on the same software stack.
 
 Heavy packages (torch, transformers, tokenizers, jinja2) are imported inside functions.
@@ -61,7 +61,7 @@ CHAT_TEMPLATE = (
 )
 
 MAX_POSITION_EMBEDDINGS = 2048
-TRAIN_THREADS = 2  # fixed: float reductions depend on the thread count
+TRAIN_THREADS = 1  # fixed (reductions depend on it); more threads crawl on a busy host
 BATCH_SIZE = 16
 LEARNING_RATE = 3e-3
 WARMUP_STEPS = 20
@@ -216,7 +216,8 @@ def _count_letters(rng: random.Random, _: list[str]) -> Example:
         reasoning = f"I look at each letter of {word}: {', '.join(word)}. '{letter}' appears {n}."
         return f"How many times does '{letter}' appear in '{word}'?", reasoning, f"{n}"
     reasoning = f"The letters of {word} are {', '.join(word)}. That is {len(word)} letters."
-    return f"How many letters are in the word {word}?", reasoning, f"{word} has {len(word)} letters."
+    answer = f"{word} has {len(word)} letters."
+    return f"How many letters are in the word {word}?", reasoning, answer
 
 
 def _change_case(rng: random.Random, sentences: list[str]) -> Example:
@@ -350,6 +351,21 @@ def _topic(rng: random.Random, _: list[str]) -> Example:
     return ask.format(t=topic), reasoning, " ".join(facts)
 
 
+def _counting(rng: random.Random, _: list[str]) -> Example:
+    """Longer replies (up to ~120 tokens) so output lengths have a realistic tail."""
+    step = rng.choice([1, 1, 2, 3, 5, 10])
+    start = rng.randint(0, 20) * step
+    count = rng.randint(5, 40)
+    numbers = [start + step * i for i in range(count)]
+    if step == 1:
+        ask = f"Count from {numbers[0]} to {numbers[-1]}."
+    else:
+        ask = f"List {count} numbers starting at {start}, going up by {step}."
+    reasoning = (f"I start at {start} and add {step} each time until I have {count} numbers."
+                 f" The last one is {numbers[-1]}.")
+    return ask, reasoning, ", ".join(map(str, numbers))
+
+
 def _open_ended(rng: random.Random, sentences: list[str]) -> Example:
     """Free-form requests; they teach the shape of a reply to prompts unlike the others."""
     text = rng.choice(sentences)
@@ -374,7 +390,7 @@ def _open_ended(rng: random.Random, sentences: list[str]) -> Example:
 _FAMILIES: list[Callable[[random.Random, list[str]], Example]] = [
     _arithmetic, _reverse_word, _count_letters, _change_case, _sort_items, _capital, _animal,
     _opposite, _color, _day_math, _planet, _units, _parity_compare, _sentence_task, _topic,
-    _open_ended,
+    _counting, _open_ended,
 ]
 
 
@@ -534,17 +550,32 @@ def encode_for_training(conversations: list[list[dict]], tokenizer) -> list[tupl
     return samples
 
 
-def _batches(samples, steps: int, seed: int, pad_id: int) -> Iterator[tuple]:
-    """``steps`` random batches: input_ids, attention_mask, labels, each ``[B, T]``."""
+def _length_grouped_batches(lengths: list[int], seed: int) -> Iterator[list[int]]:
+    """Endless random batches of sample indices with similar lengths (little padding)."""
     import torch
 
     generator = torch.Generator().manual_seed(seed)
-    for _ in range(steps):
-        picks = torch.randint(len(samples), (BATCH_SIZE,), generator=generator).tolist()
+    group = BATCH_SIZE * 16
+    while True:  # one pass over the corpus per loop
+        order = torch.randperm(len(lengths), generator=generator).tolist()
+        batches = []
+        for start in range(0, len(order), group):
+            chunk = sorted(order[start : start + group], key=lambda i: (lengths[i], i))
+            batches += [chunk[i : i + BATCH_SIZE] for i in range(0, len(chunk), BATCH_SIZE)]
+        for b in torch.randperm(len(batches), generator=generator).tolist():
+            yield batches[b]
+
+
+def _batches(samples, steps: int, seed: int, pad_id: int) -> Iterator[tuple]:
+    """``steps`` batches: input_ids, attention_mask, labels, each ``[B, T]``."""
+    import torch
+
+    picks_per_step = _length_grouped_batches([len(ids) for ids, _ in samples], seed)
+    for _, picks in zip(range(steps), picks_per_step, strict=False):  # endless picks
         width = max(len(samples[i][0]) for i in picks)
-        input_ids = torch.full((BATCH_SIZE, width), pad_id, dtype=torch.long)  # [B, T]
-        attention_mask = torch.zeros((BATCH_SIZE, width), dtype=torch.long)  # [B, T]
-        labels = torch.full((BATCH_SIZE, width), -100, dtype=torch.long)  # [B, T]
+        input_ids = torch.full((len(picks), width), pad_id, dtype=torch.long)  # [B, T]
+        attention_mask = torch.zeros((len(picks), width), dtype=torch.long)  # [B, T]
+        labels = torch.full((len(picks), width), -100, dtype=torch.long)  # [B, T]
         for row, i in enumerate(picks):
             ids, reply_start = samples[i]
             input_ids[row, : len(ids)] = torch.tensor(ids)
