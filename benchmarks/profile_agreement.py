@@ -29,7 +29,8 @@ import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import asdict
+from dataclasses import asdict, replace
+from functools import partial
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
@@ -124,31 +125,42 @@ def run_window(endpoint, prompts, level: int, spec, warmup_s: float, measure_s: 
 
 
 def summarize(values: list[float]) -> dict:
-    return {"mean": round(statistics.fmean(values), 1), "runs": [round(v, 1) for v in values]}
+    return {"median": round(statistics.median(values), 1),
+            "mean": round(statistics.fmean(values), 1), "runs": [round(v, 1) for v in values]}
 
 
 def agreement(endpoint, model_dir, prompts, spec, args, workdir) -> dict:
     report = {}
     for level in args.levels:
         n = args.prompts_per_slot * level
-        runs = {"window": [], "fixed": [], "vllm": []}
+        tasks = {
+            "window": partial(run_window, endpoint, prompts, level, spec, args.warmup_s,
+                              args.measure_s),
+            "fixed": partial(run_fixed, endpoint, prompts, level, n, spec),
+            "vllm": partial(run_vllm_bench, endpoint, model_dir, prompts, level, n, spec,
+                            workdir),
+        }
+        if args.variants:  # what the profile's own request options cost the server
+            tasks["fixed_usage"] = partial(run_fixed, endpoint, prompts, level, n,
+                                           replace(spec, continuous_usage=True))
+            tasks["fixed_token_ids"] = partial(run_fixed, endpoint, prompts, level, n,
+                                               replace(spec, return_token_ids=True))
+        runs: dict[str, list] = {k: [] for k in tasks}
+        names = list(tasks)
         for rep in range(args.repeats):
-            # interleaved, so slow drift of the shared machine hits all three alike
-            runs["window"].append(run_window(endpoint, prompts, level, spec, args.warmup_s,
-                                             args.measure_s))
-            runs["fixed"].append(run_fixed(endpoint, prompts, level, n, spec))
-            runs["vllm"].append(run_vllm_bench(endpoint, model_dir, prompts, level, n, spec,
-                                               workdir))
+            # interleaved in a rotating order, so drift of the shared machine hits all alike
+            for name in names[rep % len(names):] + names[:rep % len(names)]:
+                runs[name].append(tasks[name]())
             print(f"C={level} rep {rep}: " + ", ".join(
                 f"{k} {v[-1]['output_tok_s']:.0f}" for k, v in runs.items()) + " tok/s",
                 flush=True)
-        means = {k: statistics.fmean(r["output_tok_s"] for r in v) for k, v in runs.items()}
+        medians = {k: statistics.median(r["output_tok_s"] for r in v) for k, v in runs.items()}
         report[str(level)] = {
             "requests_per_fixed_run": n,
             "output_tok_s": {k: summarize([r["output_tok_s"] for r in v])
                              for k, v in runs.items()},
-            "ratio_fixed_to_vllm": round(means["fixed"] / means["vllm"], 3),
-            "ratio_window_to_vllm": round(means["window"] / means["vllm"], 3),
+            "median_ratio_to_vllm": {k: round(m / medians["vllm"], 3)
+                                     for k, m in medians.items() if k != "vllm"},
             "runs": runs,
         }
     return report
@@ -196,8 +208,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--warmup-s", type=float, default=3.0)
     parser.add_argument("--measure-s", type=float, default=15.0)
     parser.add_argument("--prompts-per-slot", type=int, default=16)
-    parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--repeats", type=int, default=4)
+    parser.add_argument("--variants", action="store_true",
+                        help="also time requests with continuous usage stats / token ids")
     parser.add_argument("--adaptive", action="store_true")
+    parser.add_argument("--skip-agreement", action="store_true")
     parser.add_argument("--noise-level", type=int, default=16)
     parser.add_argument("--window-s", type=float, default=6.0)
     parser.add_argument("--adaptive-s", type=float, default=120.0)
@@ -218,9 +233,9 @@ def main(argv: list[str] | None = None) -> int:
         from conftest import cached_toy_target  # the test suite's cached toy build
 
         model_dir = str(cached_toy_target(config["target"]["toy"]))
-    # no per-request seed and no token ids: vllm bench sends neither, so the server work matches
+    # the request body vllm bench sends: no seed, no token ids, usage only in the last chunk
     spec = SamplingSpec(max_tokens=args.max_tokens, temperature=args.temperature,
-                        top_p=config["generate"]["top_p"], seed=None)
+                        top_p=config["generate"]["top_p"], seed=None, continuous_usage=False)
     prompts = make_prompts(256)
     server_spec = spec_from_config(config["server"], model_dir)
     report: dict = {"model": model_dir, "sampling": asdict(spec),
@@ -229,17 +244,17 @@ def main(argv: list[str] | None = None) -> int:
             ManagedServer(server_spec, Path(tmp) / "server.log") as server:
         report["load_avg_start"] = os.getloadavg()
         t0 = time.time()
-        report["agreement"] = agreement(server.endpoint, model_dir, prompts, spec, args,
-                                        Path(tmp))
+        if not args.skip_agreement:
+            report["agreement"] = agreement(server.endpoint, model_dir, prompts, spec, args,
+                                            Path(tmp))
         if args.adaptive:
             report["adaptive"] = adaptive(server.endpoint, prompts, spec, args)
         report["load_avg_end"] = os.getloadavg()
         report["duration_s"] = round(time.time() - t0, 1)
-    for level, row in report["agreement"].items():
-        tok = row["output_tok_s"]
-        print(f"C={level}: window {tok['window']['mean']}, fixed {tok['fixed']['mean']}, "
-              f"vllm bench {tok['vllm']['mean']} tok/s; fixed/vllm {row['ratio_fixed_to_vllm']}, "
-              f"window/vllm {row['ratio_window_to_vllm']}")
+    for level, row in report.get("agreement", {}).items():
+        medians = ", ".join(f"{k} {v['median']}" for k, v in row["output_tok_s"].items())
+        print(f"C={level} median tok/s: {medians}; ratio to vllm bench: "
+              f"{row['median_ratio_to_vllm']}")
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(report, indent=2, default=str) + "\n")

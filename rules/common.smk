@@ -85,11 +85,14 @@ def target_input():
     return res("target") if config["target"]["model"] == "toy" else []
 
 
+def package_data(name):
+    """A data file shipped with the library (an input, so editing it makes its stage stale)."""
+    return str(Path(workflow.basedir) / "src" / "draftline" / "data" / name)
+
+
 def prompt_source_files():
     """Local prompt files (the bundled set included), so edits to them make shards stale."""
-    bundled = str(
-        Path(workflow.basedir) / "src" / "draftline" / "data" / "prompts.jsonl"
-    )
+    bundled = package_data("prompts.jsonl")
     paths = [
         s["path"]
         for s in config["prompts"]["sources"]

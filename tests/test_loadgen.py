@@ -33,11 +33,13 @@ def test_sampling_spec_from_generate_config_builds_streaming_requests():
                                            "chat_template_kwargs": {"enable_thinking": False}})
     kwargs = spec.create_kwargs("target", [{"role": "user", "content": "hi"}], "p1")
     assert kwargs["stream"] is True
-    assert kwargs["stream_options"] == {"include_usage": True, "continuous_usage_stats": True}
     assert kwargs["max_tokens"] == 160 and kwargs["temperature"] == 0.6 and kwargs["top_p"] == 0.9
     assert kwargs["extra_body"] == {"chat_template_kwargs": {"enable_thinking": False},
                                     "return_token_ids": True}
+    assert kwargs["stream_options"] == {"include_usage": True}  # token ids count exactly
     assert kwargs["seed"] == request_seed(3, "p1") != request_seed(3, "p2")
+    plain = SamplingSpec(max_tokens=8).create_kwargs("m", [], "p1")
+    assert plain["stream_options"] == {"include_usage": True, "continuous_usage_stats": True}
     unseeded = SamplingSpec(max_tokens=8, seed=None, continuous_usage=False)
     kwargs = unseeded.create_kwargs("m", [], "p1")
     assert "seed" not in kwargs and kwargs["stream_options"] == {"include_usage": True}
@@ -88,6 +90,8 @@ def test_without_usage_token_ids_or_text_chunks_are_counted():
     _absorb_chunk(chunk(content="b"), r, 0.3, keep_text=False)
     _absorb_chunk(chunk(content=""), r, 0.4, keep_text=False)
     assert r.output_tokens == 3 and r.content == ""
+    _absorb_chunk(chunk(with_choice=False, completion_tokens=6), r, 0.5, keep_text=False)
+    assert r.output_tokens == 6 and r.arrivals[-1] == (0.5, 3)  # the final usage settles it
 
 
 # ---------------------------------------------------------------- window statistics

@@ -246,6 +246,10 @@ def test_real_sweep_gives_a_rising_curve_and_a_choice_by_the_rule(vllm_server, c
     fp = on_disk["fingerprint"]
     assert fp["sampling"]["max_tokens"] == 64 and fp["prompt_lengths"]["count"] == 48
     assert not profile_is_stale(out_json, fp)
+    # what a Snakemake rule computes from the config alone matches what the profile stored
+    from_config = fingerprint_from_config({**config, "generate": generate_cfg},
+                                          vllm_server.spec.model)
+    assert not profile_is_stale(out_json, from_config)
     changed = workload_fingerprint(fp["model"], server_info,
                                    SamplingSpec.from_generate_cfg({**generate_cfg,
                                                                    "max_tokens": 65}))

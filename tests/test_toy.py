@@ -180,6 +180,13 @@ def test_trained_toy_closes_thinking_and_ends_turn(toy_target):
         "Give me a Python function that reverses a list.", "Why is the sky blue?",
     )]
     replies = sample_replies(toy_target, held_out + unlike_training, max_new_tokens=160)
-    close_id, end_id = 6, 1  # </think>, <|end|>
-    well_formed = [r for r in replies if close_id in r and r[-1] == end_id and len(r) < 128]
-    assert len(well_formed) / len(replies) >= 0.8
+
+    def well_formed(reply: list[int]) -> bool:
+        close_id, end_id = 6, 1  # </think>, <|end|>
+        if close_id not in reply or reply[-1] != end_id or len(reply) >= 128:
+            return False
+        # some reasoning before </think>; after it "\n\n", at least one answer token, <|end|>
+        return reply.index(close_id) >= 3 and len(reply) - reply.index(close_id) >= 5
+
+    # Measured: 28/28 for the default build, 11/28 after 20 training steps.
+    assert sum(map(well_formed, replies)) / len(replies) >= 0.9

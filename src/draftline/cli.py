@@ -111,7 +111,8 @@ def cmd_vocab(cfg: dict, lay: Layout, args) -> None:
 def cmd_hidden(cfg: dict, lay: Layout, args) -> None:
     from draftline.hidden import extract
 
-    extract(lay.dataset, lay.model, lay.hidden, cfg["hidden"], server_cfg=cfg["server"])
+    hidden_cfg = {**cfg["hidden"], "trust_remote_code": cfg["target"]["trust_remote_code"]}
+    extract(lay.dataset, lay.model, lay.hidden, hidden_cfg, server_cfg=cfg["server"])
 
 
 def cmd_train(cfg: dict, lay: Layout, args) -> None:
@@ -140,12 +141,9 @@ def cmd_bench(cfg: dict, lay: Layout, args) -> None:
 
 
 def cmd_plan(cfg: dict, lay: Layout, args) -> None:
-    from draftline.plan import format_plan, plan
+    from draftline.plan import format_plan, measured_from_results, plan
 
-    measured = None
-    if lay.profile_json.exists():
-        measured = {"profile": json.loads(lay.profile_json.read_text())}
-    print(format_plan(plan(cfg, measured)))
+    print(format_plan(plan(cfg, measured_from_results(cfg))))
 
 
 def cmd_server_stop_all(cfg: dict, lay: Layout, args) -> None:

@@ -220,6 +220,7 @@ def container_volumes(spec: ServerSpec) -> dict[str, dict]:
 def container_config(spec: ServerSpec, port: int, owner: str) -> dict:
     """Keyword arguments of ``client.containers.create`` for this server."""
     opts = options(spec)
+    fingerprint = spec.fingerprint()  # the shared server's identity (paths as configured)
     spec = with_absolute_paths(spec)
     config = {
         "image": spec.image,
@@ -229,8 +230,8 @@ def container_config(spec: ServerSpec, port: int, owner: str) -> dict:
         "volumes": container_volumes(spec),
         "network_mode": "host",
         "device_requests": gpu_device_requests(opts["gpus"]),
-        "labels": {LABEL_MANAGED: "1", LABEL_FINGERPRINT: spec.fingerprint(), LABEL_OWNER: owner},
-        "name": f"draftline-{spec.fingerprint()}-{port}",
+        "labels": {LABEL_MANAGED: "1", LABEL_FINGERPRINT: fingerprint, LABEL_OWNER: owner},
+        "name": f"draftline-{fingerprint}-{port}",
         "init": True,  # tini as pid 1: signals reach vLLM, its workers are reaped
         "detach": True,
     }
@@ -238,6 +239,10 @@ def container_config(spec: ServerSpec, port: int, owner: str) -> dict:
         config["ipc_mode"] = "host"
     else:
         config["shm_size"] = opts["shm_size"]
+    if not config["device_requests"]:
+        # vLLM's CPU backend binds memory to NUMA nodes (set_mempolicy, mbind): allowed by
+        # Docker's default seccomp profile only with CAP_SYS_NICE.
+        config["cap_add"] = ["SYS_NICE"]
     return config
 
 
@@ -293,6 +298,8 @@ class DockerServer:
         ensure_image(self.client, self.spec.image, options(self.spec)["pull"], log=self._log)
         remove_leftovers(self.client, log=self._log)
         config = container_config(self.spec, self.port, owner_label())
+        import docker
+
         try:
             self.container = self.client.containers.create(**config)
             self._log(f"docker launcher: container {self.container.name} "
@@ -301,6 +308,9 @@ class DockerServer:
             self._log_thread = threading.Thread(target=self._stream_logs, daemon=True)
             self._log_thread.start()
             self._wait_healthy()
+        except docker.errors.DockerException as exc:
+            self.stop()
+            raise ServerError(f"docker launcher: cannot run {self.spec.image}: {exc}") from exc
         except BaseException:  # failure or Ctrl-C during start-up: leave nothing behind
             self.stop()
             raise

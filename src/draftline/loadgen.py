@@ -11,10 +11,12 @@ How it measures:
   previous one ends, so the server sees exactly ``concurrency`` requests in flight. A
   ``DynamicLimit`` gate lets a controller (``draftline.profile.AdaptiveLimiter``) change that
   number while the loop runs.
-* Streaming chat completions with ``stream_options`` ``include_usage`` and vLLM's
-  ``continuous_usage_stats``: every chunk then carries the cumulative completion-token count, so
-  tokens are counted exactly (a chunk can carry several tokens, e.g. with speculative decoding,
-  or none while a reasoning parser holds text back).
+* Streaming chat completions with ``stream_options.include_usage``, and per-chunk exact token
+  counts from either the chunk's ``token_ids`` (``return_token_ids``, as the generation stage
+  asks) or vLLM's ``continuous_usage_stats`` (cumulative completion tokens in every chunk). A
+  chunk can carry several tokens (speculative decoding) or none (a reasoning parser holding text
+  back); without either option one token per text chunk is assumed and the final usage chunk
+  settles the total.
 * Time window: after a warm-up, tokens are attributed to the measured window by the arrival time
   of the chunk that carried them, including requests that started before the window or are cut
   off at its end. Throughput is then exact for the window even when no request completes inside
@@ -60,7 +62,9 @@ class SamplingSpec:
     chat_template_kwargs: dict = field(default_factory=dict)  # e.g. {"enable_thinking": False}
     return_token_ids: bool = False
     ignore_eos: bool = False
-    continuous_usage: bool = True  # vLLM extension; turn off for servers that reject it
+    # vLLM's per-chunk cumulative usage: exact token counts per chunk. Not needed (and not sent)
+    # when token ids are requested, which count exactly too; off for servers that reject it.
+    continuous_usage: bool = True
 
     @classmethod
     def from_generate_cfg(cls, generate_cfg: dict, **overrides: Any) -> SamplingSpec:
@@ -98,7 +102,7 @@ class SamplingSpec:
         if self.ignore_eos:
             extra["ignore_eos"] = True
         stream_options: dict[str, Any] = {"include_usage": True}
-        if self.continuous_usage:
+        if self.continuous_usage and not self.return_token_ids:
             stream_options["continuous_usage_stats"] = True
         kwargs: dict[str, Any] = {
             "model": model,

@@ -251,13 +251,34 @@ def _server_observed(endpoint: Endpoint) -> dict:
     return observed
 
 
+def _sweep(endpoint: Endpoint, prompts: Sequence[Prompt], spec: SamplingSpec,
+           levels: Sequence[int], profile_cfg: dict, timeout_s: float,
+           log: Callable[[str], None]) -> list[dict]:
+    """One closed-loop window per level, lowest first; one progress bar in tokens."""
+    from tqdm import tqdm
+
+    rows = []
+    with tqdm(desc="concurrency profile", unit="tok", unit_scale=True) as bar:
+        for level in levels:
+            bar.set_postfix_str(f"C={level}")
+            window = measure_window(
+                endpoint, prompts, spec, level, profile_cfg["warmup_s"], profile_cfg["measure_s"],
+                warmup_turnover=profile_cfg.get("warmup_turnover", 1.0),
+                max_warmup_s=profile_cfg.get("max_warmup_s", 900.0), timeout_s=timeout_s,
+                progress=bar.update)
+            row = window.to_row()
+            rows.append(row)
+            log(f"C={level}: {row['output_tok_s']:.0f} tok/s, {row['requests_s']:.2f} req/s, "
+                f"p99 TPOT {(row['tpot_ms'] or {}).get('p99')} ms, errors {row['errors']}, "
+                f"warm-up {row['warmup_s']:.1f} s")
+    return rows
+
+
 def run_profile(prompt_files: Sequence[Path | str], endpoints: Sequence[Endpoint],
                 profile_cfg: dict, generate_cfg: dict, server_info: dict,
                 out_json: Path | str, out_png: Path | str | None = None,
                 log: Callable[[str], None] = print) -> dict:
     """Sweep the levels against ``endpoints[0]``, choose, and write the JSON and the plot."""
-    from tqdm import tqdm
-
     if not endpoints:
         raise ProfileError("run_profile: no endpoint to profile")
     endpoint = endpoints[0]  # identical replicas: the per-endpoint optimum is the same
@@ -273,20 +294,9 @@ def run_profile(prompt_files: Sequence[Path | str], endpoints: Sequence[Endpoint
     observed = _server_observed(endpoint)
     log(f"profiling {endpoint.base_url} at concurrency {levels} with {len(prompts)} prompts, "
         f"max_tokens {spec.max_tokens}")
-    rows = []
     t_start = time.time()
-    with tqdm(desc="concurrency profile", unit="tok", unit_scale=True) as bar:
-        for level in levels:
-            bar.set_postfix_str(f"C={level}")
-            window = measure_window(
-                endpoint, prompts, spec, level, profile_cfg["warmup_s"], profile_cfg["measure_s"],
-                warmup_turnover=profile_cfg.get("warmup_turnover", 1.0),
-                max_warmup_s=profile_cfg.get("max_warmup_s", 900.0), progress=bar.update)
-            row = window.to_row()
-            rows.append(row)
-            log(f"C={level}: {row['output_tok_s']:.0f} tok/s, {row['requests_s']:.2f} req/s, "
-                f"p99 TPOT {(row['tpot_ms'] or {}).get('p99')} ms, errors {row['errors']}, "
-                f"server running {row['server'].get('num_requests_running_mean')}")
+    rows = _sweep(endpoint, prompts, spec, levels, profile_cfg,
+                  generate_cfg.get("request_timeout_s", 600.0), log)
     choice = choose_concurrency(rows, profile_cfg.get("tolerance", 0.05),
                                 profile_cfg.get("max_p99_tpot_ms"))
     profile = {
