@@ -1,4 +1,4 @@
-"""Shared fixtures: the toy target (built once, cached by content) and one vLLM server per session."""
+"""Shared fixtures: the toy target (built once, cached by content), one vLLM server a session."""
 
 from __future__ import annotations
 
@@ -6,11 +6,21 @@ import fcntl
 import hashlib
 import importlib.util
 import json
+import signal
 from pathlib import Path
 
 import pytest
 
 from draftline.config import load_config
+
+
+def _interrupt_on_sigterm(signum, frame):
+    # A test run stopped with SIGTERM (CI timeout, kill) still runs fixture teardown, so the
+    # session's vLLM server is stopped instead of orphaned.
+    raise KeyboardInterrupt(f"signal {signum}")
+
+
+signal.signal(signal.SIGTERM, _interrupt_on_sigterm)
 
 REPO = Path(__file__).resolve().parents[1]
 CACHE = REPO / ".pytest_cache" / "draftline"
