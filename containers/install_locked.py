@@ -1,6 +1,6 @@
-"""Installs the locked requirements an image's base does not already have, then draftline.
+"""Installs the locked requirements an image's base does not already have.
 
-    python install_locked.py LOCK DRAFTLINE_DIR
+    python install_locked.py LOCK
 
 A base image's own packages stay as they are (the PyTorch image's torch, the vLLM image's
 whole vLLM stack: upgrading one of them under the other breaks it); everything else comes
@@ -18,7 +18,7 @@ def canonical(name: str) -> str:
     return re.sub(r"[-_.]+", "-", name).lower()
 
 
-def main(lock_path: str, draftline_dir: str) -> int:
+def main(lock_path: str) -> int:
     present = {canonical(d.metadata["Name"]) for d in metadata.distributions()
                if d.metadata["Name"]}
     wanted = []
@@ -30,7 +30,6 @@ def main(lock_path: str, draftline_dir: str) -> int:
     pip = [sys.executable, "-m", "pip", "install", "--no-cache-dir", "--no-deps"]
     if wanted:
         subprocess.run(pip + wanted, check=True)
-    subprocess.run(pip + [draftline_dir], check=True)
     return 0
 
 

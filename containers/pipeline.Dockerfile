@@ -17,11 +17,12 @@ ENV PYTHONUNBUFFERED=1 \
 RUN python3 -m venv --system-site-packages /opt/draftline-venv
 ENV PATH=/opt/draftline-venv/bin:$PATH
 
+# The locked requirements first: their layer stays cached while draftline's code changes.
 COPY containers/requirements/pipeline.txt containers/install_locked.py /tmp/lock/
+RUN python /tmp/lock/install_locked.py /tmp/lock/pipeline.txt && rm -rf /tmp/lock
 COPY pyproject.toml README.md /opt/draftline/
 COPY src /opt/draftline/src
-RUN python /tmp/lock/install_locked.py /tmp/lock/pipeline.txt /opt/draftline \
- && rm -rf /tmp/lock \
+RUN pip install --no-cache-dir --no-deps /opt/draftline \
  && python -c "import draftline.config, draftline.server, datasets, transformers" \
  && snakemake --version
 

@@ -16,10 +16,10 @@ ENV PYTHONUNBUFFERED=1 \
 # adds only the packages the image lacks, at their locked versions. Snakemake runs rule
 # scripts with `python`, which the image may only have as python3.
 COPY containers/requirements/pipeline.txt containers/install_locked.py /tmp/lock/
+RUN python3 /tmp/lock/install_locked.py /tmp/lock/pipeline.txt && rm -rf /tmp/lock
 COPY pyproject.toml README.md /opt/draftline/
 COPY src /opt/draftline/src
-RUN python3 /tmp/lock/install_locked.py /tmp/lock/pipeline.txt /opt/draftline \
- && rm -rf /tmp/lock \
+RUN python3 -m pip install --no-cache-dir --no-deps /opt/draftline \
  && python3 -c "import vllm, draftline.server, datasets; print('vllm', vllm.__version__)" \
  && { command -v python >/dev/null || ln -s "$(command -v python3)" /usr/local/bin/python; }
 

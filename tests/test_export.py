@@ -189,12 +189,20 @@ def test_trained_draft_serves_and_beats_an_untrained_one(toy_target, config, tmp
     from draftline.hidden import extract
     from draftline.vocab import write_vocab
 
-    dataset, eval_prompts = sampled_dataset(toy_target, tmp_path / "dataset", 360, 40)
-    index = extract(dataset, toy_target, tmp_path / "hidden", {"backend": "hf"})
-    write_vocab(dataset, 2048, config["vocab"]["draft_vocab_size"], tmp_path / "vocab")
-    vocab_map = tmp_path / "vocab" / "vocab_map.safetensors"
-    record = train(tmp_path / "hidden", vocab_map, toy_target, tmp_path / "draft",
-                   {**config["train"], "eval_every": 20, "checkpoint_every": 100})
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # tiny matmuls: one thread is as fast, and steady on a busy host
+    try:
+        started = time.monotonic()
+        dataset, eval_prompts = sampled_dataset(toy_target, tmp_path / "dataset", 360, 40)
+        index = extract(dataset, toy_target, tmp_path / "hidden", {"backend": "hf"})
+        write_vocab(dataset, 2048, config["vocab"]["draft_vocab_size"], tmp_path / "vocab")
+        vocab_map = tmp_path / "vocab" / "vocab_map.safetensors"
+        data_s = time.monotonic() - started
+        record = train(tmp_path / "hidden", vocab_map, toy_target, tmp_path / "draft",
+                       {**config["train"], "eval_every": 20, "checkpoint_every": 100})
+        train_s = time.monotonic() - started - data_s
+    finally:
+        torch.set_num_threads(threads)
     assert record["layer_ids"] == index["layer_ids"]
     trained = export_draft(tmp_path / "draft" / "best", toy_target, vocab_map,
                            record["layer_ids"], tmp_path / "trained")
@@ -205,7 +213,8 @@ def test_trained_draft_serves_and_beats_an_untrained_one(toy_target, config, tmp
                                        tmp_path / f"{name}.log")
                for name, ckpt in (("trained", trained), ("untrained", baseline))}
     simulated = record["simulated_acceptance_length_by_num_drafts"][2]  # 3 drafts, as served
-    summary = {"served": results, "simulated_3_drafts": simulated,
+    summary = {"served": results, "simulated_3_drafts": simulated, "data_s": round(data_s),
+               "train_s": round(train_s),
                "simulated": record["simulated_acceptance_length"], "ttt_steps":
                record["ttt_steps"], "eval_accuracy": record["accuracy"]}
     print(json.dumps(summary, indent=1))

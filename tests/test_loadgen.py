@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 
 import pytest
-from openai.types.chat import ChatCompletionChunk
 
 from draftline.loadgen import (
     DynamicLimit,
@@ -13,6 +12,7 @@ from draftline.loadgen import (
     RequestResult,
     SamplingSpec,
     _absorb_chunk,
+    _sse_payloads,
     acceptance_length,
     counter_deltas,
     fetch_metrics,
@@ -31,18 +31,23 @@ def test_sampling_spec_from_generate_config_builds_streaming_requests():
     spec = SamplingSpec.from_generate_cfg({"max_tokens": 160, "temperature": 0.6, "top_p": 0.9,
                                            "seed": 3,
                                            "chat_template_kwargs": {"enable_thinking": False}})
+    body = spec.request_body("target", [{"role": "user", "content": "hi"}], "p1")
+    assert body["stream"] is True
+    assert body["max_tokens"] == 160 and body["temperature"] == 0.6 and body["top_p"] == 0.9
+    assert body["chat_template_kwargs"] == {"enable_thinking": False}
+    assert body["return_token_ids"] is True
+    assert body["stream_options"] == {"include_usage": True}  # token ids count exactly
+    assert body["seed"] == request_seed(3, "p1") != request_seed(3, "p2")
+    # the same request through the openai client: vLLM-only fields go to extra_body
     kwargs = spec.create_kwargs("target", [{"role": "user", "content": "hi"}], "p1")
-    assert kwargs["stream"] is True
-    assert kwargs["max_tokens"] == 160 and kwargs["temperature"] == 0.6 and kwargs["top_p"] == 0.9
+    assert "stream" not in kwargs and kwargs["seed"] == body["seed"]
     assert kwargs["extra_body"] == {"chat_template_kwargs": {"enable_thinking": False},
                                     "return_token_ids": True}
-    assert kwargs["stream_options"] == {"include_usage": True}  # token ids count exactly
-    assert kwargs["seed"] == request_seed(3, "p1") != request_seed(3, "p2")
-    plain = SamplingSpec(max_tokens=8).create_kwargs("m", [], "p1")
+    plain = SamplingSpec(max_tokens=8).request_body("m", [], "p1")
     assert plain["stream_options"] == {"include_usage": True, "continuous_usage_stats": True}
     unseeded = SamplingSpec(max_tokens=8, seed=None, continuous_usage=False)
-    kwargs = unseeded.create_kwargs("m", [], "p1")
-    assert "seed" not in kwargs and kwargs["stream_options"] == {"include_usage": True}
+    body = unseeded.request_body("m", [], "p1")
+    assert "seed" not in body and body["stream_options"] == {"include_usage": True}
     assert spec.workload_params()["max_tokens"] == 160
 
 
@@ -50,7 +55,8 @@ def test_sampling_spec_from_generate_config_builds_streaming_requests():
 
 
 def chunk(content=None, reasoning=None, completion_tokens=None, finish=None, token_ids=None,
-          with_choice=True) -> ChatCompletionChunk:
+          with_choice=True) -> dict:
+    """A parsed SSE chunk as vLLM streams it."""
     choices = []
     if with_choice:
         delta = {"content": content}
@@ -65,7 +71,7 @@ def chunk(content=None, reasoning=None, completion_tokens=None, finish=None, tok
     if completion_tokens is not None:
         data["usage"] = {"prompt_tokens": 7, "completion_tokens": completion_tokens,
                          "total_tokens": 7 + completion_tokens}
-    return ChatCompletionChunk.model_validate(data)
+    return data
 
 
 def test_cumulative_usage_counts_tokens_exactly():
@@ -84,12 +90,21 @@ def test_cumulative_usage_counts_tokens_exactly():
     assert (r.reasoning, r.content, r.finish_reason) == ("think", "abc", "stop")
 
 
+def test_sse_lines_are_split_across_network_reads():
+    buffer = bytearray()
+    assert _sse_payloads(buffer, b'data: {"a": 1}\n\ndata: {"b"') == [b'{"a": 1}']
+    assert _sse_payloads(buffer, b': 2}\n\n: keep-alive\n\ndata: [DONE]\n\n') == [
+        b'{"b": 2}', b"[DONE]"]
+    assert buffer == bytearray()
+
+
 def test_without_usage_token_ids_or_text_chunks_are_counted():
     r = RequestResult("p", start=0.0)
-    _absorb_chunk(chunk(content="a", token_ids=[5, 6]), r, 0.2, keep_text=False)
+    _absorb_chunk(chunk(content="a", token_ids=[5, 6]), r, 0.2, keep_text=True)
+    assert r.output_token_ids == [5, 6]
     _absorb_chunk(chunk(content="b"), r, 0.3, keep_text=False)
     _absorb_chunk(chunk(content=""), r, 0.4, keep_text=False)
-    assert r.output_tokens == 3 and r.content == ""
+    assert r.output_tokens == 3 and r.content == "a"
     _absorb_chunk(chunk(with_choice=False, completion_tokens=6), r, 0.5, keep_text=False)
     assert r.output_tokens == 6 and r.arrivals[-1] == (0.5, 3)  # the final usage settles it
 

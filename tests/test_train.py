@@ -158,3 +158,14 @@ def test_two_processes_reach_the_weights_of_one(draft_inputs, tmp_path, strategy
         single["simulated_acceptance_length"], abs=1e-6)
     assert multi["accuracy"] == pytest.approx(single["accuracy"], abs=1e-6)
     assert [r["step"] for r in records(tmp_path / strategy, "train")] == list(range(1, 7))
+
+
+def test_mismatched_inputs_are_refused_with_the_file_named(draft_inputs, tmp_path):
+    from safetensors.torch import save_file
+
+    vocab = load_file(str(draft_inputs["vocab_map"]))
+    bad = tmp_path / "vocab_map.safetensors"
+    save_file({"d2t": vocab["d2t"], "t2d": vocab["t2d"][:1000].contiguous()}, str(bad))
+    with pytest.raises(ValueError, match="vocab_map.safetensors: t2d has 1000 entries"):
+        train(draft_inputs["hidden_dir"], bad, draft_inputs["target_dir"], tmp_path / "out",
+              SMALL)

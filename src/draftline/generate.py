@@ -151,19 +151,26 @@ class EndpointPool:
         self.in_flight = [0] * len(endpoints)
         self.down_until = [0.0] * len(endpoints)
         self.sent = [0] * len(endpoints)
-        self.all_down_since: float | None = None
+        # Since when no request has succeeded while connections kept failing (None: healthy).
+        self.failing_since: float | None = None
 
     def pick(self) -> int | None:
         now = time.monotonic()
         healthy = [i for i in range(len(self.endpoints)) if self.down_until[i] <= now]
         if not healthy:
-            self.all_down_since = self.all_down_since or now
             return None
-        self.all_down_since = None
         return min(healthy, key=lambda i: (self.in_flight[i], self.sent[i]))
 
     def set_aside(self, i: int) -> None:
-        self.down_until[i] = time.monotonic() + self.COOLDOWN_S
+        now = time.monotonic()
+        self.down_until[i] = now + self.COOLDOWN_S
+        self.failing_since = self.failing_since or now
+
+    def succeeded(self) -> None:
+        self.failing_since = None
+
+    def down_for(self) -> float:
+        return 0.0 if self.failing_since is None else time.monotonic() - self.failing_since
 
     async def close(self) -> None:
         for client in self.clients:
@@ -254,13 +261,13 @@ class ShardRun:
                         mininterval=1.0)
         sampler = asyncio.create_task(self._sample_inflight())
         t0 = time.monotonic()
+        workers = [asyncio.create_task(self._worker()) for _ in range(self.slots.size)]
         try:
-            workers = [asyncio.create_task(self._worker()) for _ in range(self.slots.size)]
             await asyncio.gather(*workers)
         finally:
-            sampler.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await sampler
+            for task in [sampler, *workers]:
+                task.cancel()
+            await asyncio.gather(sampler, *workers, return_exceptions=True)
             await self.pool.close()
             self.bar.close()
         self.stats.duration_s = time.monotonic() - t0
@@ -346,6 +353,7 @@ class ShardRun:
                 t0 = time.monotonic()
                 try:
                     resp = await self.pool.clients[index].chat.completions.create(**kwargs)
+                    self.pool.succeeded()
                     return parse_completion(resp), time.monotonic() - t0, endpoint.base_url
                 except Exception as exc:  # classified below; nothing is swallowed silently
                     error = exc
@@ -353,6 +361,7 @@ class ShardRun:
                     self.pool.in_flight[index] -= 1
             if is_connection_failure(error):
                 self.pool.set_aside(index)
+                self._check_down()
                 await asyncio.sleep(backoff_delay(0, self.settings, self.rng))
                 continue  # a dead endpoint is not this prompt's fault: no retry is spent
             if is_retryable(error) and attempt < self.settings.max_retries:
@@ -368,13 +377,17 @@ class ShardRun:
             index = self.pool.pick()
             if index is not None:
                 return index
-            down_for = time.monotonic() - self.pool.all_down_since
-            if down_for > self.settings.endpoint_down_timeout_s:
-                raise EndpointsDown(
-                    f"no endpoint answered for {down_for:.0f}s "
-                    f"({', '.join(e.base_url for e in self.pool.endpoints)}); results so far "
-                    "are kept, rerun to resume")
+            self._check_down()
             await asyncio.sleep(0.5)
+
+    def _check_down(self) -> None:
+        """Stop the shard when connections have failed for too long with no success between."""
+        down_for = self.pool.down_for()
+        if down_for > self.settings.endpoint_down_timeout_s:
+            raise EndpointsDown(
+                f"no endpoint answered for {down_for:.0f}s "
+                f"({', '.join(e.base_url for e in self.pool.endpoints)}); results so far "
+                "are kept, rerun to resume")
 
     def _fail(self, prompt_id: str, error: BaseException, attempts: int) -> None:
         status = getattr(error, "status_code", None)

@@ -347,11 +347,16 @@ def _try_flock(path: Path, mode: int) -> int | None:
 
 
 def _pid_alive(pid: int) -> bool:
+    """True for a running process; a zombie (exited, not yet reaped) counts as gone."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
-    return True
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return True
+    return state != "Z"
 
 
 class _Paths:

@@ -102,7 +102,7 @@ def target_weight_map(target_dir: Path) -> dict[str, Path]:
     names = {}
     for file in files:
         with safe_open(str(file), framework="pt") as f:
-            names.update({name: file for name in f.keys()})  # noqa: SIM118 (not a dict)
+            names.update({name: file for name in f.keys()})
     return names
 
 
@@ -707,8 +707,8 @@ def _train(rt: Runtime, hidden_dir: Path, vocab_map: Path, target_dir: Path, out
     random.seed(cfg["seed"])
     out_dir.mkdir(parents=True, exist_ok=True)
     store = HiddenStates(hidden_dir)
+    check_inputs(store, hidden_dir, vocab_map, target_dir)  # before reading the big tensors
     model, head, draft_cfg = build_draft(target_dir, vocab_map, cfg["seed"], rt.device)
-    check_inputs(draft_cfg, store, head.t2d, hidden_dir, vocab_map)
     wrapped = wrap_model(model, cfg["strategy"], rt)
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=cfg["lr"], weight_decay=cfg["weight_decay"],
@@ -831,15 +831,28 @@ def train_record(step, epoch, scheduler, totals, counts, grad_norm, elapsed, rt)
             "simulated_acceptance_length": metrics["simulated_acceptance_length"]}
 
 
-def check_inputs(draft_cfg, store: HiddenStates, t2d, hidden_dir: Path, vocab_map: Path) -> None:
+def check_inputs(store: HiddenStates, hidden_dir: Path, vocab_map: Path,
+                 target_dir: Path) -> None:
+    """Hidden states, vocab map and target agree on widths, layer count and vocab size."""
+    from safetensors import safe_open
+
+    from draftline.model import DraftConfig
+
+    with safe_open(str(vocab_map), framework="pt") as f:
+        missing = {"d2t", "t2d"} - set(f.keys())
+        if missing:
+            raise ValueError(f"{vocab_map}: missing tensor(s) {sorted(missing)}")
+        draft_vocab = f.get_slice("d2t").get_shape()[0]
+        t2d_size = f.get_slice("t2d").get_shape()[0]
+    draft_cfg = DraftConfig.from_target(read_target_config(target_dir), draft_vocab)
     if store.hidden_size != draft_cfg.target_hidden_size:
         raise ValueError(f"{hidden_dir / 'index.json'}: hidden_size {store.hidden_size} != "
                          f"target hidden_size {draft_cfg.target_hidden_size}")
     if len(store.layer_ids) != draft_cfg.num_aux_hidden_states:
         raise ValueError(f"{hidden_dir / 'index.json'}: {len(store.layer_ids)} layer_ids, the "
                          f"draft takes {draft_cfg.num_aux_hidden_states}")
-    if t2d.shape[0] != draft_cfg.vocab_size:
-        raise ValueError(f"{vocab_map}: t2d has {t2d.shape[0]} entries, target vocab_size is "
+    if t2d_size != draft_cfg.vocab_size:
+        raise ValueError(f"{vocab_map}: t2d has {t2d_size} entries, target vocab_size is "
                          f"{draft_cfg.vocab_size}")
 
 
