@@ -105,3 +105,7 @@ def test_locks_satisfy_pyproject_and_keep_broken_packages_out():
     assert "torch==2.13.0+cpu" in serving.splitlines()
     pipeline = (REPO / "containers" / "requirements" / "pipeline.txt").read_text()
     assert not re.search(r"^(torch|triton|nvidia-.*)==", pipeline, re.M)  # the CUDA base has them
+    pipeline_names = {canonical(line.partition("==")[0]) for line in pipeline.splitlines()}
+    core = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["dependencies"]
+    for line in core:  # the pipeline image installs draftline with --no-deps: all must be locked
+        assert canonical(Requirement(line).name) in pipeline_names, f"pipeline.txt lacks {line}"

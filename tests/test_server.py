@@ -89,5 +89,7 @@ def test_shared_server_serves_reasoning_and_stops_when_idle(tmp_path, toy_target
     while time.monotonic() < deadline and group_alive(state["server_pgid"]):
         time.sleep(0.5)
     assert not group_alive(state["server_pgid"]), "server outlived its idle timeout"
+    while time.monotonic() < deadline and _pid_alive(state["supervisor_pid"]):
+        time.sleep(0.2)  # the supervisor exits right after its server
     assert not _pid_alive(state["supervisor_pid"])
     assert stop_all(state_dir) == 0

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import hashlib
 import json
 import os
 import random
@@ -27,6 +26,7 @@ import httpx
 import openai
 from tqdm import tqdm
 
+from draftline.loadgen import request_seed
 from draftline.server import Endpoint
 from draftline.slots import SlotPool
 
@@ -69,10 +69,7 @@ def resolve_concurrency(setting: int | str, profile_json: Path | None) -> int:
     return int(json.loads(Path(profile_json).read_text())["chosen_concurrency"])
 
 
-def prompt_seed(base_seed: int, prompt_id: str) -> int:
-    """Per-prompt sampling seed: stable across runs, shards and concurrency."""
-    digest = hashlib.sha256(f"{base_seed}:{prompt_id}".encode()).digest()
-    return int.from_bytes(digest[:4], "big") & 0x7FFFFFFF
+prompt_seed = request_seed  # one derivation for generation, profile and benchmark
 
 
 def request_kwargs(messages: list[dict], settings: GenerateSettings, prompt_id: str,

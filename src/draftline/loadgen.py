@@ -43,14 +43,15 @@ import json
 import math
 import re
 import time
+import urllib.request
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import aiohttp
-import httpx
+if TYPE_CHECKING:  # aiohttp is imported where used: fingerprints need only the standard library
+    import aiohttp
 
-from draftline.server import Endpoint
+    from draftline.server import Endpoint
 
 PERCENTILES = (50, 90, 99)
 
@@ -241,6 +242,8 @@ class ChatStreamer:
     """Streaming chat completions over one aiohttp session (create inside the event loop)."""
 
     def __init__(self, endpoint: Endpoint, concurrency: int, timeout_s: float = 600.0):
+        import aiohttp
+
         pool = max(concurrency, 1) + 16  # headroom for requests being cancelled at a window end
         self.endpoint = endpoint
         self.url = f"{endpoint.base_url}/chat/completions"
@@ -508,18 +511,20 @@ def parse_metrics(text: str) -> Metrics:
 
 def fetch_metrics(root_url: str, timeout_s: float = 10.0) -> Metrics:
     """GET ``<root_url>/metrics`` of a vLLM server (root URL, without /v1)."""
-    resp = httpx.get(f"{root_url.rstrip('/')}/metrics", timeout=timeout_s)
-    resp.raise_for_status()
-    return parse_metrics(resp.text)
+    with urllib.request.urlopen(f"{root_url.rstrip('/')}/metrics", timeout=timeout_s) as resp:
+        return parse_metrics(resp.read().decode())
 
 
-async def fetch_metrics_async(http: httpx.AsyncClient, root_url: str) -> Metrics | None:
+async def fetch_metrics_async(http: aiohttp.ClientSession, root_url: str) -> Metrics | None:
+    import aiohttp
+
     try:
-        resp = await http.get(f"{root_url.rstrip('/')}/metrics")
-        resp.raise_for_status()
-    except httpx.HTTPError:
+        async with http.get(f"{root_url.rstrip('/')}/metrics") as resp:
+            resp.raise_for_status()
+            text = await resp.text()
+    except (aiohttp.ClientError, asyncio.TimeoutError):
         return None  # metrics are a cross-check; their absence must not stop a measurement
-    return parse_metrics(resp.text)
+    return parse_metrics(text)
 
 
 def counter_deltas(before: Metrics, after: Metrics,
@@ -568,6 +573,12 @@ class WindowResult:
                 "client_cpu_frac": round(self.client_cpu_frac, 3), "server": self.server}
 
 
+def _metrics_session() -> aiohttp.ClientSession:
+    import aiohttp
+
+    return aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=10.0))
+
+
 async def _wait_warm(loop: _Loop, t_start: float, warmup_s: float, min_completions: int,
                      max_warmup_s: float) -> None:
     while True:
@@ -590,7 +601,7 @@ async def _run_limiter(loop: _Loop, limiter, t_start: float, tick_s: float,
             history.append((round(now - t_start, 2), new))
 
 
-async def _poll_running(http: httpx.AsyncClient, root_url: str, samples: list[float],
+async def _poll_running(http: aiohttp.ClientSession, root_url: str, samples: list[float],
                         every_s: float = 1.0) -> None:
     while True:
         metrics = await fetch_metrics_async(http, root_url)
@@ -621,7 +632,7 @@ async def measure_window_async(endpoint: Endpoint, prompts: Sequence[Prompt], sp
     server: dict[str, Any] = {}
     t_start = time.perf_counter()
     workers = [asyncio.create_task(loop.worker()) for _ in range(pool_size)]
-    async with httpx.AsyncClient(timeout=10.0) as http:
+    async with _metrics_session() as http:
         try:
             if limiter is not None:
                 helpers.append(asyncio.create_task(
@@ -686,7 +697,7 @@ async def run_requests_async(endpoint: Endpoint, prompts: Sequence[Prompt], spec
     loop = _Loop(endpoint, prompts, spec, concurrency, concurrency, cycle=False,
                  timeout_s=timeout_s, keep_text=keep_text)
     server: dict[str, Any] = {}
-    async with httpx.AsyncClient(timeout=10.0) as http:
+    async with _metrics_session() as http:
         before = await fetch_metrics_async(http, endpoint.root_url) if server_metrics else None
         t0 = time.perf_counter()
         helper = asyncio.create_task(_report_progress(loop, progress)) if progress else None

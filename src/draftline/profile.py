@@ -18,19 +18,22 @@ import json
 import math
 import random
 import time
+import urllib.request
 from collections.abc import Callable, Sequence
 from dataclasses import asdict
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from draftline.loadgen import Prompt, SamplingSpec, measure_window
-from draftline.server import Endpoint
+
+if TYPE_CHECKING:
+    from draftline.server import Endpoint
 
 PROFILE_VERSION = 1
 MAX_ERROR_RATE = 0.01  # a level that fails more requests than this is not a safe operating point
 # Server settings that do not change how the server performs.
 _NOT_WORKLOAD = {"host", "port", "served_name", "startup_timeout_s", "idle_timeout_s", "mode",
-                 "launcher", "external", "image"}
+                 "launcher", "external", "image", "docker", "api_key_env"}
 
 
 class ProfileError(RuntimeError):
@@ -137,14 +140,14 @@ def server_workload_args(server_info: dict) -> dict:
 
 def server_info_from_config(config: dict, model: str,
                             speculative_config: dict | None = None) -> dict:
-    """``server_info`` for ``run_profile`` and the fingerprint, from the validated config."""
-    from draftline.server import spec_from_config
+    """``server_info`` for ``run_profile`` and the fingerprint, from the validated config alone.
 
-    spec = spec_from_config(config["server"], model, config["target"]["trust_remote_code"],
-                            speculative_config)
-    info = asdict(spec)
-    info["extra_args"] = list(info["extra_args"])
-    info["env"] = dict(info["env"])
+    Standard library only, so that a Snakefile can compute ``fingerprint_from_config`` at parse
+    time on a host without the pipeline's packages.
+    """
+    info = {k: v for k, v in config["server"].items() if k not in _NOT_WORKLOAD}
+    info.update(model=str(model), trust_remote_code=config["target"]["trust_remote_code"],
+                speculative_config=speculative_config)
     return info
 
 
@@ -230,23 +233,25 @@ def sample_prompts(prompts: Sequence[Prompt], num_prompts: int, seed: int = 0) -
 # ---------------------------------------------------------------- the sweep
 
 
+def _get_json(url: str, api_key: str, timeout_s: float) -> Any:
+    request = urllib.request.Request(url, headers={"Authorization": f"Bearer {api_key}"})
+    with urllib.request.urlopen(request, timeout=timeout_s) as resp:
+        return json.loads(resp.read())
+
+
 def _server_observed(endpoint: Endpoint) -> dict:
     """What the server says about itself; fails loudly when nobody answers."""
-    import httpx
-
     try:
-        models = httpx.get(f"{endpoint.base_url}/models", timeout=30.0,
-                           headers={"Authorization": f"Bearer {endpoint.api_key}"})
-        models.raise_for_status()
-    except httpx.HTTPError as exc:
+        models = _get_json(f"{endpoint.base_url}/models", endpoint.api_key, 30.0)
+    except (OSError, ValueError) as exc:
         raise ProfileError(f"server at {endpoint.base_url} does not answer: {exc}") from exc
     observed: dict[str, Any] = {}
-    for entry in models.json().get("data", []):
+    for entry in models.get("data", []):
         if entry.get("id") == endpoint.model:
             observed["max_model_len"] = entry.get("max_model_len")
     try:
-        observed["version"] = httpx.get(f"{endpoint.root_url}/version", timeout=10.0).json()
-    except (httpx.HTTPError, ValueError):
+        observed["version"] = _get_json(f"{endpoint.root_url}/version", endpoint.api_key, 10.0)
+    except (OSError, ValueError):
         pass
     return observed
 
