@@ -508,3 +508,16 @@ class AdaptiveLimiter:
                                                         2 ** (self._rejections // 2 - 1))
         return self._change(now, origin, f"revert (probe gave {rate:.0f} vs "
                             f"{self._baseline:.0f} tok/s)", rate)
+
+
+def run_stage(prompt_files: Sequence[Path | str], out_json: Path | str, out_png: Path | str, *,
+              profile_cfg: dict, sampling: dict, server_cfg: dict, model: str,
+              state_dir: Path | str, trust_remote_code: bool = False) -> dict:
+    """The profile stage: get the run's server (shared or external) and sweep it."""
+    from draftline.server import endpoints_for
+
+    config = {"server": server_cfg, "target": {"trust_remote_code": trust_remote_code}}
+    server_info = server_info_from_config(config, model)
+    with endpoints_for(server_cfg, model, Path(state_dir), trust_remote_code) as endpoints:
+        return run_profile(prompt_files, endpoints, profile_cfg, sampling, server_info,
+                           out_json, out_png)
