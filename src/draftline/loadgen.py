@@ -339,11 +339,9 @@ class _Loop:
                  keep_text: bool = False):
         if not prompts:
             raise ValueError("load generator: no prompts given")
-        self.endpoint = endpoint
         self.spec = spec
         self.client = ChatStreamer(endpoint, pool_size, timeout_s)
         self.gate = DynamicLimit(concurrency)
-        self.pool_size = pool_size
         self._prompts = itertools.cycle(prompts) if cycle else iter(prompts)
         self.keep_text = keep_text
         self.results: list[RequestResult] = []

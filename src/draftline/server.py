@@ -366,7 +366,7 @@ class _Paths:
         self.lease = base.with_suffix(".lease.lock")
         self.state = base.with_suffix(".json")
         self.log = base.with_suffix(".log")
-        self.spec = base.with_suffix(".spec.json")
+        self.spec = base.with_suffix(".spec")
 
 
 def _read_state(path: Path) -> dict | None:
