@@ -74,6 +74,21 @@ def test_container_runs_pinned_image_on_loopback_with_read_only_model(tmp_path, 
     assert config["labels"][D.LABEL_OWNER].split(":")[1] == str(os.getpid())
 
 
+def test_speculative_draft_is_mounted_and_absolute(tmp_path, monkeypatch):
+    monkeypatch.setattr(D, "has_gpu", lambda: False)
+    for name in ("target", "draft"):
+        (tmp_path / name).mkdir()
+    monkeypatch.chdir(tmp_path)
+    spec = spec_from_config(docker_config()["server"], "target",
+                            speculative_config={"method": "eagle3", "model": "draft"})
+    config = D.container_config(spec, 1, "h:1:1")
+    cmd = config["command"]
+    draft = json.loads(cmd[cmd.index("--speculative-config") + 1])
+    assert draft == {"method": "eagle3", "model": str(tmp_path / "draft")}
+    assert set(config["volumes"]) == {str(tmp_path / "target"), str(tmp_path / "draft")}
+    assert all(v["mode"] == "ro" for v in config["volumes"].values())
+
+
 def test_gpu_requests_follow_the_jobs_devices(monkeypatch):
     monkeypatch.setattr(D, "has_gpu", lambda: True)
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "2,3")
