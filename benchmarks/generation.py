@@ -60,11 +60,13 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--shards", type=int, default=2)
     parser.add_argument("--measure-s", type=float, default=15.0)
+    parser.add_argument("--target", type=Path, default=None,
+                        help="an already built toy target dir (default: build one)")
     args = parser.parse_args()
 
     config = load_config(REPO / "config.yaml")
     work = Path(tempfile.mkdtemp(prefix="draftline-genbench-"))
-    target = build_toy_target(work / "target", config["target"]["toy"])
+    target = args.target or build_toy_target(work / "target", config["target"]["toy"])
     spec = spec_from_config(config["server"], str(target))
     sampling = SamplingSpec.from_generate_cfg(dict(config["generate"],
                                                    max_tokens=args.max_tokens))

@@ -41,6 +41,21 @@ def _check_config(cfg):
 
 _check_config(config)
 
+
+def _sorted_keys(value):
+    if isinstance(value, dict):
+        return {k: _sorted_keys(value[k]) for k in sorted(value)}
+    if isinstance(value, list):
+        return [_sorted_keys(v) for v in value]
+    return value
+
+
+# Snakemake compares params by their text, dict order included: with keys sorted, reordering
+# a config file (or merging another one) is not mistaken for a change.
+_canonical = _sorted_keys(dict(config))
+config.clear()
+config.update(_canonical)
+
 RESULTS = config["results"]
 SHARDS = list(range(config["prompts"]["num_shards"]))
 SERVER_STATE = f"{RESULTS}/.servers"

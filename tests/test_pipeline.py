@@ -55,6 +55,7 @@ def jobs_to_run(workdir: Path, config: dict | None = None) -> set[str]:
     result = snakemake(workdir, *args)
     assert result.returncode == 0, result.stderr[-3000:]
     text = result.stdout + result.stderr
+    (workdir / "last_dry_run.log").write_text(text)  # reasons, for a failing assertion
     if "Nothing to be done" in text:
         return set()
     table = text[text.index("Job stats"):] if "Job stats" in text else text

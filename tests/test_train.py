@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -101,9 +102,14 @@ def test_training_learns_and_writes_its_outputs(draft_inputs, tmp_path):
     assert "embed_tokens.weight" not in load_file(str(out / "best" / "model.safetensors"))
     assert list((out / "tb").glob("events.out.tfevents.*"))
 
-    # A rerun of a finished run resumes at its end and changes nothing ...
+    # A rerun of a finished run (outputs deleted, as Snakemake does) resumes at its end and
+    # publishes the same outputs ...
+    best_weights = (out / "best" / "model.safetensors").read_bytes()
+    shutil.rmtree(out / "best")
+    (out / "eval.json").unlink()
     again = run(draft_inputs, tmp_path, cfg)
-    assert again == record
+    assert again == record and json.loads((out / "eval.json").read_text()) == saved
+    assert (out / "best" / "model.safetensors").read_bytes() == best_weights
     assert len(records(out, "train")) == 24
     # ... a changed config starts afresh.
     changed = run(draft_inputs, tmp_path, {**cfg, "lr": 5e-4, "max_steps": 8})
@@ -132,14 +138,24 @@ def test_resume_after_kill_equals_uninterrupted_run(draft_inputs, tmp_path):
     assert proc.returncode == -signal.SIGKILL, proc.stderr.read().decode()[-2000:]
     killed_at = json.loads(latest.read_text())["step"]
     assert 3 <= killed_at < 16
+    for output in ("metrics.jsonl", "eval.json", "best"):  # as Snakemake does after a failure
+        path = out / output
+        shutil.rmtree(path) if path.is_dir() else path.unlink(missing_ok=True)
 
     resumed = run(draft_inputs, out, cfg)
     ref_w, got_w = final_weights(tmp_path / "reference"), final_weights(out)
     assert ref_w.keys() == got_w.keys()
     for name in ref_w:
         assert torch.equal(ref_w[name], got_w[name]), name
-    assert resumed["simulated_acceptance_length"] == reference["simulated_acceptance_length"]
+    assert resumed == reference
     assert [r["step"] for r in records(out, "train")] == list(range(1, 17))
+    for got, ref in zip(records(out, "train"), records(tmp_path / "reference", "train"),
+                        strict=True):
+        assert {**got, "tokens_per_s": 0} == {**ref, "tokens_per_s": 0}  # timings differ
+    assert records(out, "eval") == records(tmp_path / "reference", "eval")
+    best_ref = load_file(str(tmp_path / "reference" / "best" / "model.safetensors"))
+    best_got = load_file(str(out / "best" / "model.safetensors"))
+    assert all(torch.equal(best_ref[n], best_got[n]) for n in best_ref)
 
 
 @pytest.mark.slow

@@ -347,6 +347,7 @@ class _Loop:
         self.results: list[RequestResult] = []
         self.tokens = 0  # output tokens received so far (all requests)
         self.completed = 0  # requests finished without error
+        self.failed = 0
         self.stopping = False
 
     def _count(self, n: int) -> None:
@@ -368,8 +369,9 @@ class _Loop:
             if result.ok:
                 self.completed += 1
                 consecutive_errors = 0
-            else:
+            elif not result.cancelled:
                 # a refused connection fails at once: back off so errors do not spin the loop
+                self.failed += 1
                 consecutive_errors += 1
                 await asyncio.sleep(min(2.0, 0.05 * 2 ** min(consecutive_errors, 6)))
 
@@ -541,6 +543,15 @@ def counter_deltas(before: Metrics, after: Metrics,
     return out
 
 
+def server_healthy(root_url: str, timeout_s: float = 10.0) -> bool:
+    """``GET /health`` answers 200 (vLLM answers 5xx once its engine has died)."""
+    try:
+        with urllib.request.urlopen(f"{root_url.rstrip('/')}/health", timeout=timeout_s) as r:
+            return r.status == 200
+    except OSError:
+        return False
+
+
 def acceptance_length(deltas: dict) -> float | None:
     """Mean acceptance length 1 + accepted / drafts, pooled over the window."""
     drafts = deltas.get("vllm:spec_decode_num_drafts")
@@ -578,12 +589,14 @@ def _metrics_session() -> aiohttp.ClientSession:
 
 
 async def _wait_warm(loop: _Loop, t_start: float, warmup_s: float, min_completions: int,
-                     max_warmup_s: float) -> None:
+                     max_warmup_s: float, concurrency: int) -> None:
     while True:
         elapsed = time.perf_counter() - t_start
         if elapsed >= max_warmup_s:
             return
-        if elapsed >= warmup_s and loop.completed >= min_completions:
+        if elapsed >= warmup_s and (loop.completed >= min_completions
+                                    # a failing level never turns over: measure the failure
+                                    or loop.failed >= concurrency):
             return
         await asyncio.sleep(0.05)
 
@@ -638,7 +651,7 @@ async def measure_window_async(endpoint: Endpoint, prompts: Sequence[Prompt], sp
             if progress is not None:
                 helpers.append(asyncio.create_task(_report_progress(loop, progress)))
             await _wait_warm(loop, t_start, warmup_s, math.ceil(warmup_turnover * concurrency),
-                             max_warmup_s if max_warmup_s is not None else math.inf)
+                             max_warmup_s if max_warmup_s is not None else math.inf, concurrency)
             before = await fetch_metrics_async(http, endpoint.root_url) if server_metrics else None
             t0, cpu0 = time.perf_counter(), time.process_time()
             if server_metrics:

@@ -24,7 +24,7 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from draftline.loadgen import Prompt, SamplingSpec, measure_window
+from draftline.loadgen import Prompt, SamplingSpec, measure_window, server_healthy
 
 if TYPE_CHECKING:
     from draftline.server import Endpoint
@@ -258,12 +258,15 @@ def _server_observed(endpoint: Endpoint) -> dict:
 
 def _sweep(endpoint: Endpoint, prompts: Sequence[Prompt], spec: SamplingSpec,
            levels: Sequence[int], profile_cfg: dict, timeout_s: float,
-           log: Callable[[str], None]) -> list[dict]:
-    """One closed-loop window per level, lowest first; one progress bar in tokens."""
+           log: Callable[[str], None]) -> tuple[list[dict], dict | None]:
+    """One closed-loop window per level, lowest first; stops when the server stops answering.
+
+    Returns the rows and, when the sweep ended early, why (the level, the errors seen).
+    """
     from tqdm import tqdm
 
     rows = []
-    with tqdm(desc="concurrency profile", unit="tok", unit_scale=True) as bar:
+    with tqdm(desc="concurrency profile", unit="tok", unit_scale=True, mininterval=2.0) as bar:
         for level in levels:
             bar.set_postfix_str(f"C={level}")
             window = measure_window(
@@ -276,7 +279,13 @@ def _sweep(endpoint: Endpoint, prompts: Sequence[Prompt], spec: SamplingSpec,
             log(f"C={level}: {row['output_tok_s']:.0f} tok/s, {row['requests_s']:.2f} req/s, "
                 f"p99 TPOT {(row['tpot_ms'] or {}).get('p99')} ms, errors {row['errors']}, "
                 f"warm-up {row['warmup_s']:.1f} s")
-    return rows
+            if row["errors"] and not server_healthy(endpoint.root_url):
+                aborted = {"at_concurrency": level, "reason": "the server stopped answering",
+                           "error_examples": row["error_examples"]}
+                log(f"WARNING: the server died at concurrency {level} "
+                    f"({'; '.join(row['error_examples'])}); higher levels are not measured")
+                return rows, aborted
+    return rows, None
 
 
 def run_profile(prompt_files: Sequence[Path | str], endpoints: Sequence[Endpoint],
@@ -300,8 +309,8 @@ def run_profile(prompt_files: Sequence[Path | str], endpoints: Sequence[Endpoint
     log(f"profiling {endpoint.base_url} at concurrency {levels} with {len(prompts)} prompts, "
         f"max_tokens {spec.max_tokens}")
     t_start = time.time()
-    rows = _sweep(endpoint, prompts, spec, levels, profile_cfg,
-                  generate_cfg.get("request_timeout_s", 600.0), log)
+    rows, aborted = _sweep(endpoint, prompts, spec, levels, profile_cfg,
+                           generate_cfg.get("request_timeout_s", 600.0), log)
     choice = choose_concurrency(rows, profile_cfg.get("tolerance", 0.05),
                                 profile_cfg.get("max_p99_tpot_ms"))
     profile = {
@@ -310,6 +319,7 @@ def run_profile(prompt_files: Sequence[Path | str], endpoints: Sequence[Endpoint
         "levels_requested": list(profile_cfg["levels"]),
         "levels_measured": levels,
         "capped_levels": capped,  # requested level -> server max_num_seqs it was capped to
+        "aborted": aborted,  # set when the server died during the sweep
         "per_endpoint": True,
         "endpoint": endpoint.base_url,
         "num_prompts": len(prompts),

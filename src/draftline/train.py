@@ -10,7 +10,8 @@ Library::
 (``--standalone``) and returns when all processes are done. Multi-node runs (``nnodes > 1``)
 are launched by the user on every node::
 
-    torchrun --nnodes N --nproc_per_node P --rdzv-endpoint HOST:PORT -m draftline.train \\
+    torchrun --nnodes N --nproc_per_node P --rdzv-backend c10d --rdzv-endpoint HOST:PORT \\
+        -m draftline.train \\
         --hidden-dir results/hidden --vocab-map results/vocab/vocab_map.safetensors \\
         --target-dir results/target --out-dir results/draft --config-json '{"epochs": 2}'
 
@@ -18,8 +19,10 @@ are launched by the user on every node::
 
 Outputs in ``out_dir``: ``metrics.jsonl`` (one record per optimizer step and per evaluation),
 ``eval.json`` (the best evaluation: simulated acceptance length, per-step accuracies,
-``layer_ids``, ``ttt_steps``), ``state/`` (the latest resumable checkpoint), ``best/``
-(weights of the best evaluation, for export), ``tb/`` (TensorBoard events).
+``layer_ids``, ``ttt_steps``), ``best/`` (weights of the best evaluation, for export),
+``tb/`` (TensorBoard events), and ``state/``: the latest resumable checkpoint plus the live
+best weights and metrics log, from which ``best/`` and ``eval.json`` are published at the end
+(so a workflow manager may delete the outputs of a killed job without losing anything).
 
 Batches: samples are grouped by length and packed into micro-batches of at most
 ``batch_tokens`` padded tokens (each sample its own row, see draftline.model). One optimizer
@@ -53,6 +56,7 @@ from typing import Any
 DISTRIBUTED_ENV = "WORLD_SIZE"
 STATE_DIR, BEST_DIR = "state", "best"
 WEIGHTS_FILE, DRAFT_CONFIG_FILE = "model.safetensors", "draft_config.json"
+METRICS_FILE = "metrics.jsonl"
 FROZEN = ("embed_tokens.weight",)  # same as Eagle3Draft.FROZEN, without importing torch
 
 
@@ -435,9 +439,38 @@ def save_weights(weights: dict, directory: Path) -> None:
               str(directory / WEIGHTS_FILE))
 
 
+def link_tree(src: Path, dest: Path) -> None:
+    """``dest`` := a copy of the flat directory ``src`` made of hard links (no data copied;
+    files are never rewritten in place, so the links keep their content). Atomic swap."""
+    tmp = dest.with_name(f".tmp-{dest.name}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    for file in src.iterdir():
+        try:
+            os.link(file, tmp / file.name)
+        except OSError:  # another file system: copy
+            shutil.copy2(file, tmp / file.name)
+    replace_dir(tmp, dest)
+
+
+def replace_dir(new: Path, dest: Path) -> None:
+    old = dest.with_name(f".old-{dest.name}")
+    shutil.rmtree(old, ignore_errors=True)
+    if dest.exists():
+        os.rename(dest, old)
+    os.rename(new, dest)
+    shutil.rmtree(old, ignore_errors=True)
+
+
 def save_checkpoint(state_root: Path, step: int, model, optimizer, scheduler,
                     trainer: dict, rt: Runtime) -> None:
-    """Write ``state/step-N`` atomically (temp dir + rename), then point ``latest.json`` at it."""
+    """Write ``state/step-N`` atomically (temp dir + rename), then point ``latest.json`` at it.
+
+    Besides weights, optimizer, scheduler, RNG and the trainer record (data position, best so
+    far) it keeps the metrics log up to this step and hard links to the best weights of this
+    moment, so that a resumed run (or a workflow manager that deleted the outputs of the
+    killed job) gets back exactly the state of step N.
+    """
     import torch
 
     weights, optim = full_state(model, optimizer)  # a collective under FSDP: every rank
@@ -454,6 +487,10 @@ def save_checkpoint(state_root: Path, step: int, model, optimizer, scheduler,
         torch.save(extra, tmp / "optimizer.pt")
         trainer = {**trainer, "python_rng": _python_rng_state()}
         (tmp / "trainer.json").write_text(json.dumps(trainer, indent=1) + "\n")
+        if (state_root / METRICS_FILE).exists():
+            shutil.copy2(state_root / METRICS_FILE, tmp / METRICS_FILE)
+        if (state_root / BEST_DIR).exists():
+            link_tree(state_root / BEST_DIR, tmp / BEST_DIR)
         final = state_root / name
         shutil.rmtree(final, ignore_errors=True)
         os.rename(tmp, final)
@@ -475,6 +512,16 @@ def latest_checkpoint(state_root: Path) -> Path | None:
         return None
     path = state_root / json.loads(pointer.read_text())["dir"]
     return path if (path / "trainer.json").exists() else None
+
+
+def restore_logs(checkpoint: Path, state_root: Path) -> None:
+    """The metrics log and best weights as they were at the checkpoint (rank 0)."""
+    shutil.rmtree(state_root / BEST_DIR, ignore_errors=True)
+    if (checkpoint / BEST_DIR).exists():
+        link_tree(checkpoint / BEST_DIR, state_root / BEST_DIR)
+    (state_root / METRICS_FILE).unlink(missing_ok=True)
+    if (checkpoint / METRICS_FILE).exists():
+        shutil.copy2(checkpoint / METRICS_FILE, state_root / METRICS_FILE)
 
 
 def load_checkpoint(path: Path, model, optimizer, scheduler) -> dict:
@@ -502,24 +549,27 @@ def load_checkpoint(path: Path, model, optimizer, scheduler) -> dict:
     return trainer
 
 
-def save_best(out_dir: Path, model, draft_cfg, record: dict, rt: Runtime) -> None:
-    """``best/``: trainable weights (fp32), draft_config.json and best.json, swapped in whole."""
-    weights, _ = full_state(model, None)
+def save_best(state_root: Path, model, draft_cfg, record: dict, rt: Runtime) -> None:
+    """``state/best/``: trainable weights (fp32), draft_config.json and best.json, swapped in
+    whole (new files each time: checkpoints hold hard links to earlier ones)."""
+    weights, _ = full_state(model, None)  # a collective under FSDP: every rank
     if rt.is_main:
-        best = out_dir / BEST_DIR
-        tmp = out_dir / f".tmp-{BEST_DIR}"
+        tmp = state_root / f".tmp-{BEST_DIR}"
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
         save_weights(weights, tmp)
         (tmp / DRAFT_CONFIG_FILE).write_text(json.dumps(draft_cfg.to_dict(), indent=1) + "\n")
         (tmp / "best.json").write_text(json.dumps(record, indent=1) + "\n")
-        old = out_dir / ".old-best"
-        shutil.rmtree(old, ignore_errors=True)
-        if best.exists():
-            os.rename(best, old)
-        os.rename(tmp, best)
-        shutil.rmtree(old, ignore_errors=True)
+        replace_dir(tmp, state_root / BEST_DIR)
     barrier(rt)
+
+
+def publish(state_root: Path, out_dir: Path, record: dict) -> None:
+    """The outputs: ``best/`` (hard links to state/best), ``metrics.jsonl``, ``eval.json``."""
+    link_tree(state_root / BEST_DIR, out_dir / BEST_DIR)
+    shutil.copy2(state_root / METRICS_FILE, out_dir / f".{METRICS_FILE}.tmp")
+    os.replace(out_dir / f".{METRICS_FILE}.tmp", out_dir / METRICS_FILE)
+    _atomic_write_text(out_dir / "eval.json", json.dumps(record, indent=1) + "\n")
 
 
 def fingerprint(cfg: dict, world: int, hidden_dir: Path, vocab_map: Path,
@@ -537,22 +587,28 @@ def fingerprint(cfg: dict, world: int, hidden_dir: Path, vocab_map: Path,
 
 
 class RunLog:
-    """metrics.jsonl + TensorBoard on rank 0; a resumed run first drops records past its step."""
+    """Metrics on rank 0: ``state/metrics.jsonl`` (restored with a checkpoint), mirrored live
+    to ``out_dir/metrics.jsonl``, and TensorBoard events in ``out_dir/tb``.
 
-    def __init__(self, out_dir: Path, resumed_step: int | None, rt: Runtime):
-        self.path = out_dir / "metrics.jsonl"
+    A resumed run continues the log of its checkpoint; TensorBoard drops the events past the
+    resumed step.
+    """
+
+    def __init__(self, state_root: Path, out_dir: Path, resumed_step: int | None,
+                 rt: Runtime):
+        self.path = state_root / METRICS_FILE
+        self.mirror = out_dir / METRICS_FILE
         self.writer = None
         if not rt.is_main:
             return
         if resumed_step is None:  # a fresh run: nothing of an earlier one may remain
-            self.path.unlink(missing_ok=True)
-            (out_dir / "eval.json").unlink(missing_ok=True)
-            shutil.rmtree(out_dir / "tb", ignore_errors=True)
-            shutil.rmtree(out_dir / BEST_DIR, ignore_errors=True)
-        elif self.path.exists():
-            kept = [line for line in self.path.read_text().splitlines()
-                    if line.strip() and json.loads(line)["step"] <= resumed_step]
-            _atomic_write_text(self.path, "".join(line + "\n" for line in kept))
+            for stale in (self.path, out_dir / "eval.json"):
+                stale.unlink(missing_ok=True)
+            for stale_dir in (out_dir / "tb", out_dir / BEST_DIR, state_root / BEST_DIR):
+                shutil.rmtree(stale_dir, ignore_errors=True)
+        state_root.mkdir(parents=True, exist_ok=True)
+        self.path.touch()
+        shutil.copy2(self.path, self.mirror)
         try:
             from torch.utils.tensorboard import SummaryWriter
         except ImportError as exc:  # tensorboard is a dependency; say what is missing
@@ -563,8 +619,9 @@ class RunLog:
     def write(self, record: dict, prefix: str) -> None:
         if self.writer is None:
             return
-        with open(self.path, "a") as f:
-            f.write(json.dumps(record) + "\n")
+        for path in (self.path, self.mirror):
+            with open(path, "a") as f:
+                f.write(json.dumps(record) + "\n")
         step = record["step"]
         for key, value in record.items():
             if key == "step":
@@ -742,13 +799,14 @@ def _train(rt: Runtime, hidden_dir: Path, vocab_map: Path, target_dir: Path, out
         if saved.get("run_id") == run_id:
             trainer = load_checkpoint(checkpoint, model, optimizer, scheduler)
             resumed = trainer["step"]
+            if rt.is_main:
+                restore_logs(checkpoint, state_root)
         else:
             barrier(rt)
             if rt.is_main:
                 shutil.rmtree(state_root, ignore_errors=True)
-                shutil.rmtree(out_dir / BEST_DIR, ignore_errors=True)
     barrier(rt)
-    log = RunLog(out_dir, resumed, rt)
+    log = RunLog(state_root, out_dir, resumed, rt)
     workers = 2 if rt.device.type == "cuda" else 0
     progress = tqdm(total=total, initial=trainer["step"], disable=not rt.is_main,
                     unit="step", dynamic_ncols=True, desc="draft")
@@ -800,7 +858,7 @@ def _train(rt: Runtime, hidden_dir: Path, vocab_map: Path, target_dir: Path, out
                 if best is None or (result["simulated_acceptance_length"]
                                     > best["simulated_acceptance_length"]):
                     trainer["best"] = result
-                    save_best(out_dir, model, draft_cfg, {**result, **meta}, rt)
+                    save_best(state_root, model, draft_cfg, {**result, **meta}, rt)
             if step % cfg["checkpoint_every"] == 0 or step == total:
                 save_checkpoint(state_root, step, model, optimizer, scheduler, trainer, rt)
             if step >= total:
@@ -814,7 +872,7 @@ def _train(rt: Runtime, hidden_dir: Path, vocab_map: Path, target_dir: Path, out
               "train_tokens": trainer["tokens"], "final_eval": trainer["last_eval"], **meta}
     record.pop("step")
     if rt.is_main:
-        _atomic_write_text(out_dir / "eval.json", json.dumps(record, indent=1) + "\n")
+        publish(state_root, out_dir, record)
     barrier(rt)
     return record
 
