@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from conftest import REPO, requires_vllm
+from conftest import REPO, default_config, requires_vllm
 
 pytestmark = [requires_vllm, pytest.mark.vllm, pytest.mark.slow]
 
@@ -181,3 +181,31 @@ def test_editing_a_stage_library_makes_that_stage_stale(pipeline):
         module.write_text(original)
     assert "vocab_map" in jobs and "train_draft" in jobs
     assert not jobs & {"generate", "dataset", "hidden_states", "prompt_shards"}
+
+
+def test_bench_against_external_endpoints(pipeline, vllm_server, tmp_path):
+    """``bench.endpoints``: both configurations measured on servers the test started itself."""
+    from draftline.bench import run_stage
+    from draftline.server import ManagedServer, spec_from_config
+
+    workdir, base = pipeline
+    results = workdir / "results"
+    config = deep_update(base, {})
+    draft = results / "draft" / "checkpoint"
+    server_cfg = default_config()["server"]
+    eagle_spec = spec_from_config(server_cfg, str(results / "target"), speculative_config={
+        "method": "eagle3", "model": str(draft), "num_speculative_tokens": 3})
+    with ManagedServer(eagle_spec, tmp_path / "eagle.log") as eagle:
+        bench_cfg = dict(config["bench"], repetitions=3, levels=[2], num_prompts=6,
+                         endpoints={"baseline": vllm_server.url, "eagle3-k3": eagle.url})
+        result = run_stage(
+            sorted(str(p) for p in (results / "responses").glob("shard-?.jsonl")), str(draft),
+            str(results / "draft/eval.json"), None, str(tmp_path / "bench"),
+            bench_cfg=bench_cfg, generate_cfg=default_config()["generate"],
+            eval_fraction=config["dataset"]["eval_fraction"], server_cfg=server_cfg,
+            model=str(results / "target"), state_dir=str(tmp_path / "servers"))
+    assert not (tmp_path / "servers").exists()  # nothing managed was started
+    assert {r["config"] for r in result["rows"]} == {"baseline", "eagle3-k3"}
+    eagle_cells = [s for s in result["summary"] if s["config"] == "eagle3-k3"]
+    assert eagle_cells and all(s["acceptance_length"] > 1.0 for s in eagle_cells)
+    assert all(s["speedup_throughput"] is not None for s in eagle_cells)
