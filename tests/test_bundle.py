@@ -32,6 +32,8 @@ PLANTED_KEY = "sk-planted-0123456789abcdef"  # an API key that must never reach 
 PLANTED_TOKEN = "hf_plantedtoken0123456789"
 
 
+SERVING_IMAGE = "docker://example.org/serving@sha256:" + "ab" * 32
+
 def tiny_png(width: int = 3, height: int = 2) -> bytes:
     """A valid RGB PNG, written by hand (no plotting library needed)."""
     def chunk(kind: bytes, data: bytes) -> bytes:
@@ -183,7 +185,7 @@ def test_missing_input_is_named(results):
 
 def test_manifest_provenance(results, monkeypatch):
     monkeypatch.setenv("DRAFTLINE_COMMAND_LINE", "/opt/venv/bin/snakemake --cores all")
-    cfg = bundle_config(results, **{"containers.serving": "example.org/serving:1"})
+    cfg = bundle_config(results, **{"containers.serving": SERVING_IMAGE})
     prov = build(results, cfg)["provenance"]
 
     target = prov["target"]
@@ -210,7 +212,7 @@ def test_manifest_provenance(results, monkeypatch):
         assert git["commit"] == head and isinstance(git["dirty"], bool)
 
     (image,) = prov["containers"]
-    assert image["role"] == "serving" and image["image"] == "example.org/serving:1"
+    assert image["role"] == "serving" and image["image"] == SERVING_IMAGE
     assert image["id"] is None and image["note"]  # not present locally, and says so
     assert prov["hardware"]["logical_cpus"] == os.cpu_count()
     assert prov["command_line"] == ["snakemake", "--cores", "all"]
