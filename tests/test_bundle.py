@@ -104,6 +104,7 @@ def make_results(root: Path, bench: bool = True) -> Path:
             "# Deployment benchmark\n\n| mode | tok/s |\n|---|---|\n| baseline | 900 |\n"
             "| eagle3 | 1500 |\n")
         (root / "bench" / "throughput.png").write_bytes(tiny_png(4, 4))
+        (root / "bench" / "acceptance.png").write_bytes(tiny_png(3, 3))
     return root
 
 
@@ -151,7 +152,7 @@ def test_bundle_layout_is_a_loadable_model_folder_with_all_evidence(results):
             "vocab/vocab_map.safetensors", "vocab/coverage.json", "training/metrics.jsonl",
             "training/eval.json", "data/prompts_summary.json", "profile/concurrency.json",
             "profile/concurrency.png", "bench/results.json", "bench/summary.md",
-            "bench/throughput.png"} == listed
+            "bench/throughput.png", "bench/acceptance.png"} == listed
     # binary artifacts are copied byte for byte, and the manifest hashes what is there
     for rel, src in [("model.safetensors", "draft/checkpoint/model.safetensors"),
                      ("bench/throughput.png", "bench/throughput.png")]:
@@ -293,7 +294,7 @@ def test_verify_ok_on_folder_and_archive(results, capsys):
     build(results)
     assert cli_main(["verify", str(results / "bundle")]) == 0
     assert cli_main(["verify", str(results / "bundle.tar")]) == 0
-    assert "14 files match" in capsys.readouterr().out
+    assert "15 files match" in capsys.readouterr().out
     assert cli_main(["verify", str(results / "nothing-here")]) == 2
 
 
