@@ -244,6 +244,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--adaptive-upper", type=int, default=64)
     parser.add_argument("--wrong-starts", type=int, nargs="+", default=[2, 64])
     parser.add_argument("--min-gain", type=float, default=0.05)
+    parser.add_argument("--server-args", nargs="*", default=[],
+                        help="extra vLLM arguments, e.g. --no-enable-chunked-prefill (write as "
+                             "--server-args=--no-enable-chunked-prefill)")
     parser.add_argument("--json", type=Path)
     args = parser.parse_args(argv)
 
@@ -262,8 +265,9 @@ def main(argv: list[str] | None = None) -> int:
     spec = SamplingSpec(max_tokens=args.max_tokens, temperature=args.temperature,
                         top_p=config["generate"]["top_p"], seed=None, continuous_usage=False)
     prompts = make_prompts(256)
-    server_spec = spec_from_config(config["server"], model_dir)
-    report: dict = {"model": model_dir, "sampling": asdict(spec),
+    server_spec = spec_from_config({**config["server"], "extra_args": args.server_args},
+                                   model_dir)
+    report: dict = {"model": model_dir, "sampling": asdict(spec), "server_args": args.server_args,
                     "levels": args.levels, "cpu_count": os.cpu_count()}
     with tempfile.TemporaryDirectory() as tmp, \
             ManagedServer(server_spec, Path(tmp) / "server.log") as server:

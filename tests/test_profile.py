@@ -200,6 +200,27 @@ def test_limiter_bounds_and_arguments():
     assert set(limits) == {8} and fixed.changes == []
 
 
+# ---------------------------------------------------------------- a server that is gone
+
+
+def test_sweep_stops_when_the_server_stops_answering(tmp_path):
+    from draftline.profile import _sweep
+    from draftline.server import Endpoint, free_port
+
+    gone = Endpoint(base_url=f"http://127.0.0.1:{free_port()}/v1", model="target")
+    prompts = [Prompt("a", [{"role": "user", "content": "hi"}])]
+    cfg = {"warmup_s": 0.2, "measure_s": 0.5, "warmup_turnover": 1.0, "max_warmup_s": 5.0}
+    rows, aborted = _sweep(gone, prompts, SamplingSpec(max_tokens=8), [1, 4], cfg, 5.0,
+                           log=lambda _: None)
+    assert [r["concurrency"] for r in rows] == [1]  # no time spent on higher levels
+    assert rows[0]["errors"] > 0 and rows[0]["output_tok_s"] == 0
+    assert aborted["at_concurrency"] == 1 and "Connect" in aborted["error_examples"][0]
+    with pytest.raises(ProfileError, match="does not answer"):
+        run_profile([write_prompt_shards(tmp_path)[0]], [gone], {**cfg, "levels": [1],
+                    "num_prompts": 4}, {"max_tokens": 8}, {"max_num_seqs": 8},
+                    tmp_path / "p.json")
+
+
 # ---------------------------------------------------------------- a real sweep
 
 

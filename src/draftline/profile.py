@@ -385,7 +385,8 @@ def plot_profile(profile: dict, out_png: Path | str) -> None:
     more = lat.get_legend_handles_labels()
     ax.legend(handles[0] + more[0], handles[1] + more[1], loc="upper left", fontsize=8)
     sampling = profile.get("sampling", {})
-    ax.set_title(f"concurrency profile: {profile['fingerprint']['model'][-40:]}, "
+    model = "/".join(Path(profile["fingerprint"]["model"]).parts[-2:])
+    ax.set_title(f"concurrency profile: {model}, "
                  f"max_tokens {sampling.get('max_tokens')}, T={sampling.get('temperature')}",
                  fontsize=9)
     fig.tight_layout()
