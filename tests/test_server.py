@@ -29,6 +29,7 @@ def test_command_binds_loopback_and_sets_cpu_flags(config, monkeypatch):
     assert cmd[cmd.index("--gpu-memory-utilization") + 1] == "0.3"
     assert cmd[cmd.index("--reasoning-parser") + 1] == "deepseek_r1"
     assert "--trust-remote-code" not in cmd
+    assert "--no-enable-chunked-prefill" in cmd  # seeded requests crash chunked prefill on CPU
     assert spec.environment()["VLLM_CPU_KVCACHE_SPACE"] == "1"
 
 

