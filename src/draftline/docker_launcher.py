@@ -40,7 +40,7 @@ import httpx
 
 from draftline.server import (
     API_SERVER_MODULE,
-    Endpoint,
+    ServerAddress,
     ServerError,
     ServerSpec,
     free_port,
@@ -263,7 +263,7 @@ def ensure_image(client, ref: str, pull: bool, log=print):
         raise ServerError(f"config key 'server.image': cannot pull {ref}: {exc}") from exc
 
 
-class DockerServer:
+class DockerServer(ServerAddress):
     """One vLLM API server in a container. Use as a context manager."""
 
     def __init__(self, spec: ServerSpec, log_path: Path, client=None):
@@ -276,16 +276,6 @@ class DockerServer:
         self.client = client
         self.container = None
         self._log_thread: threading.Thread | None = None
-
-    @property
-    def url(self) -> str:
-        host = "127.0.0.1" if self.spec.host in ("0.0.0.0", "::") else self.spec.host
-        return f"http://{host}:{self.port}"
-
-    @property
-    def endpoint(self) -> Endpoint:
-        return Endpoint(base_url=f"{self.url}/v1", model=self.spec.served_name,
-                        api_key=self.spec.api_key() or "EMPTY")
 
     def handle(self) -> dict:
         """What the shared-server state file records to find this server again."""

@@ -200,14 +200,11 @@ def log_tail(path: Path, lines: int = 40) -> str:
         return "<no log>"
 
 
-class ManagedServer:
-    """One vLLM API server process (group). Use as a context manager."""
+class ServerAddress:
+    """URL and endpoint of a launched server (process or container) from its spec and port."""
 
-    def __init__(self, spec: ServerSpec, log_path: Path):
-        self.spec = spec
-        self.log_path = Path(log_path)
-        self.port = spec.port or free_port(spec.host)
-        self.proc: subprocess.Popen | None = None
+    spec: ServerSpec
+    port: int
 
     @property
     def url(self) -> str:
@@ -218,6 +215,16 @@ class ManagedServer:
     def endpoint(self) -> Endpoint:
         return Endpoint(base_url=f"{self.url}/v1", model=self.spec.served_name,
                         api_key=self.spec.api_key() or "EMPTY")
+
+
+class ManagedServer(ServerAddress):
+    """One vLLM API server process (group). Use as a context manager."""
+
+    def __init__(self, spec: ServerSpec, log_path: Path):
+        self.spec = spec
+        self.log_path = Path(log_path)
+        self.port = spec.port or free_port(spec.host)
+        self.proc: subprocess.Popen | None = None
 
     def handle(self) -> dict:
         """What the shared-server state file records to find this server again."""
