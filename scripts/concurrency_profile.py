@@ -1,5 +1,4 @@
 from draftline.profile import run_stage
-
 from draftline.runlog import logged
 
 with logged(snakemake.log[0]):

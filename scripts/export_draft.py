@@ -2,7 +2,6 @@ import json
 from pathlib import Path
 
 from draftline.export import export_draft
-
 from draftline.runlog import logged
 
 with logged(snakemake.log[0]):

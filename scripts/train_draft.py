@@ -1,8 +1,7 @@
 from pathlib import Path
 
-from draftline.train import train
-
 from draftline.runlog import logged
+from draftline.train import train
 
 with logged(snakemake.log[0]):
     train(
