@@ -16,8 +16,8 @@ from conftest import requires_vllm
 from draftline.generate import (
     EndpointsDown,
     GenerateSettings,
+    failure_kind,
     generate_shard,
-    is_retryable,
     prompt_seed,
     read_jsonl_ids,
     resolve_concurrency,
@@ -35,16 +35,26 @@ def test_prompt_seed_is_stable_and_distinct():
     assert 0 <= prompt_seed(7, "x") < 2**31
 
 
-def test_retry_classification():
+def test_failure_kinds():
     req = httpx.Request("POST", "http://x")
 
     def status(code):
         return openai.APIStatusError("e", response=httpx.Response(code, request=req), body=None)
 
-    assert all(is_retryable(status(c)) for c in (408, 409, 429, 500, 502, 503))
-    assert not any(is_retryable(status(c)) for c in (400, 401, 404, 422))
-    assert is_retryable(openai.APIConnectionError(request=req))
-    assert is_retryable(openai.APITimeoutError(request=req))
+    def wrapped(cause, cls=openai.APIConnectionError):
+        try:
+            raise cls(request=req) from cause
+        except cls as exc:
+            return exc
+
+    assert {failure_kind(status(c)) for c in (408, 409, 429, 500, 502, 503)} == {"status"}
+    assert {failure_kind(status(c)) for c in (400, 401, 404, 422)} == {"final"}
+    assert failure_kind(openai.APITimeoutError(request=req)) == "timeout"
+    assert failure_kind(wrapped(httpx.ConnectError("refused"))) == "refused"
+    assert failure_kind(wrapped(httpx.RemoteProtocolError("peer closed"))) == "disconnect"
+    assert failure_kind(wrapped(httpx.ReadError("reset"))) == "disconnect"
+    assert failure_kind(json.JSONDecodeError("x", "{", 1)) == "invalid"
+    assert failure_kind(ValueError("bug")) == "final"
 
 
 def test_torn_last_line_is_dropped(tmp_path):

@@ -30,6 +30,7 @@ import json
 import statistics
 from pathlib import Path
 
+from draftline.atomic import write_json
 from draftline.loadgen import Prompt, SamplingSpec, acceptance_length, run_requests
 from draftline.server import Endpoint, endpoints_for
 
@@ -300,9 +301,7 @@ def plot(result: dict, throughput_png: Path, acceptance_png: Path) -> None:
 
 
 def _write_json(path: Path, obj: dict) -> None:
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(json.dumps(obj, indent=2) + "\n")
-    tmp.replace(path)
+    write_json(path, obj, indent=2)
 
 
 # ---------------------------------------------------------------- the stage

@@ -30,6 +30,8 @@ from typing import Any, BinaryIO
 
 from tqdm import tqdm
 
+from draftline.atomic import atomic_open, copy_file, write_text
+
 BUNDLE_FORMAT = "draftline-bundle/1"
 MANIFEST = "manifest.json"
 README = "README.md"
@@ -679,9 +681,7 @@ def write_deterministic_tar(src_dir: str | Path, tar_path: str | Path,
         parts = rel.split("/")
         names.update("/".join(parts[:i]) for i in range(1, len(parts)))
         names.add(rel)
-    tmp = tar_path.with_name(f".{tar_path.name}.tmp")
-    tar_path.parent.mkdir(parents=True, exist_ok=True)
-    with open(tmp, "wb") as raw, \
+    with atomic_open(tar_path, "wb") as raw, \
             tarfile.open(fileobj=raw, mode="w", format=tarfile.PAX_FORMAT) as tar:
         tar.addfile(_tarinfo(root, is_dir=True))
         for rel in sorted(names, key=_sort_key):
@@ -692,7 +692,6 @@ def write_deterministic_tar(src_dir: str | Path, tar_path: str | Path,
                 info = _tarinfo(f"{root}/{rel}", is_dir=False, size=path.stat().st_size)
                 with open(path, "rb") as fh:
                     tar.addfile(info, fh)
-    os.replace(tmp, tar_path)
     return sha256_file(tar_path)
 
 
@@ -855,17 +854,11 @@ def publish_files(tar_path: str | Path, manifest_path: str | Path, tar_out: str 
     verify_bundle(tar_path)  # never publish a damaged or tampered archive
     for out in (tar_out, manifest_out, sha256_out):
         Path(out).parent.mkdir(parents=True, exist_ok=True)
-    _atomic_copy(Path(tar_path), Path(tar_out))
-    _atomic_copy(Path(manifest_path), Path(manifest_out))
+    copy_file(tar_path, tar_out)
+    copy_file(manifest_path, manifest_out)
     digest = sha256_file(tar_out)
-    Path(sha256_out).write_text(f"{digest}  {Path(tar_out).name}\n")
+    write_text(sha256_out, f"{digest}  {Path(tar_out).name}\n")
     return digest
-
-
-def _atomic_copy(src: Path, dst: Path) -> None:
-    tmp = dst.with_name(f".{dst.name}.tmp")
-    shutil.copyfile(src, tmp)
-    os.replace(tmp, dst)
 
 
 def push_to_hub(bundle_dir: str | Path, repo_id: str, token_env: str = "HF_TOKEN",

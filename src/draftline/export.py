@@ -14,10 +14,9 @@ a missing, mis-shaped, unexpected or non-finite tensor refuses the export.
 from __future__ import annotations
 
 import json
-import os
-import shutil
-import tempfile
 from pathlib import Path
+
+from draftline.atomic import atomic_dir
 
 WEIGHTS_FILE, DRAFT_CONFIG_FILE = "model.safetensors", "draft_config.json"
 SHARED_WITH_TARGET = ("embed_tokens.weight",)  # may be present in the weights; never exported
@@ -177,19 +176,7 @@ def export_draft(best_weights, target_dir, vocab_map, layer_ids, out_dir) -> Pat
     config = draft_config_json(draft_cfg, target_cfg, ids, dtype)
 
     out_dir = Path(out_dir)
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.partial-", dir=out_dir.parent))
-    try:
+    with atomic_dir(out_dir) as tmp:
         save_file(out, str(tmp / WEIGHTS_FILE), metadata={"format": "pt"})
         (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
-        old = None
-        if out_dir.exists():
-            old = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.old-", dir=out_dir.parent))
-            os.rename(out_dir, old / out_dir.name)
-        os.rename(tmp, out_dir)
-        if old is not None:
-            shutil.rmtree(old)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     return out_dir

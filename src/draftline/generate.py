@@ -26,6 +26,7 @@ import httpx
 import openai
 from tqdm import tqdm
 
+from draftline.atomic import atomic_open, disk_full_names, write_json
 from draftline.loadgen import request_seed
 from draftline.server import Endpoint
 from draftline.slots import SlotPool
@@ -110,15 +111,29 @@ def assistant_message(parsed: dict) -> dict:
             "reasoning_content": parsed["reasoning"]}
 
 
-def is_retryable(exc: BaseException) -> bool:
+def failure_kind(exc: BaseException) -> str:
+    """What went wrong with one request, for the retry policy and the counts.
+
+    ``refused``: no connection (the endpoint is down, not the prompt's fault); ``timeout``: no
+    answer within the request timeout; ``disconnect``: the connection dropped before the
+    whole response arrived (reset, truncated body); ``status``: a retryable HTTP status
+    (408/409/429/5xx); ``invalid``: a complete response that does not parse; ``final``: an
+    error that another try would repeat (400: prompt too long, ...).
+    """
+    cause = exc.__cause__ or exc
+    if isinstance(exc, openai.APITimeoutError) or isinstance(cause, httpx.TimeoutException):
+        return "timeout"
+    if isinstance(cause, httpx.ConnectError):
+        return "refused"
+    if isinstance(exc, openai.APIConnectionError) or isinstance(cause, httpx.TransportError):
+        return "disconnect"
     if isinstance(exc, openai.APIStatusError):
-        return exc.status_code in RETRYABLE_STATUS or exc.status_code >= 500
-    return isinstance(exc, openai.APIConnectionError | openai.APIResponseValidationError |
-                      httpx.HTTPError | json.JSONDecodeError)
-
-
-def is_connection_failure(exc: BaseException) -> bool:
-    return isinstance(exc, openai.APIConnectionError | httpx.TransportError)
+        code = exc.status_code
+        return "status" if code in RETRYABLE_STATUS or code >= 500 else "final"
+    if isinstance(exc, openai.APIResponseValidationError | json.JSONDecodeError |
+                  httpx.DecodingError):
+        return "invalid"
+    return "final"
 
 
 def backoff_delay(attempt: int, settings: GenerateSettings, rng: random.Random) -> float:
@@ -159,9 +174,12 @@ class EndpointPool:
         return min(healthy, key=lambda i: (self.in_flight[i], self.sent[i]))
 
     def set_aside(self, i: int) -> None:
-        now = time.monotonic()
-        self.down_until[i] = now + self.COOLDOWN_S
-        self.failing_since = self.failing_since or now
+        self.down_until[i] = time.monotonic() + self.COOLDOWN_S
+        self.failed()
+
+    def failed(self) -> None:
+        """A request got no answer (refused, timed out, dropped): start the down clock."""
+        self.failing_since = self.failing_since or time.monotonic()
 
     def succeeded(self) -> None:
         self.failing_since = None
@@ -195,31 +213,35 @@ def read_jsonl_ids(path: Path) -> dict[str, dict]:
 
 
 class AppendLog:
-    """Append-and-flush JSONL writer: every finished record survives a kill."""
+    """Append-and-flush JSONL writer: every finished record survives a kill.
+
+    A write cut short (full disk, kill) leaves at most a torn last line, which the next
+    ``read_jsonl_ids`` drops: a record counts only when its line is complete.
+    """
 
     def __init__(self, path: Path):
         path.parent.mkdir(parents=True, exist_ok=True)
+        self.path = path
         self.fh = open(path, "a", encoding="utf-8")
 
     def write(self, record: dict) -> None:
-        self.fh.write(json.dumps(record, ensure_ascii=False) + "\n")
-        self.fh.flush()
+        with disk_full_names(self.path):
+            self.fh.write(json.dumps(record, ensure_ascii=False) + "\n")
+            self.fh.flush()
 
     def close(self) -> None:
+        # Every complete record was flushed by write(); what a failed write left buffered is
+        # a torn line at most, so a close that cannot flush it loses nothing.
         with contextlib.suppress(OSError):
             os.fsync(self.fh.fileno())
-        self.fh.close()
+        with contextlib.suppress(OSError):
+            self.fh.close()
 
 
 def write_jsonl_atomic(path: Path, records: Iterable[dict]) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp")
-    with open(tmp, "w", encoding="utf-8") as fh:
+    with atomic_open(path) as fh:
         for rec in records:
             fh.write(json.dumps(rec, ensure_ascii=False) + "\n")
-        fh.flush()
-        os.fsync(fh.fileno())
-    os.replace(tmp, path)
 
 
 # ---------------------------------------------------------------- the shard run
@@ -232,6 +254,8 @@ class ShardStats:
     done: int = 0
     errors: int = 0
     retries: int = 0
+    retries_by_kind: dict = field(default_factory=dict)  # failure_kind -> retries it caused
+    set_asides: int = 0  # refused connections: the endpoint rested, no retry spent
     prompt_tokens: int = 0
     output_tokens: int = 0
     inflight_area: float = 0.0  # integral of machine-wide in-flight over the fill phase
@@ -356,17 +380,23 @@ class ShardRun:
                     error = exc
                 finally:
                     self.pool.in_flight[index] -= 1
-            if is_connection_failure(error):
+            kind = failure_kind(error)
+            if kind == "refused":
                 self.pool.set_aside(index)
+                self.stats.set_asides += 1
                 self._check_down()
                 await asyncio.sleep(backoff_delay(0, self.settings, self.rng))
                 continue  # a dead endpoint is not this prompt's fault: no retry is spent
-            if is_retryable(error) and attempt < self.settings.max_retries:
+            if kind in ("timeout", "disconnect"):
+                self.pool.failed()  # a hung or dying server ends in EndpointsDown
+                self._check_down()
+            if kind != "final" and attempt < self.settings.max_retries:
                 self.stats.retries += 1
+                self.stats.retries_by_kind[kind] = self.stats.retries_by_kind.get(kind, 0) + 1
                 await asyncio.sleep(backoff_delay(attempt, self.settings, self.rng))
                 attempt += 1
                 continue
-            self._fail(prompt_id, error, attempt + 1)
+            self._fail(prompt_id, error, attempt + 1, kind)
             return None
 
     async def _endpoint(self) -> int:
@@ -386,11 +416,11 @@ class ShardRun:
                 f"({', '.join(e.base_url for e in self.pool.endpoints)}); results so far "
                 "are kept, rerun to resume")
 
-    def _fail(self, prompt_id: str, error: BaseException, attempts: int) -> None:
+    def _fail(self, prompt_id: str, error: BaseException, attempts: int, kind: str) -> None:
         status = getattr(error, "status_code", None)
         message = getattr(error, "message", None) or str(error) or type(error).__name__
         self.errors.write({"id": prompt_id, "error": f"{type(error).__name__}: {message}"[:2000],
-                           "status": status, "retryable": is_retryable(error),
+                           "status": status, "kind": kind, "retryable": kind != "final",
                            "attempts": attempts})
         self.stats.errors += 1
         self._progress()
@@ -457,6 +487,8 @@ def finish_shard(prompts, partial, partial_errors, out_file, errors_file, summar
         "unanswered": len(prompts) - len(done) - len(errors),
         "resumed": len(done) - stats.done,
         "retries": stats.retries,
+        "retries_by_kind": dict(sorted(stats.retries_by_kind.items())),
+        "endpoint_set_asides": stats.set_asides,
         "prompt_tokens": stats.prompt_tokens,
         "output_tokens": stats.output_tokens,
         "duration_s": round(stats.duration_s, 3),
@@ -468,7 +500,7 @@ def finish_shard(prompts, partial, partial_errors, out_file, errors_file, summar
         "finish_reasons": _count(r["finish_reason"] for r in done.values()),
         "render_mismatches": mismatches,
     }
-    summary_file.write_text(json.dumps(summary, indent=2) + "\n")
+    write_json(summary_file, summary, indent=2)
     print(json.dumps(summary))
     return summary
 

@@ -24,6 +24,7 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from draftline import atomic
 from draftline.loadgen import Prompt, SamplingSpec, measure_window, server_healthy
 
 if TYPE_CHECKING:
@@ -342,11 +343,7 @@ def run_profile(prompt_files: Sequence[Path | str], endpoints: Sequence[Endpoint
 
 
 def write_json(path: Path | str, data: dict) -> None:
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(path.suffix + ".tmp")
-    tmp.write_text(json.dumps(data, indent=2) + "\n")
-    tmp.replace(path)  # never a half-written profile for a reader to trust
+    atomic.write_json(path, data, indent=2)  # never a half-written profile for a reader to trust
 
 
 def plot_profile(profile: dict, out_png: Path | str) -> None:

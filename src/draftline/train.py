@@ -46,12 +46,16 @@ import math
 import os
 import random
 import shutil
+import signal
 import subprocess
 import sys
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+from draftline.atomic import atomic_dir, copy_file, remove_temps, write_json
 
 DISTRIBUTED_ENV = "WORLD_SIZE"
 STATE_DIR, BEST_DIR = "state", "best"
@@ -355,6 +359,50 @@ def all_reduce_sum(tensor, rt: Runtime):
     return tensor
 
 
+class StopRequest:
+    """SIGINT/SIGTERM ask the loop to stop at the end of the current optimizer step, after a
+    checkpoint, so that a rerun continues from that very step (a second signal stops at once).
+
+    Every rank sees the request in the same step (a max over ranks), so the checkpoint, a
+    collective under FSDP, is written by all or none.
+    """
+
+    SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+    def __init__(self):
+        self.signum: int | None = None
+        self.previous: dict = {}
+
+    def __enter__(self) -> StopRequest:
+        if threading.current_thread() is threading.main_thread():
+            self.previous = {sig: signal.signal(sig, self._handle) for sig in self.SIGNALS}
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for sig, handler in self.previous.items():
+            signal.signal(sig, handler)
+
+    def _handle(self, signum, frame) -> None:
+        if self.signum is not None:
+            raise KeyboardInterrupt(f"second signal {signum}: stopping now")
+        self.signum = signum
+        print(f"\nsignal {signum}: stopping after this step with a checkpoint "
+              "(send it again to stop at once)", file=sys.stderr, flush=True)
+
+    def requested(self, rt: Runtime) -> int | None:
+        """The signal number when any rank was asked to stop, else None."""
+        import torch
+
+        mine = torch.tensor([float(self.signum or 0)])
+        if rt.distributed:
+            import torch.distributed as dist
+
+            moved = mine.to(rt.device)
+            dist.all_reduce(moved, op=dist.ReduceOp.MAX)
+            mine = moved.cpu()
+        return int(mine.item()) or None
+
+
 def barrier(rt: Runtime) -> None:
     import torch.distributed as dist
 
@@ -411,12 +459,6 @@ def lr_factor(step: int, warmup: int, total: int) -> float:
 # ----------------------------------------------------------------------------- checkpoints
 
 
-def _atomic_write_text(path: Path, text: str) -> None:
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    tmp.write_text(text)
-    os.replace(tmp, path)
-
-
 def full_state(model, optimizer):
     """Full (unsharded) model and optimizer state, keyed by parameter name; on CPU."""
     from torch.distributed.checkpoint.state_dict import (
@@ -442,24 +484,12 @@ def save_weights(weights: dict, directory: Path) -> None:
 def link_tree(src: Path, dest: Path) -> None:
     """``dest`` := a copy of the flat directory ``src`` made of hard links (no data copied;
     files are never rewritten in place, so the links keep their content). Atomic swap."""
-    tmp = dest.with_name(f".tmp-{dest.name}")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    for file in src.iterdir():
-        try:
-            os.link(file, tmp / file.name)
-        except OSError:  # another file system: copy
-            shutil.copy2(file, tmp / file.name)
-    replace_dir(tmp, dest)
-
-
-def replace_dir(new: Path, dest: Path) -> None:
-    old = dest.with_name(f".old-{dest.name}")
-    shutil.rmtree(old, ignore_errors=True)
-    if dest.exists():
-        os.rename(dest, old)
-    os.rename(new, dest)
-    shutil.rmtree(old, ignore_errors=True)
+    with atomic_dir(dest) as tmp:
+        for file in src.iterdir():
+            try:
+                os.link(file, tmp / file.name)
+            except OSError:  # another file system: copy
+                shutil.copy2(file, tmp / file.name)
 
 
 def save_checkpoint(state_root: Path, step: int, model, optimizer, scheduler,
@@ -476,25 +506,22 @@ def save_checkpoint(state_root: Path, step: int, model, optimizer, scheduler,
     weights, optim = full_state(model, optimizer)  # a collective under FSDP: every rank
     if rt.is_main:
         name = f"step-{step:08d}"
-        tmp = state_root / f".tmp-{name}"
-        shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir(parents=True)
-        save_weights(weights, tmp)
-        extra = {"optimizer": optim, "scheduler": scheduler.state_dict(),
-                 "torch_rng": torch.get_rng_state()}
-        if torch.cuda.is_available():
-            extra["cuda_rng"] = torch.cuda.get_rng_state_all()
-        torch.save(extra, tmp / "optimizer.pt")
-        trainer = {**trainer, "python_rng": _python_rng_state()}
-        (tmp / "trainer.json").write_text(json.dumps(trainer, indent=1) + "\n")
-        if (state_root / METRICS_FILE).exists():
-            shutil.copy2(state_root / METRICS_FILE, tmp / METRICS_FILE)
-        if (state_root / BEST_DIR).exists():
-            link_tree(state_root / BEST_DIR, tmp / BEST_DIR)
-        final = state_root / name
-        shutil.rmtree(final, ignore_errors=True)
-        os.rename(tmp, final)
-        _atomic_write_text(state_root / "latest.json", json.dumps({"step": step, "dir": name}))
+        with atomic_dir(state_root / name) as tmp:
+            save_weights(weights, tmp)
+            extra = {"optimizer": optim, "scheduler": scheduler.state_dict(),
+                     "torch_rng": torch.get_rng_state()}
+            if torch.cuda.is_available():
+                extra["cuda_rng"] = torch.cuda.get_rng_state_all()
+            torch.save(extra, tmp / "optimizer.pt")
+            trainer = {**trainer, "python_rng": _python_rng_state()}
+            (tmp / "trainer.json").write_text(json.dumps(trainer, indent=1) + "\n")
+            if (state_root / METRICS_FILE).exists():
+                shutil.copy2(state_root / METRICS_FILE, tmp / METRICS_FILE)
+            if (state_root / BEST_DIR).exists():
+                link_tree(state_root / BEST_DIR, tmp / BEST_DIR)
+        # latest.json moves only once the new checkpoint is complete: a failure above leaves
+        # the previous one in charge.
+        write_json(state_root / "latest.json", {"step": step, "dir": name}, indent=None)
         for old in state_root.glob("step-*"):
             if old.name != name:
                 shutil.rmtree(old, ignore_errors=True)
@@ -554,22 +581,18 @@ def save_best(state_root: Path, model, draft_cfg, record: dict, rt: Runtime) -> 
     whole (new files each time: checkpoints hold hard links to earlier ones)."""
     weights, _ = full_state(model, None)  # a collective under FSDP: every rank
     if rt.is_main:
-        tmp = state_root / f".tmp-{BEST_DIR}"
-        shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir(parents=True)
-        save_weights(weights, tmp)
-        (tmp / DRAFT_CONFIG_FILE).write_text(json.dumps(draft_cfg.to_dict(), indent=1) + "\n")
-        (tmp / "best.json").write_text(json.dumps(record, indent=1) + "\n")
-        replace_dir(tmp, state_root / BEST_DIR)
+        with atomic_dir(state_root / BEST_DIR) as tmp:
+            save_weights(weights, tmp)
+            (tmp / DRAFT_CONFIG_FILE).write_text(json.dumps(draft_cfg.to_dict(), indent=1) + "\n")
+            (tmp / "best.json").write_text(json.dumps(record, indent=1) + "\n")
     barrier(rt)
 
 
 def publish(state_root: Path, out_dir: Path, record: dict) -> None:
     """The outputs: ``best/`` (hard links to state/best), ``metrics.jsonl``, ``eval.json``."""
     link_tree(state_root / BEST_DIR, out_dir / BEST_DIR)
-    shutil.copy2(state_root / METRICS_FILE, out_dir / f".{METRICS_FILE}.tmp")
-    os.replace(out_dir / f".{METRICS_FILE}.tmp", out_dir / METRICS_FILE)
-    _atomic_write_text(out_dir / "eval.json", json.dumps(record, indent=1) + "\n")
+    copy_file(state_root / METRICS_FILE, out_dir / METRICS_FILE)
+    write_json(out_dir / "eval.json", record)
 
 
 def fingerprint(cfg: dict, world: int, hidden_dir: Path, vocab_map: Path,
@@ -792,6 +815,8 @@ def _train(rt: Runtime, hidden_dir: Path, vocab_map: Path, target_dir: Path, out
     run_id = fingerprint(cfg, rt.world, hidden_dir, vocab_map, target_dir)
     trainer = {"run_id": run_id, "step": 0, "epoch": 0, "group": 0, "tokens": 0,
                "best": None, "last_eval": None}
+    if rt.is_main and state_root.exists():
+        remove_temps(state_root)  # what a killed run was writing; never part of a checkpoint
     checkpoint = latest_checkpoint(state_root)
     resumed = None
     if checkpoint is not None:
@@ -814,58 +839,68 @@ def _train(rt: Runtime, hidden_dir: Path, vocab_map: Path, target_dir: Path, out
             "draft_config": draft_cfg.to_dict(), "world_size": rt.world,
             "eval_split": "eval" if store.samples.get("eval") else "train"}
 
-    step = trainer["step"]
-    for epoch in range(trainer["epoch"], len(plans)):
-        if step >= total:
-            break
-        first = trainer["group"] if epoch == trainer["epoch"] else 0
-        plan = plans[epoch]
-        mine = [plan[g * group + a * rt.world + rt.rank]
-                for g in range(first, steps_per_epoch[epoch]) for a in range(cfg["grad_accum"])]
-        loader = micro_batch_loader(store, train_refs, mine, workers)
-        for g in range(first, steps_per_epoch[epoch]):
-            started = time.perf_counter()
-            loss_sum, counts, tokens = 0.0, 0, 0
-            for a in range(cfg["grad_accum"]):
-                batch = next(loader)
-                with gradient_sync(wrapped, cfg["strategy"], rt, a == cfg["grad_accum"] - 1):
-                    loss, c = run_micro_batch(wrapped, head, batch, cfg, rt)
-                    (loss / cfg["grad_accum"]).backward()
-                loss_sum += float(loss.detach()) / cfg["grad_accum"]
-                counts = counts + c
-                tokens += batch["tokens"]
-            grad_norm = torch.nn.utils.clip_grad_norm_(params, cfg["grad_clip"])
-            optimizer.step()
-            scheduler.step()
-            optimizer.zero_grad(set_to_none=True)
-            step += 1
-            totals = all_reduce_sum(torch.tensor([loss_sum, float(tokens)], dtype=torch.float64),
-                                    rt)
-            counts = all_reduce_sum(counts, rt)
-            trainer.update(step=step, epoch=epoch, group=g + 1,
-                           tokens=trainer["tokens"] + int(totals[1]))
-            elapsed = time.perf_counter() - started
-            record = train_record(step, epoch, scheduler, totals, counts, grad_norm, elapsed, rt)
-            log.write(record, "train")
-            progress.update(1)
-            progress.set_postfix(loss=f"{record['loss']:.3f}", acc0=f"{record['accuracy'][0]:.2f}",
-                                 tok_s=f"{record['tokens_per_s']:.0f}")
-            if step % cfg["eval_every"] == 0 or step == total:
-                result = {"step": step, **evaluate(model, head, store, eval_refs, cfg, rt)}
-                log.write(result, "eval")
-                trainer["last_eval"] = result
-                best = trainer["best"]
-                if best is None or (result["simulated_acceptance_length"]
-                                    > best["simulated_acceptance_length"]):
-                    trainer["best"] = result
-                    save_best(state_root, model, draft_cfg, {**result, **meta}, rt)
-            if step % cfg["checkpoint_every"] == 0 or step == total:
-                save_checkpoint(state_root, step, model, optimizer, scheduler, trainer, rt)
+    with StopRequest() as stop:
+        step = trainer["step"]
+        for epoch in range(trainer["epoch"], len(plans)):
             if step >= total:
                 break
-        if step >= total:
-            break
-        trainer.update(epoch=epoch + 1, group=0)
+            first = trainer["group"] if epoch == trainer["epoch"] else 0
+            plan = plans[epoch]
+            mine = [plan[g * group + a * rt.world + rt.rank]
+                    for g in range(first, steps_per_epoch[epoch]) for a in range(cfg["grad_accum"])]
+            loader = micro_batch_loader(store, train_refs, mine, workers)
+            for g in range(first, steps_per_epoch[epoch]):
+                started = time.perf_counter()
+                loss_sum, counts, tokens = 0.0, 0, 0
+                for a in range(cfg["grad_accum"]):
+                    batch = next(loader)
+                    with gradient_sync(wrapped, cfg["strategy"], rt, a == cfg["grad_accum"] - 1):
+                        loss, c = run_micro_batch(wrapped, head, batch, cfg, rt)
+                        (loss / cfg["grad_accum"]).backward()
+                    loss_sum += float(loss.detach()) / cfg["grad_accum"]
+                    counts = counts + c
+                    tokens += batch["tokens"]
+                grad_norm = torch.nn.utils.clip_grad_norm_(params, cfg["grad_clip"])
+                optimizer.step()
+                scheduler.step()
+                optimizer.zero_grad(set_to_none=True)
+                step += 1
+                totals = torch.tensor([loss_sum, float(tokens)], dtype=torch.float64)
+                totals = all_reduce_sum(totals, rt)
+                counts = all_reduce_sum(counts, rt)
+                trainer.update(step=step, epoch=epoch, group=g + 1,
+                               tokens=trainer["tokens"] + int(totals[1]))
+                elapsed = time.perf_counter() - started
+                record = train_record(step, epoch, scheduler, totals, counts, grad_norm, elapsed,
+                                      rt)
+                log.write(record, "train")
+                progress.update(1)
+                progress.set_postfix(loss=f"{record['loss']:.3f}",
+                                     acc0=f"{record['accuracy'][0]:.2f}",
+                                     tok_s=f"{record['tokens_per_s']:.0f}")
+                if step % cfg["eval_every"] == 0 or step == total:
+                    result = {"step": step, **evaluate(model, head, store, eval_refs, cfg, rt)}
+                    log.write(result, "eval")
+                    trainer["last_eval"] = result
+                    best = trainer["best"]
+                    if best is None or (result["simulated_acceptance_length"]
+                                        > best["simulated_acceptance_length"]):
+                        trainer["best"] = result
+                        save_best(state_root, model, draft_cfg, {**result, **meta}, rt)
+                signum = stop.requested(rt)
+                if signum or step % cfg["checkpoint_every"] == 0 or step == total:
+                    save_checkpoint(state_root, step, model, optimizer, scheduler, trainer, rt)
+                if signum and step < total:
+                    progress.close()
+                    log.close()
+                    print(f"stopped by signal {signum} after step {step}/{total}; the checkpoint "
+                          f"in {state_root} resumes it", file=sys.stderr, flush=True)
+                    raise SystemExit(128 + signum)
+                if step >= total:
+                    break
+            if step >= total:
+                break
+            trainer.update(epoch=epoch + 1, group=0)
     progress.close()
     log.close()
     record = {**trainer["best"], "best_step": trainer["best"]["step"], "steps": total,

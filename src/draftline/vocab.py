@@ -23,13 +23,13 @@ bounded by the batch and the ``[vocab]`` counter, not by the dataset size.
 from __future__ import annotations
 
 import json
-import os
-import tempfile
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
 import numpy as np
+
+from draftline.atomic import write_bytes
 
 COVERAGE_SIZES = (8192, 16384, 32768, 65536)
 TIE_BREAK = "descending count, ties by lower token id; unseen tokens pad from the lowest id"
@@ -181,18 +181,6 @@ def counts_summary(counts: np.ndarray, top: int = 20) -> dict:
 # ----------------------------------------------------------------------------- write
 
 
-def _atomic_write_bytes(path: Path, data: bytes) -> None:
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-        os.chmod(tmp, 0o644)  # mkstemp makes it private; this is an ordinary output file
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-
-
 def write_vocab(
     dataset_dir: Path, target_vocab_size: int, draft_vocab_size: int, out_dir: Path
 ) -> dict:
@@ -240,11 +228,11 @@ def write_vocab(
         "draft_vocab_size": str(chosen_size),
         "map_needed": str(needed).lower(),
     }
-    _atomic_write_bytes(
+    write_bytes(
         out_dir / "vocab_map.safetensors",
         save({"d2t": d2t.contiguous(), "t2d": t2d.contiguous()}, metadata=metadata),
     )
-    _atomic_write_bytes(
+    write_bytes(
         out_dir / "coverage.json", (json.dumps(record, indent=2) + "\n").encode("utf-8")
     )
     return record

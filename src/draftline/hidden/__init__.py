@@ -19,6 +19,7 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
+from draftline.atomic import write_json
 from draftline.hidden.store import (
     DTYPE_SIZES,
     FORMAT_VERSION,
@@ -36,7 +37,6 @@ from draftline.hidden.store import (
     state_bytes_per_token,
     stored_bytes_per_token,
     verify_index,
-    write_json_atomic,
     write_safetensors,
 )
 
@@ -265,7 +265,7 @@ def write_part(out_dir: Path, part: PartSpec, samples: list, states: list, ctx: 
     entry = {"path": part.path, "split": part.split, "sample_ids": sample_ids,
              "num_tokens": int(offsets[-1]), "bytes": size, "sha256": sha}
     record = {"fingerprint": ctx["fingerprint"], "entry": entry, "rejected": rejected}
-    write_json_atomic(out_dir / part.sidecar, record)
+    write_json(out_dir / part.sidecar, record)
     return record
 
 
@@ -363,8 +363,8 @@ def extract(dataset_dir: str | Path, target_dir: str | Path, out_dir: str | Path
 
     index = _build_index(target_dir, info, layer_ids, cfg["backend"],
                          [records[p.path] for p in parts])
-    write_json_atomic(out_dir / INDEX_NAME, index)
-    write_json_atomic(out_dir / STATS_NAME, {
+    write_json(out_dir / INDEX_NAME, index)
+    write_json(out_dir / STATS_NAME, {
         "computed_tokens": todo_tokens, "computed_files": len(todo),
         "reused_files": len(parts) - len(todo), "elapsed_s": round(elapsed, 3),
         "tokens_per_s": round(todo_tokens / elapsed, 1) if todo and elapsed > 0 else None,

