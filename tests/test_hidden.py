@@ -322,14 +322,44 @@ hidden.extract(*json.loads(sys.argv[1]))
 """
 
 
-def test_resume_after_kill_gives_identical_files(hf_run, tiny_target, dataset, tmp_path):
+_INTERRUPT_INSIDE_THIRD_PART = """
+import json, os, signal, sys
+import draftline.hidden as hidden
+import draftline.hidden.store as store
+
+original_write, original_bytes = hidden.write_part, store._tensor_bytes
+written = []
+
+def write_counting(out_dir, part, samples, states, ctx):
+    written.append(part.path)
+    return original_write(out_dir, part, samples, states, ctx)
+
+def bytes_then_interrupt(tensor):
+    if len(written) == 3:  # SIGINT while the third part's data is being written
+        os.kill(os.getpid(), signal.SIGINT)
+    return original_bytes(tensor)
+
+hidden.write_part, store._tensor_bytes = write_counting, bytes_then_interrupt
+hidden.extract(*json.loads(sys.argv[1]))
+"""
+
+
+@pytest.mark.parametrize("signum", [signal.SIGKILL, signal.SIGINT], ids=["SIGKILL", "SIGINT"])
+def test_resume_after_interrupt_gives_identical_files(hf_run, tiny_target, dataset, tmp_path,
+                                                      signum):
     out = tmp_path / "hidden"
     args = json.dumps([str(dataset), str(tiny_target), str(out), HF_CFG])
-    proc = subprocess.run([sys.executable, "-c", _KILL_AFTER_TWO_PARTS, args],
+    script = _KILL_AFTER_TWO_PARTS if signum == signal.SIGKILL else _INTERRUPT_INSIDE_THIRD_PART
+    proc = subprocess.run([sys.executable, "-c", script, args],
                           capture_output=True, text=True, timeout=300)
-    assert proc.returncode == -signal.SIGKILL, proc.stderr[-2000:]
+    if signum == signal.SIGKILL:
+        assert proc.returncode == -signum, proc.stderr[-2000:]
+    else:  # `python -c` ends an uncaught KeyboardInterrupt with status 1
+        assert proc.returncode == 1 and "KeyboardInterrupt" in proc.stderr, proc.stderr[-2000:]
     assert len(list(out.rglob("part-*.safetensors"))) == 2
-    assert list(out.rglob(".*.tmp-*")) and not (out / "index.json").exists()
+    assert not (out / "index.json").exists()
+    # a kill leaves the temp file of the part being written; an interrupt removes its own
+    assert bool(list(out.rglob(".*.tmp-*"))) == (signum == signal.SIGKILL)
 
     extract(dataset, tiny_target, out, HF_CFG)
     stats = json.loads((out / "extract_stats.json").read_text())

@@ -83,3 +83,70 @@ def test_generation_completes_every_prompt_once_through_injected_faults(tmp_path
     assert summary["retries"] == sum(counts.values()) - counts["passed"] - 2
     assert summary["responses"] == 46 and summary["errors"] == 2
     assert summary["unanswered"] == 0 and summary["endpoint_set_asides"] == 0
+
+
+# ---------------------------------------------------------------- generation interrupted
+
+
+def generation_config(tmp_path: Path, toy_target: Path, port: int, name: str) -> Path:
+    results = tmp_path / name
+    (results / "prompts").mkdir(parents=True)
+    write_prompts(results / "prompts" / "shard-0.jsonl", 40)
+    cfg = {"results": str(results), "target": {"model": str(toy_target)},
+           "server": {"mode": "external",
+                      "external": {"base_urls": [f"http://127.0.0.1:{port}"]}},
+           "prompts": {"num_shards": 1},
+           "generate": {"concurrency": 4, "max_tokens": 64}}
+    path = tmp_path / f"{name}.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    return path
+
+
+def draftline_generate(config: Path) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", "draftline.cli", "generate", "-c", str(config)],
+                            cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True)
+
+
+def generated(results: Path) -> dict[str, list[int]]:
+    return {r["id"]: r["output_token_ids"] for r in lines(results / "responses/shard-0.jsonl")}
+
+
+@pytest.fixture(scope="module")
+def uninterrupted_generation(tmp_path_factory, toy_target, vllm_server) -> dict:
+    tmp = tmp_path_factory.mktemp("gen-reference")
+    proc = draftline_generate(generation_config(tmp, toy_target, vllm_server.port, "ref"))
+    output, _ = proc.communicate(timeout=600)
+    assert proc.returncode == 0, output[-3000:]
+    return generated(tmp / "ref")
+
+
+@requires_vllm
+@pytest.mark.vllm
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGKILL], ids=["SIGINT", "SIGKILL"])
+def test_generation_interrupted_resumes_and_equals_an_uninterrupted_run(
+        tmp_path, toy_target, vllm_server, uninterrupted_generation, signum):
+    config = generation_config(tmp_path, toy_target, vllm_server.port, "run")
+    partial = tmp_path / "run" / "responses" / ".partial" / "shard-0.jsonl"
+    proc = draftline_generate(config)
+    deadline = time.monotonic() + 300
+    while proc.poll() is None and time.monotonic() < deadline:
+        if partial.exists() and partial.read_text().count("\n") >= 8:
+            proc.send_signal(signum)
+            break
+        time.sleep(0.05)
+    output, _ = proc.communicate(timeout=120)
+    assert proc.returncode in (-signum, 128 + signum), output[-3000:]
+    done_before = len(read_jsonl_ids(partial))
+    assert 8 <= done_before < 40
+    assert not (tmp_path / "run" / "responses" / "shard-0.jsonl").exists()
+
+    proc = draftline_generate(config)
+    output, _ = proc.communicate(timeout=600)
+    assert proc.returncode == 0, output[-3000:]
+    summary = json.loads((tmp_path / "run/responses/shard-0.summary.json").read_text())
+    assert summary["resumed"] == done_before  # continued, not restarted
+    assert summary["responses"] == 40 and summary["errors"] == 0
+    # the same tokens as a run never interrupted: per-prompt seeds make each answer
+    # independent of when and next to what it was generated
+    assert generated(tmp_path / "run") == uninterrupted_generation

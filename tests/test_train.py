@@ -116,46 +116,90 @@ def test_training_learns_and_writes_its_outputs(draft_inputs, tmp_path):
     assert changed["steps"] == 8 and len(records(out, "train")) == 8
 
 
+def train_process(inputs: dict, out: Path, cfg: dict) -> subprocess.Popen:
+    cmd = [sys.executable, "-m", "draftline.train", "--hidden-dir", str(inputs["hidden_dir"]),
+           "--vocab-map", str(inputs["vocab_map"]), "--target-dir", str(inputs["target_dir"]),
+           "--out-dir", str(out), "--config-json", json.dumps(cfg)]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    return subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+
+
+def signal_when(proc: subprocess.Popen, ready, signum: int) -> None:
+    deadline = time.monotonic() + 300
+    while time.monotonic() < deadline and proc.poll() is None:
+        if ready():
+            proc.send_signal(signum)
+            break
+        time.sleep(0.01)
+    proc.wait()
+
+
+def assert_resumed_run_equals(out: Path, resumed: dict, reference_dir: Path, reference: dict,
+                              steps: int) -> None:
+    ref_w, got_w = final_weights(reference_dir), final_weights(out)
+    assert ref_w.keys() == got_w.keys()
+    for name in ref_w:
+        assert torch.equal(ref_w[name], got_w[name]), name
+    assert resumed == reference
+    assert [r["step"] for r in records(out, "train")] == list(range(1, steps + 1))
+    for got, ref in zip(records(out, "train"), records(reference_dir, "train"), strict=True):
+        assert {**got, "tokens_per_s": 0} == {**ref, "tokens_per_s": 0}  # timings differ
+    assert records(out, "eval") == records(reference_dir, "eval")
+    best_ref = load_file(str(reference_dir / "best" / "model.safetensors"))
+    best_got = load_file(str(out / "best" / "model.safetensors"))
+    assert all(torch.equal(best_ref[n], best_got[n]) for n in best_ref)
+
+
+def remove_outputs(out: Path) -> None:
+    for output in ("metrics.jsonl", "eval.json", "best"):  # as Snakemake does after a failure
+        path = out / output
+        shutil.rmtree(path) if path.is_dir() else path.unlink(missing_ok=True)
+
+
 def test_resume_after_kill_equals_uninterrupted_run(draft_inputs, tmp_path):
     cfg = {**SMALL, "max_steps": 16, "checkpoint_every": 3, "eval_every": 5}
     reference = run(draft_inputs, tmp_path / "reference", cfg)
 
     out = tmp_path / "killed"
-    cmd = [sys.executable, "-m", "draftline.train", "--hidden-dir", str(draft_inputs["hidden_dir"]),
-           "--vocab-map", str(draft_inputs["vocab_map"]),
-           "--target-dir", str(draft_inputs["target_dir"]), "--out-dir", str(out),
-           "--config-json", json.dumps(cfg)]
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    proc = train_process(draft_inputs, out, cfg)
     latest = out / "state" / "latest.json"
-    deadline = time.monotonic() + 300
-    while time.monotonic() < deadline and proc.poll() is None:
-        if latest.exists() and json.loads(latest.read_text())["step"] >= 3:
-            proc.send_signal(signal.SIGKILL)
-            break
-        time.sleep(0.01)
-    proc.wait()
+    signal_when(proc, lambda: latest.exists() and json.loads(latest.read_text())["step"] >= 3,
+                signal.SIGKILL)
     assert proc.returncode == -signal.SIGKILL, proc.stderr.read().decode()[-2000:]
     killed_at = json.loads(latest.read_text())["step"]
     assert 3 <= killed_at < 16
-    for output in ("metrics.jsonl", "eval.json", "best"):  # as Snakemake does after a failure
-        path = out / output
-        shutil.rmtree(path) if path.is_dir() else path.unlink(missing_ok=True)
+    remove_outputs(out)
 
     resumed = run(draft_inputs, out, cfg)
-    ref_w, got_w = final_weights(tmp_path / "reference"), final_weights(out)
-    assert ref_w.keys() == got_w.keys()
-    for name in ref_w:
-        assert torch.equal(ref_w[name], got_w[name]), name
-    assert resumed == reference
-    assert [r["step"] for r in records(out, "train")] == list(range(1, 17))
-    for got, ref in zip(records(out, "train"), records(tmp_path / "reference", "train"),
-                        strict=True):
-        assert {**got, "tokens_per_s": 0} == {**ref, "tokens_per_s": 0}  # timings differ
-    assert records(out, "eval") == records(tmp_path / "reference", "eval")
-    best_ref = load_file(str(tmp_path / "reference" / "best" / "model.safetensors"))
-    best_got = load_file(str(out / "best" / "model.safetensors"))
-    assert all(torch.equal(best_ref[n], best_got[n]) for n in best_ref)
+    assert_resumed_run_equals(out, resumed, tmp_path / "reference", reference, 16)
+
+
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
+def test_signal_stops_after_a_checkpointed_step_and_resume_equals_uninterrupted_run(
+        draft_inputs, tmp_path, signum):
+    """No periodic checkpoint before the end: the one the rerun resumes from is the one the
+    signal made, at the step where the run stopped; nothing done before it is redone."""
+    cfg = {**SMALL, "max_steps": 16, "checkpoint_every": 100, "eval_every": 5}
+    reference = run(draft_inputs, tmp_path / "reference", cfg)
+
+    out = tmp_path / "stopped"
+    proc = train_process(draft_inputs, out, cfg)
+    metrics = out / "metrics.jsonl"
+    signal_when(proc, lambda: metrics.exists() and metrics.read_text().count('"lr"') >= 4,
+                signum)
+    stderr = proc.stderr.read().decode()
+    assert proc.returncode == 128 + signum, stderr[-2000:]
+    latest = json.loads((out / "state" / "latest.json").read_text())
+    state_steps = [json.loads(line)["step"] for line in
+                   (out / "state" / latest["dir"] / "metrics.jsonl").read_text().splitlines()
+                   if '"lr"' in line]
+    assert 4 <= latest["step"] < 16
+    assert state_steps == list(range(1, latest["step"] + 1))  # every step up to the stop
+    assert f"stopped by signal {int(signum)} after step {latest['step']}/16" in stderr
+    remove_outputs(out)
+
+    resumed = run(draft_inputs, out, cfg)
+    assert_resumed_run_equals(out, resumed, tmp_path / "reference", reference, 16)
 
 
 @pytest.mark.slow
