@@ -6,7 +6,9 @@ import fcntl
 import hashlib
 import importlib.util
 import json
+import os
 import signal
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -176,3 +178,44 @@ def _build_draft_inputs(root: Path, n_train: int, n_eval: int, seed: int,
 def draft_inputs(tmp_path_factory) -> dict:
     """Synthetic draft-training inputs from a random tiny Llama (see build_draft_inputs)."""
     return build_draft_inputs(tmp_path_factory.mktemp("draft-inputs"))
+
+
+# ------------------------------------------------------------------------- a small disk
+
+
+class SmallDisk:
+    """A tmpfs of a given size mounted on a folder, for disk-full tests."""
+
+    def __init__(self, path: Path, size: int):
+        self.path = path
+        self.mount(size)
+
+    def mount(self, size: int) -> None:
+        proc = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs",
+                               str(self.path)], capture_output=True, text=True)
+        if proc.returncode != 0:
+            pytest.skip(f"cannot mount a tmpfs for the disk-full test: {proc.stderr.strip()}")
+
+    def resize(self, size: int) -> None:
+        subprocess.run(["mount", "-o", f"remount,size={size}", str(self.path)], check=True)
+
+    def unmount(self) -> None:
+        subprocess.run(["umount", "-l", str(self.path)], check=False)
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+    """``small_disk(size_bytes)`` mounts a tmpfs of that size and returns it (root only)."""
+    if os.geteuid() != 0:
+        pytest.skip("mounting a tmpfs for the disk-full test needs root")
+    disks = []
+
+    def make(size: int) -> SmallDisk:
+        path = tmp_path / f"disk{len(disks)}"
+        path.mkdir()
+        disks.append(SmallDisk(path, size))
+        return disks[-1]
+
+    yield make
+    for disk in disks:
+        disk.unmount()

@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 from conftest import requires_vllm
 
+from draftline.atomic import DiskFullError
 from draftline.hidden import (
     DiskSpaceError,
     HiddenStateError,
@@ -368,6 +369,33 @@ def test_resume_after_interrupt_gives_identical_files(hf_run, tiny_target, datas
     expected = sorted(p.relative_to(hf_run) for p in hf_run.rglob("part-*"))
     assert sorted(p.relative_to(out) for p in out.rglob("part-*")) == expected
     for rel in expected:
+        assert (out / rel).read_bytes() == (hf_run / rel).read_bytes(), rel
+    assert (out / "index.json").read_bytes() == (hf_run / "index.json").read_bytes()
+
+
+def test_full_disk_mid_extraction_keeps_only_complete_parts(hf_run, tiny_target, dataset,
+                                                             small_disk):
+    """The disk fills up after the capacity check (another writer, say): the stage fails
+    naming the file, every part left under its final name is complete, and after space is
+    freed the rerun reuses them and ends byte-identical to an undisturbed run."""
+    total = sum(p.stat().st_size for p in hf_run.rglob("*") if p.is_file())
+    disk = small_disk(total // 2)
+    out = disk.path / "hidden"
+    cfg = {**HF_CFG, "free_bytes": 10**12}  # as measured before the disk filled up
+    with pytest.raises(DiskFullError, match="no space left") as err:
+        extract(dataset, tiny_target, out, cfg)
+    assert str(out) in str(err.value)
+    kept = sorted(p.relative_to(out) for p in out.rglob("part-*.safetensors"))
+    assert 0 < len(kept) < len(list(hf_run.rglob("part-*.safetensors")))
+    for rel in kept:
+        assert (out / rel).read_bytes() == (hf_run / rel).read_bytes(), rel
+    assert not list(out.rglob(".*.tmp-*")) and not (out / "index.json").exists()
+
+    disk.resize(4 * total)
+    extract(dataset, tiny_target, out, cfg)
+    stats = json.loads((out / "extract_stats.json").read_text())
+    assert stats["reused_files"] >= len(kept) - 1  # the last part may lack its sidecar
+    for rel in sorted(p.relative_to(hf_run) for p in hf_run.rglob("part-*")):
         assert (out / rel).read_bytes() == (hf_run / rel).read_bytes(), rel
     assert (out / "index.json").read_bytes() == (hf_run / "index.json").read_bytes()
 

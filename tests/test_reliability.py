@@ -19,7 +19,15 @@ import yaml
 from conftest import REPO, requires_vllm
 from fault_proxy import FaultProxy
 
-from draftline.generate import GenerateSettings, generate_shard, read_jsonl_ids
+from draftline import atomic
+from draftline.generate import (
+    AppendLog,
+    GenerateSettings,
+    generate_shard,
+    read_jsonl_ids,
+    write_jsonl_atomic,
+)
+from draftline.hidden.store import write_safetensors
 from draftline.server import Endpoint
 
 # ---------------------------------------------------------------- injected network faults
@@ -150,3 +158,80 @@ def test_generation_interrupted_resumes_and_equals_an_uninterrupted_run(
     # the same tokens as a run never interrupted: per-prompt seeds make each answer
     # independent of when and next to what it was generated
     assert generated(tmp_path / "run") == uninterrupted_generation
+
+
+# ---------------------------------------------------------------- a full disk
+
+
+def _fill(directory: Path) -> None:
+    """Take all but a few KiB of the disk with one file."""
+    free = os.statvfs(directory).f_bavail * os.statvfs(directory).f_frsize
+    (directory / "filler").write_bytes(b"\0" * max(free - 8192, 0))
+
+
+def _write_json(path):
+    atomic.write_json(path, {"payload": "x" * 200_000})
+
+
+def _write_bytes(path):
+    atomic.write_bytes(path, b"\1" * 200_000)
+
+
+def _write_jsonl(path):
+    write_jsonl_atomic(path, [{"id": str(i), "text": "y" * 1000} for i in range(200)])
+
+
+def _write_safetensors(path):
+    import torch
+
+    write_safetensors(path, {"states": torch.ones(100_000, dtype=torch.float32)}, {})
+
+
+def _write_dir(path):
+    with atomic.atomic_dir(path) as tmp:
+        (tmp / "small.json").write_text("{}")
+        (tmp / "big.bin").write_bytes(b"\2" * 200_000)
+
+
+WRITERS = {"json": _write_json, "bytes": _write_bytes, "jsonl": _write_jsonl,
+           "safetensors": _write_safetensors, "directory": _write_dir}
+
+
+@pytest.mark.parametrize("writer", list(WRITERS))
+def test_full_disk_fails_clearly_and_keeps_the_previous_complete_file(small_disk, writer):
+    disk = small_disk(1 << 20)
+    path = disk.path / "output"
+    if writer == "directory":
+        path.mkdir()
+        (path / "small.json").write_text('{"previous": true}')
+    else:
+        path.write_bytes(b"previous complete output")
+    before = sorted(p.name for p in disk.path.iterdir())
+    _fill(disk.path)
+    with pytest.raises(atomic.DiskFullError, match="no space left") as err:
+        WRITERS[writer](path)
+    assert str(path) in str(err.value) and err.value.path == path
+    # the earlier complete output is untouched and no temp file is left behind
+    assert sorted(p.name for p in disk.path.iterdir()) == sorted([*before, "filler"])
+    if writer == "directory":
+        assert [p.name for p in path.iterdir()] == ["small.json"]
+        assert (path / "small.json").read_text() == '{"previous": true}'
+    else:
+        assert path.read_bytes() == b"previous complete output"
+
+
+def test_full_disk_while_appending_results_never_keeps_a_torn_record(small_disk):
+    disk = small_disk(256 << 10)
+    path = disk.path / ".partial" / "shard-0.jsonl"
+    log = AppendLog(path)
+    written = 0
+    with pytest.raises(atomic.DiskFullError) as err:
+        for i in range(10_000):
+            log.write({"id": f"r{i:05d}", "text": "z" * 997})
+            written += 1
+    log.close()
+    assert str(path) in str(err.value)
+    assert 100 < written < 10_000
+    kept = read_jsonl_ids(path)  # what a rerun resumes from: whole records only
+    assert list(kept) == [f"r{i:05d}" for i in range(written)]
+    assert path.read_bytes().endswith(b"}\n")

@@ -229,3 +229,33 @@ def test_mismatched_inputs_are_refused_with_the_file_named(draft_inputs, tmp_pat
     with pytest.raises(ValueError, match="vocab_map.safetensors: t2d has 1000 entries"):
         train(draft_inputs["hidden_dir"], bad, draft_inputs["target_dir"], tmp_path / "out",
               SMALL)
+
+
+def test_full_disk_mid_training_keeps_the_last_complete_checkpoint(draft_inputs, tmp_path,
+                                                                  small_disk):
+    """Checkpoints fill the disk: the run fails naming the file, the checkpoint in charge is
+    a complete one, and after space is freed the rerun resumes from it and ends equal to an
+    uninterrupted run."""
+    from draftline.atomic import DiskFullError
+
+    cfg = {**SMALL, "max_steps": 16, "checkpoint_every": 3, "eval_every": 5}
+    reference = run(draft_inputs, tmp_path / "reference", cfg)
+    files = {p.stat().st_ino: p.stat().st_size
+             for p in (tmp_path / "reference").rglob("*") if p.is_file()}
+    size = sum(files.values())  # a finished run: one checkpoint, best weights (hard links)
+    disk = small_disk(int(1.3 * size))  # while the next checkpoint is written there are two
+    out = disk.path / "draft"
+    with pytest.raises(DiskFullError, match="no space left") as err:
+        run(draft_inputs, out, cfg)
+    assert str(out) in str(err.value)
+    latest = json.loads((out / "state" / "latest.json").read_text())
+    assert 3 <= latest["step"] < 16 and latest["step"] % 3 == 0
+    in_charge = out / "state" / latest["dir"]
+    load_file(str(in_charge / "model.safetensors"))  # complete and readable
+    torch.load(in_charge / "optimizer.pt", weights_only=True)
+    assert not [p for p in (out / "state").iterdir() if ".tmp-" in p.name]
+
+    disk.resize(40 * size)
+    remove_outputs(out)
+    resumed = run(draft_inputs, out, cfg)
+    assert_resumed_run_equals(out, resumed, tmp_path / "reference", reference, 16)

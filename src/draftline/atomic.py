@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import IO, Any
 
 NO_SPACE = {errno.ENOSPC, errno.EDQUOT, errno.EFBIG}
+ALMOST_FULL_BYTES = 1 << 20
 
 
 def _read_umask() -> int:
@@ -37,23 +38,40 @@ class DiskFullError(OSError):
     """No space left while writing ``path``; nothing incomplete was left under its name."""
 
     def __init__(self, path: Path, cause: OSError):
-        super().__init__(cause.errno, f"no space left on the device while writing {path} "
-                         f"({cause.strerror}); the incomplete file was removed and earlier "
-                         "results are kept: free space and rerun to continue")
+        super().__init__(errno.ENOSPC, f"no space left on the device while writing {path} "
+                         f"({cause.strerror or cause}); nothing incomplete is kept as complete and "
+                         "earlier results stay: free space and rerun to continue")
         self.path = Path(path)
 
 
 @contextlib.contextmanager
 def disk_full_names(path: Path) -> Iterator[None]:
-    """Turn a no-space error raised inside the block into a DiskFullError naming ``path``."""
+    """Turn a no-space error raised inside the block into a DiskFullError naming ``path``.
+
+    Libraries report a full disk in their own ways (torch.save: "file write failed",
+    safetensors: its own error type), so besides ENOSPC a failure counts as a full disk when
+    the file system it was writing to has (almost) no space left at that moment.
+    """
     try:
         yield
     except DiskFullError:
         raise
-    except OSError as exc:
-        if exc.errno in NO_SPACE:
-            raise DiskFullError(path, exc) from exc
+    except Exception as exc:
+        if is_disk_full(exc, Path(path).parent):
+            cause = exc if isinstance(exc, OSError) else OSError(errno.ENOSPC, str(exc))
+            raise DiskFullError(path, cause) from exc
         raise
+
+
+def is_disk_full(exc: BaseException, directory: Path) -> bool:
+    if isinstance(exc, OSError) and exc.errno in NO_SPACE:
+        return True
+    if "No space left on device" in str(exc):
+        return True
+    try:
+        return shutil.disk_usage(directory).free < ALMOST_FULL_BYTES
+    except OSError:
+        return False
 
 
 def temp_name(path: Path) -> Path:
