@@ -48,6 +48,7 @@ class FaultProxy:
         self.stall_s = stall_s
         self.poison = tuple(p.encode() for p in poison)
         self.counts: Counter[str] = Counter()
+        self.authorizations: Counter[str] = Counter()  # Authorization headers received
         self.requests = 0
         self.port: int | None = None
         self._loop = asyncio.new_event_loop()
@@ -110,6 +111,7 @@ class FaultProxy:
 
     async def _answer(self, request: tuple[str, str, dict, bytes], writer) -> bool:
         """Serve one request; False when the connection is to be dropped."""
+        self.authorizations[request[2].get("authorization", "")] += 1
         fault = self._next_fault(request[3])
         self.counts[fault or "passed"] += 1
         if fault == "reset":

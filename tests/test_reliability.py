@@ -160,6 +160,37 @@ def test_generation_interrupted_resumes_and_equals_an_uninterrupted_run(
     assert generated(tmp_path / "run") == uninterrupted_generation
 
 
+# ---------------------------------------------------------------- secrets
+
+PLANTED_KEY = "sk-draftline-planted-7f3a9c21e8"
+
+
+@requires_vllm
+@pytest.mark.vllm
+def test_api_key_is_sent_but_never_logged_or_stored(tmp_path, toy_target, vllm_server,
+                                                    monkeypatch):
+    """The key from server.external.api_key_env reaches the server (the proxy sees it) and
+    appears in no output, log line or error record, also when requests fail."""
+    monkeypatch.setenv("DRAFTLINE_PLANTED_KEY", PLANTED_KEY)
+    upstream = f"http://127.0.0.1:{vllm_server.port}"
+    with FaultProxy(upstream, {"status": 0.06, "reset": 0.04}, poison=("Question 3:",)) as proxy:
+        config = generation_config(tmp_path, toy_target, proxy.port, "run")
+        cfg = yaml.safe_load(config.read_text())
+        cfg["server"]["external"]["api_key_env"] = "DRAFTLINE_PLANTED_KEY"
+        cfg["generate"]["max_retries"] = 4
+        config.write_text(yaml.safe_dump(cfg))
+        proc = draftline_generate(config)
+        output, _ = proc.communicate(timeout=600)
+    assert proc.returncode == 0, output[-3000:]
+    assert proxy.authorizations == {f"Bearer {PLANTED_KEY}": sum(proxy.counts.values())}
+    errors = lines(tmp_path / "run/responses/shard-0.errors.jsonl")
+    assert [e["id"] for e in errors] == ["q003"]  # a failure was reported ...
+    assert PLANTED_KEY not in output  # ... and neither it nor anything else shows the key
+    files = [p for p in (tmp_path / "run").rglob("*") if p.is_file()]
+    assert len(files) >= 5
+    assert not [p for p in files if PLANTED_KEY.encode() in p.read_bytes()]
+
+
 # ---------------------------------------------------------------- a full disk
 
 
