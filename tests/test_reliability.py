@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -158,6 +159,67 @@ def test_generation_interrupted_resumes_and_equals_an_uninterrupted_run(
     # the same tokens as a run never interrupted: per-prompt seeds make each answer
     # independent of when and next to what it was generated
     assert generated(tmp_path / "run") == uninterrupted_generation
+
+
+# ---------------------------------------------------------------- Ctrl-C on Snakemake
+
+
+def copy_workflow(workdir: Path) -> None:
+    for name in ("Snakefile", "rules", "scripts", "report", "envs", "src/draftline"):
+        src = REPO / name
+        if src.is_dir():
+            shutil.copytree(src, workdir / name, ignore=shutil.ignore_patterns("__pycache__"))
+        else:
+            (workdir / name).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(src, workdir / name)
+
+
+def start_snakemake(workdir: Path, *targets: str) -> subprocess.Popen:
+    exe = Path(sys.executable).with_name("snakemake")
+    cmd = [str(exe), "--snakefile", str(workdir / "Snakefile"), "--directory", str(workdir),
+           "--cores", "1", *targets]
+    # its own process group: SIGINT to the group is what Ctrl-C in a terminal does
+    return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)
+
+
+@requires_vllm
+@pytest.mark.vllm
+def test_ctrl_c_on_snakemake_mid_generation_then_rerun_resumes(tmp_path, toy_target,
+                                                               vllm_server):
+    workdir = tmp_path / "wf"
+    copy_workflow(workdir)
+    cfg = yaml.safe_load((REPO / "config.yaml").read_text())
+    cfg["target"]["model"] = str(toy_target)
+    cfg["server"]["mode"] = "external"
+    cfg["server"]["external"] = {"base_urls": [f"http://127.0.0.1:{vllm_server.port}"]}
+    cfg["prompts"].update(max_samples=60, num_shards=1)
+    cfg["generate"].update(concurrency=4, max_tokens=64)
+    (workdir / "config.yaml").write_text(yaml.safe_dump(cfg))
+    target = "results/responses/shard-0.jsonl"
+    partial = workdir / "results/responses/.partial/shard-0.jsonl"
+
+    proc = start_snakemake(workdir, target)
+    deadline = time.monotonic() + 600
+    while proc.poll() is None and time.monotonic() < deadline:
+        if partial.exists() and partial.read_text().count("\n") >= 8:
+            os.killpg(proc.pid, signal.SIGINT)
+            break
+        time.sleep(0.05)
+    output, _ = proc.communicate(timeout=300)
+    assert proc.returncode != 0, output[-3000:]
+    done_before = len(read_jsonl_ids(partial))
+    assert 8 <= done_before < 60, output[-3000:]
+    assert not (workdir / target).exists()  # nothing incomplete published
+
+    proc = start_snakemake(workdir, target)
+    output, _ = proc.communicate(timeout=900)
+    assert proc.returncode == 0, output[-3000:]
+    summary = json.loads((workdir / "results/responses/shard-0.summary.json").read_text())
+    assert summary["resumed"] == done_before
+    assert summary["responses"] + summary["errors"] == 60 and summary["unanswered"] == 0
+    ids = [r["id"] for r in lines(workdir / target)]
+    assert len(ids) == len(set(ids)) == summary["responses"]
 
 
 # ---------------------------------------------------------------- secrets
