@@ -8,6 +8,12 @@ Durability: results are appended and flushed to ``<out_dir>/.partial/shard-{i}.j
 arrive (Snakemake deletes declared outputs of failed jobs; the partial file survives). A rerun
 reads the ids already done, drops a torn last line, and only asks for the rest. At the end the
 shard is written once, sorted in prompt order, by atomic rename.
+
+Failures (``failure_kind``): a refused connection sets the endpoint aside for a few seconds
+and costs the prompt nothing; a timeout, a dropped connection, a retryable status or an
+unparseable body costs one retry (backoff with jitter); what another try would repeat goes to
+the errors file at once. When nothing has succeeded for ``endpoint_down_timeout_s`` while
+requests kept failing, the shard stops with ``EndpointsDown``. The summary counts retries by kind.
 """
 
 from __future__ import annotations

@@ -33,7 +33,8 @@ The micro-batches that do not fill a last step of an epoch are dropped.
 Resume: a checkpoint (weights, optimizer, scheduler, RNG, data position, best so far) is
 written atomically every ``checkpoint_every`` steps and at the end. A rerun with the same
 inputs and config continues from it (on CPU the final weights equal an uninterrupted run); a
-rerun with anything changed starts afresh.
+rerun with anything changed starts afresh. SIGINT or SIGTERM stops the run after the current
+optimizer step, with a checkpoint of that step (exit status 128 + signal).
 """
 
 from __future__ import annotations
