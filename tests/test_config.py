@@ -35,6 +35,10 @@ BAD_CONFIGS = [
     ({"profile": {"levels": []}}, "profile.levels"),
     ({"profile": {"tolerance": 2}}, "profile.tolerance"),
     ({"bench": {"num_speculative_tokens": [0]}}, "bench.num_speculative_tokens[0]"),
+    ({"bench": {"repetitions": 0}}, "bench.repetitions"),
+    ({"train": {"batch_tokens": -5}}, "train.batch_tokens"),
+    ({"vocab": {"draft_vocab_size": "big"}}, "vocab.draft_vocab_size"),
+    ({"results": 7}, "results"),
 ]
 
 
@@ -58,6 +62,23 @@ def test_bad_config_names_the_key(bad, key):
     with pytest.raises(ConfigError) as err:
         validate_config(bad)
     assert f"'{key}'" in str(err.value)
+
+
+def test_invalid_config_report():
+    """Every bad config is refused, each naming its key; the counts are printed as a report."""
+    refused: dict[str, int] = {}
+    for bad, key in BAD_CONFIGS:
+        try:
+            validate_config(bad)
+        except ConfigError as err:
+            named = f"'{key}'" in str(err)
+            refused[key] = refused.get(key, 0) + named
+    print(f"invalid configs: {len(BAD_CONFIGS)}, refused naming the key: "
+          f"{sum(refused.values())}, distinct keys: {len(refused)}")
+    for key, count in sorted(refused.items()):
+        print(f"  {key:40s} {count}")
+    assert len(BAD_CONFIGS) >= 20
+    assert sum(refused.values()) == len(BAD_CONFIGS) and len(refused) >= 20
 
 
 def _snakemake_dry_run(config_path, cwd):
