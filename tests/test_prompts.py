@@ -5,6 +5,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import socket
 from collections import Counter
 from pathlib import Path
@@ -356,7 +357,7 @@ MALFORMED = [
     ('{"id": "m8", "text": "wrong field"}', "missing_prompt_field"),
     ('{"id": "m9", "prompt": 42}', "prompt_not_string"),
     ('{"prompt": "no id here"}', "missing_id"),
-    ('{"id": "", "prompt": "empty id"}', "bad_id"),
+    ('{"id": "", "prompt": "empty id"}', "empty_id"),
     ('{"id": 1.5, "prompt": "float id"}', "bad_id"),
     ('{"id": "ok-1", "prompt": "reused id"}', "duplicate_id"),
     ('{"id": "m10", "messages": []}', "empty_messages"),
@@ -366,10 +367,87 @@ MALFORMED = [
         "system_not_first",
     ),
     ('{"id": "m12", "conversations": {"from": "human"}}', "conversations_not_list"),
+    ("null", "not_an_object"),
+    ('"just a string"', "not_an_object"),
+    ('{"id": "m14", "messages": [{"content": "who said this?"}]}', "missing_role"),
+    ('{"id": "m15", "conversations": [{"value": "no speaker"}]}', "missing_role"),
+    ('{"id": "m16", "messages": [{"role": 1, "content": "x"}]}', "role_not_string"),
+    ('{"id": "m17", "messages": [{"role": "user"}]}', "missing_content"),
+    ('{"id": "m18", "messages": [{"role": "user", "content": null}]}', "missing_content"),
+    (
+        '{"id": "m19", "messages": [{"role": "user", "content": [{"type": "text", "text": "hi"}, '
+        '{"type": "image_url", "image_url": {"url": "x.png"}}]}]}',
+        "content_parts",
+    ),
+    (
+        '{"id": "m20", "messages": "[{\\"role\\": \\"user\\", \\"content\\": \\"hi\\"}]"}',
+        "messages_json_encoded",
+    ),
+    (
+        '{"id": "m21", "conversations": "[{\\"from\\": \\"human\\", \\"value\\": \\"hi\\"}]"}',
+        "conversations_json_encoded",
+    ),
+    ('{"id": "m22", "conversations": [{"from": "robot", "value": "beep"}]}', "unknown_role"),
+    ('{"id": "   ", "prompt": "blank id"}', "empty_id"),
+    ('{"id": {"n": 1}, "prompt": "object id"}', "bad_id"),
+    ('{"id": true, "prompt": "boolean id"}', "bad_id"),
+    (
+        '{"id": "m23", "messages": [{"role": "user", "content": "nul \\u0000 here"}]}',
+        "control_character",
+    ),
+    ('{"id": "m\\u001b[0m24", "prompt": "escape code in the id"}', "control_character"),
+    ('{"id": "m25", "prompt": "lone \\ud83d surrogate"}', "unpaired_surrogate"),
+    ('{"id": "m26", "prompt": "first", "prompt": "second"}', "duplicate_key"),
+    (
+        '{"id": "m27", "messages": [{"role": "user", "content": "a", "content": "b"}]}',
+        "duplicate_key",
+    ),
+    ('{"id": "m28", "prompt": "  \\n\\t "}', "empty_content"),
+]
+# (reason, text its detail must contain): every detail names the field and position
+DETAILS = [
+    ("malformed_json", "invalid JSON: Unterminated string starting at"),
+    ("empty_line", "blank line"),
+    ("empty_record", "record has no fields"),
+    ("messages_not_list", "'messages' must be a list, got string"),
+    ("conversations_not_list", "'conversations' must be a list, got object"),
+    ("empty_messages", "'messages' is an empty list"),
+    ("missing_prompt_field", "no 'messages', 'conversations' or 'prompt' field"),
+    ("prompt_not_string", "field 'prompt' must be a string, got number"),
+    ("missing_id", "id field 'id' is missing"),
+    ("not_an_object", "got array"),
+    ("not_an_object", "got null"),
+    ("not_an_object", "got string"),
+    ("message_not_object", "messages[0] must be an object, got string"),
+    ("content_not_string", "messages[0] content must be a string, got array"),
+    ("unknown_role", "messages[0] has unknown role 'wizard'"),
+    ("unknown_role", "conversations[0] has unknown role 'robot'"),
+    ("empty_content", "messages[0] (user) has empty content"),
+    ("system_not_first", "messages[1] is a system turn at position 1"),
+    ("no_user_turn", "roles: system, assistant"),
+    ("missing_role", "messages[0] has no 'role'"),
+    ("missing_role", "conversations[0] has no 'from' or 'role'"),
+    ("role_not_string", "messages[0] 'role' must be a string, got number"),
+    ("missing_content", "messages[0] has no 'content'"),
+    ("missing_content", "messages[0] has 'content' set to null"),
+    ("content_parts", "messages[0] content is a list of 2 typed parts (text, image_url)"),
+    ("messages_json_encoded", "'messages' is a string holding a JSON list"),
+    ("conversations_json_encoded", "'conversations' is a string holding a JSON list"),
+    ("empty_id", "id field 'id' is empty"),
+    ("bad_id", "id field 'id' must be a string or integer, got number"),
+    ("bad_id", "got object"),
+    ("bad_id", "got boolean"),
+    ("control_character", "messages[0] content has control character U+0000 at offset 4"),
+    ("control_character", "id field 'id' has control character U+001B at offset 1"),
+    ("unpaired_surrogate", "field 'prompt' content has unpaired surrogate U+D83D at offset 5"),
+    ("duplicate_key", "key 'prompt' appears more than once in the record"),
+    ("duplicate_key", "key 'content' appears more than once in messages[0]"),
+    ("duplicate_id", "id 'ok-1' already used"),
+    ("invalid_utf8", "line is not valid UTF-8"),
 ]
 
 
-def test_malformed_records_are_rejected_with_reasons_and_the_run_continues(tmp_path):
+def test_malformed_records_are_rejected_with_reasons_and_the_run_continues(tmp_path, capsys):
     lines = [VALID[0], *(line for line, _ in MALFORMED[:9]), VALID[1]]
     lines += [line for line, _ in MALFORMED[9:]] + [VALID[2], VALID[0]]  # last: a duplicate
     src = tmp_path / "messy.jsonl"
@@ -380,7 +458,7 @@ def test_malformed_records_are_rejected_with_reasons_and_the_run_continues(tmp_p
 
     assert sorted(r["id"] for r in rows) == ["ok-1", "ok-2", "ok-3"]
     expected = Counter(reason for _, reason in MALFORMED) + Counter({"invalid_utf8": 1})
-    assert len(expected) >= 15
+    assert len(expected) >= 20  # the requirement: at least 20 kinds of malformed records
     assert summary["rejected"] == dict(expected)
     assert summary["read"] == len(lines) + 1
     assert summary["accepted"] == 3 and summary["duplicates"] == 1
@@ -398,10 +476,19 @@ def test_malformed_records_are_rejected_with_reasons_and_the_run_continues(tmp_p
     utf8 = rejected[-1]
     assert utf8["reason"] == "invalid_utf8" and utf8["line"] == len(lines) + 1
     assert "caf" in utf8["excerpt"]
-    detail_of = {e["reason"]: e["detail"] for e in rejected}
-    assert "messages[0]" in detail_of["message_not_object"]
-    assert "'wizard'" in detail_of["unknown_role"]
-    assert "position 1" in detail_of["system_not_first"]
+    details = [(e["reason"], e["detail"]) for e in rejected]
+    for reason, text in DETAILS:
+        assert any(r == reason and text in d for r, d in details), (reason, text, details)
+    assert {reason for reason, _ in DETAILS} == set(expected)
+
+    # the log line reports every reason with its count, and where the records went
+    printed = capsys.readouterr().out
+    report = re.search(r"rejected (\d+) \(([^)]*)\)", printed)
+    assert report is not None, printed
+    assert int(report.group(1)) == summary["rejected_total"]
+    counts = dict(item.split("=") for item in report.group(2).split(", "))
+    assert {reason: int(n) for reason, n in counts.items()} == dict(expected)
+    assert f"{out / 'rejected.jsonl'}" in printed
 
 
 def test_rejects_from_columnar_sources_carry_an_index(tmp_path):
@@ -416,6 +503,24 @@ def test_rejects_from_columnar_sources_carry_an_index(tmp_path):
     ]
     assert rejected[1]["excerpt"] == "5"
     assert summary["accepted"] == 1
+
+
+def test_unpaired_surrogates_in_json_sources_are_rejected_and_still_written(tmp_path):
+    """A lone surrogate in a .json source must not stop the run, in the content or in a key."""
+    src = tmp_path / "rows.json"
+    src.write_text(
+        '[{"prompt": "ok"}, {"prompt": "bad \\udc00 text"}, {"k\\ud800": {"x": 1, "x": 2}}]'
+    )
+    out, summary, rows = build(tmp_path, [{"path": str(src)}])
+    assert [r["messages"] for r in rows] == [[u("ok")]]
+    assert summary["rejected"] == {"duplicate_key": 1, "unpaired_surrogate": 1}
+    rejected = read_jsonl(out / "rejected.jsonl")
+    assert [(e["index"], e["reason"]) for e in rejected] == [
+        (1, "unpaired_surrogate"),
+        (2, "duplicate_key"),
+    ]
+    assert rejected[0]["excerpt"] == '{"prompt": "bad \\udc00 text"}'
+    assert rejected[1]["detail"] == "key 'x' appears more than once in k\\ud800"
 
 
 # --- bundled prompts --------------------------------------------------------------------------

@@ -25,8 +25,12 @@ Rules (see docs/contracts.md for the file formats):
   records in file order).
 * Sharding: the selected records are sorted by ``sha256(f"{seed}:{id}")`` and dealt round-robin,
   so shard sizes differ by at most one and the same inputs give byte-identical files.
+* Text checks: kept contents and ids must not hold control characters (tab, newline and
+  carriage return are fine in contents) or unpaired UTF-16 surrogates (JSON ``"\\ud800"``), and no
+  JSON object may repeat a key (which value wins would be up to the parser).
 * A bad record never stops the run: it goes to ``rejected.jsonl`` with its source, index, line,
-  reason and an excerpt. A missing or unreadable source raises an error naming its path.
+  reason code, a detail naming the field and position, and an excerpt; the summary and the log
+  line count rejections per reason. A missing or unreadable source raises an error naming its path.
 """
 
 from __future__ import annotations
@@ -64,6 +68,12 @@ SHAREGPT_ROLES = {
     "model": "assistant",
 }
 
+# C0 controls and DEL; contents may keep tab, newline and carriage return, ids may not.
+_CONTENT_CONTROL = re.compile(r"[\x00-\x08\x0b\x0c\x0e-\x1f\x7f]")
+_ID_CONTROL = re.compile(r"[\x00-\x1f\x7f]")
+# json.loads turns "\ud800" into a lone surrogate, which cannot be written back out as UTF-8.
+_SURROGATE = re.compile(r"[\ud800-\udfff]")
+
 SELECTION_RULE = "first max_samples unique records in source order"
 SHARDING_RULE = "sorted by sha256('{seed}:{id}'), dealt round-robin"
 _SHARD_NAME = re.compile(r"shard-(\d+)\.jsonl")
@@ -80,6 +90,44 @@ class RecordError(Exception):
         super().__init__(f"{reason}: {detail}")
         self.reason = reason
         self.detail = detail
+
+
+class _RepeatedKeyObject(dict):
+    """A JSON object that named ``repeated_key`` more than once (the last value was kept)."""
+
+    repeated_key: str
+
+
+def _object_from_pairs(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    """``object_pairs_hook`` that marks objects with a repeated key instead of hiding it."""
+    obj = dict(pairs)
+    if len(obj) == len(pairs):
+        return obj
+    seen: set[str] = set()
+    marked = _RepeatedKeyObject(obj)
+    marked.repeated_key = next(k for k, _ in pairs if k in seen or seen.add(k))
+    return marked
+
+
+def _parse_json(text: str) -> Any:
+    return json.loads(text, object_pairs_hook=_object_from_pairs)
+
+
+def _json_type(value: Any) -> str:
+    """The JSON name of a value's type, for messages about the data as the user wrote it."""
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "boolean"
+    if isinstance(value, (int, float)):
+        return "number"
+    if isinstance(value, str):
+        return "string"
+    if isinstance(value, (list, tuple)):
+        return "array"
+    if isinstance(value, dict):
+        return "object"
+    return type(value).__name__
 
 
 @dataclass(frozen=True)
@@ -180,7 +228,7 @@ def _iter_jsonl(path: Path) -> Iterator[RawRecord]:
                 yield RawRecord(index, line_no, raw_text=text, error=error)
                 continue
             try:
-                value = json.loads(text)
+                value = _parse_json(text)
             except json.JSONDecodeError as exc:
                 error = RecordError(
                     "malformed_json", f"invalid JSON: {exc.msg} at column {exc.colno}"
@@ -192,7 +240,7 @@ def _iter_jsonl(path: Path) -> Iterator[RawRecord]:
 
 def _iter_json(path: Path) -> Iterator[RawRecord]:
     try:
-        data = json.loads(path.read_text(encoding="utf-8"))
+        data = _parse_json(path.read_text(encoding="utf-8"))
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise PromptSourceError(f"prompt source {path}: not valid JSON: {exc}") from exc
     if isinstance(data, dict) and isinstance(data.get("data"), list):
@@ -269,78 +317,184 @@ def _iter_dataset_rows(loaded: Any, split: str, name: str) -> Iterator[RawRecord
 def normalize_messages(record: Any, spec: SourceSpec) -> list[dict[str, str]]:
     """Turn one record into chat messages ending with a user turn; raise RecordError if unusable."""
     if not isinstance(record, dict):
-        raise RecordError("not_an_object", f"expected a JSON object, got {type(record).__name__}")
+        raise RecordError("not_an_object", f"expected a JSON object, got {_json_type(record)}")
+    _check_no_repeated_keys(record)
     # Rows of columnar sources (parquet, datasets) hold None for fields a record lacks.
     present = {key: value for key, value in record.items() if value is not None}
     if not present:
         raise RecordError("empty_record", "record has no fields")
     if "messages" in present:
-        turns = _parse_turns(present["messages"], "messages", "role", "content", OPENAI_ROLES)
+        field = "messages"
+        turns = _parse_turns(present[field], field, ("role",), ("content",), OPENAI_ROLES)
     elif "conversations" in present:
+        field = "conversations"
+        # ShareGPT exports sometimes use role/content inside "conversations"; accept both.
         turns = _parse_turns(
-            present["conversations"], "conversations", "from", "value", SHAREGPT_ROLES
+            present[field], field, ("from", "role"), ("value", "content"), SHAREGPT_ROLES
         )
     elif spec.prompt_field in present:
         prompt = present[spec.prompt_field]
         if not isinstance(prompt, str):
             raise RecordError(
                 "prompt_not_string",
-                f"field '{spec.prompt_field}' must be a string, got {type(prompt).__name__}",
+                f"field '{spec.prompt_field}' must be a string, got {_json_type(prompt)}",
             )
         turns = [{"role": "user", "content": prompt}]
+        return _finish_conversation(turns, [f"field '{spec.prompt_field}'"], spec.system_prompt)
     else:
         raise RecordError(
             "missing_prompt_field",
             f"no 'messages', 'conversations' or '{spec.prompt_field}' field",
         )
-    return _finish_conversation(turns, spec.system_prompt)
+    labels = [f"{field}[{i}]" for i in range(len(turns))]
+    return _finish_conversation(turns, labels, spec.system_prompt)
+
+
+def _check_no_repeated_keys(record: dict[str, Any]) -> None:
+    found = _find_repeated_key(record, "")
+    if found is not None:
+        where, key = found
+        raise RecordError(
+            "duplicate_key", f"key {key!r} appears more than once in {where or 'the record'}"
+        )
+
+
+def _find_repeated_key(value: Any, where: str) -> tuple[str, str] | None:
+    """(path, key) of the first object that repeats a key, depth first; None when there is none."""
+    if isinstance(value, _RepeatedKeyObject):
+        return where, value.repeated_key
+    if isinstance(value, dict):
+        children = ((f"{where}.{k}" if where else str(k), v) for k, v in value.items())
+    elif isinstance(value, list):
+        children = ((f"{where}[{i}]", v) for i, v in enumerate(value))
+    else:
+        return None
+    for child_where, child in children:
+        found = _find_repeated_key(child, child_where)
+        if found is not None:
+            return found
+    return None
 
 
 def _parse_turns(
-    turns: Any, field: str, role_key: str, content_key: str, role_map: dict[str, str]
+    turns: Any,
+    field: str,
+    role_keys: tuple[str, ...],
+    content_keys: tuple[str, ...],
+    role_map: dict[str, str],
 ) -> list[dict[str, str]]:
     """Check types and map roles; content emptiness is checked later, on the kept turns only."""
-    if not isinstance(turns, list):
+    if isinstance(turns, str) and _holds_json_list(turns):
         raise RecordError(
-            f"{field}_not_list", f"'{field}' must be a list, got {type(turns).__name__}"
+            f"{field}_json_encoded",
+            f"'{field}' is a string holding a JSON list; store the list itself, not its text",
         )
+    if not isinstance(turns, list):
+        raise RecordError(f"{field}_not_list", f"'{field}' must be a list, got {_json_type(turns)}")
     if not turns:
         raise RecordError("empty_messages", f"'{field}' is an empty list")
     parsed = []
     for i, turn in enumerate(turns):
+        where = f"{field}[{i}]"
         if not isinstance(turn, dict):
             raise RecordError(
-                "message_not_object", f"{field}[{i}] must be an object, got {type(turn).__name__}"
+                "message_not_object", f"{where} must be an object, got {_json_type(turn)}"
             )
-        # ShareGPT exports sometimes use role/content inside "conversations"; accept both spellings.
-        role = turn.get(role_key, turn.get("role"))
-        content = turn.get(content_key, turn.get("content"))
-        if not isinstance(role, str) or role.lower() not in role_map:
-            raise RecordError("unknown_role", f"{field}[{i}] has unknown role {role!r}")
-        if not isinstance(content, str):
+        role_key, role = _turn_value(turn, role_keys, where, "missing_role")
+        if not isinstance(role, str):
             raise RecordError(
-                "content_not_string",
-                f"{field}[{i}] content must be a string, got {type(content).__name__}",
+                "role_not_string",
+                f"{where} '{role_key}' must be a string, got {_json_type(role)} ({role!r})",
             )
+        if role.lower() not in role_map:
+            raise RecordError(
+                "unknown_role",
+                f"{where} has unknown role {role!r} (expected one of {sorted(role_map)})",
+            )
+        _, content = _turn_value(turn, content_keys, where, "missing_content")
+        _check_content_type(content, where)
         parsed.append({"role": role_map[role.lower()], "content": content.strip()})
     return parsed
 
 
+def _holds_json_list(text: str) -> bool:
+    if not text.lstrip().startswith("["):
+        return False
+    try:
+        return isinstance(json.loads(text), list)
+    except json.JSONDecodeError:
+        return False
+
+
+def _turn_value(
+    turn: dict[str, Any], keys: tuple[str, ...], where: str, reason: str
+) -> tuple[str, Any]:
+    """(key, value) of the first non-null value among ``keys``; a turn with none is rejected."""
+    for key in keys:
+        if turn.get(key) is not None:
+            return key, turn[key]
+    spelled = " or ".join(f"'{k}'" for k in keys)
+    if any(key in turn for key in keys):
+        raise RecordError(reason, f"{where} has {spelled} set to null")
+    raise RecordError(reason, f"{where} has no {spelled} (keys: {sorted(map(str, turn))})")
+
+
+def _check_content_type(content: Any, where: str) -> None:
+    if isinstance(content, str):
+        return
+    if (
+        isinstance(content, list)
+        and content
+        and all(isinstance(part, dict) and "type" in part for part in content)
+    ):
+        kinds = ", ".join(dict.fromkeys(str(part["type"]) for part in content))
+        raise RecordError(
+            "content_parts",
+            f"{where} content is a list of {len(content)} typed parts ({kinds}); "
+            "only plain string content is supported",
+        )
+    raise RecordError(
+        "content_not_string", f"{where} content must be a string, got {_json_type(content)}"
+    )
+
+
 def _finish_conversation(
-    turns: list[dict[str, str]], system_prompt: str | None
+    turns: list[dict[str, str]], labels: list[str], system_prompt: str | None
 ) -> list[dict[str, str]]:
+    """Keep turns up to the last user turn and check them; ``labels[i]`` names turn i."""
     last_user = max((i for i, t in enumerate(turns) if t["role"] == "user"), default=None)
     if last_user is None:
-        raise RecordError("no_user_turn", "conversation has no user turn")
+        roles = ", ".join(t["role"] for t in turns)
+        raise RecordError("no_user_turn", f"conversation has no user turn (roles: {roles})")
     kept = turns[: last_user + 1]  # generation answers the last user turn
     for i, turn in enumerate(kept):
         if turn["role"] == "system" and i != 0:
-            raise RecordError("system_not_first", f"system turn at position {i}; only 0 allowed")
-        if not turn["content"]:
-            raise RecordError("empty_content", f"turn {i} ({turn['role']}) has empty content")
+            raise RecordError(
+                "system_not_first",
+                f"{labels[i]} is a system turn at position {i}; only position 0 allowed",
+            )
+        if not turn["content"].strip():  # (a prompt field is kept unstripped: ids stay)
+            raise RecordError("empty_content", f"{labels[i]} ({turn['role']}) has empty content")
+        _check_text(turn["content"], f"{labels[i]} content", _CONTENT_CONTROL)
     if system_prompt and kept[0]["role"] != "system":
         kept.insert(0, {"role": "system", "content": system_prompt.strip()})
     return kept
+
+
+def _check_text(text: str, what: str, control: re.Pattern[str]) -> None:
+    """Reject text that would break tokenizers or could not be written back as UTF-8."""
+    bad = control.search(text)
+    if bad is not None:
+        raise RecordError(
+            "control_character",
+            f"{what} has control character U+{ord(bad.group()):04X} at offset {bad.start()}",
+        )
+    bad = _SURROGATE.search(text)
+    if bad is not None:
+        raise RecordError(
+            "unpaired_surrogate",
+            f"{what} has unpaired surrogate U+{ord(bad.group()):04X} at offset {bad.start()}",
+        )
 
 
 def content_hash(messages: list[dict[str, str]]) -> str:
@@ -357,11 +511,12 @@ def explicit_id(record: dict[str, Any], id_field: str) -> str:
     if isinstance(value, bool) or not isinstance(value, (str, int)):
         raise RecordError(
             "bad_id",
-            f"id field '{id_field}' must be a string or integer, got {type(value).__name__}",
+            f"id field '{id_field}' must be a string or integer, got {_json_type(value)}",
         )
     text = str(value).strip()
     if not text:
-        raise RecordError("bad_id", f"id field '{id_field}' is empty")
+        raise RecordError("empty_id", f"id field '{id_field}' is empty")
+    _check_text(text, f"id field '{id_field}'", _ID_CONTROL)
     return text
 
 
@@ -385,7 +540,12 @@ def _excerpt(raw: RawRecord) -> str:
         text = raw.raw_text
     else:
         text = json.dumps(raw.value, ensure_ascii=False, default=str)
-    return text[:EXCERPT_CHARS]
+    return _writable(text[:EXCERPT_CHARS])
+
+
+def _writable(text: str) -> str:
+    """Spell unpaired surrogates as \\udXXX so a rejected record can still be written as UTF-8."""
+    return text.encode("utf-8", "backslashreplace").decode("utf-8")
 
 
 class _Collector:
@@ -439,7 +599,7 @@ class _Collector:
                 "index": raw.index,
                 "line": raw.line,
                 "reason": err.reason,
-                "detail": err.detail,
+                "detail": _writable(err.detail),
                 "excerpt": _excerpt(raw),
             }
         )
@@ -514,6 +674,7 @@ def _summary(
 
 
 def format_summary(summary: dict[str, Any]) -> str:
+    """One log line with every count, rejections broken down as ``reason=count``."""
     reasons = ", ".join(f"{k}={v}" for k, v in summary["rejected"].items()) or "none"
     return (
         f"prompts: read {summary['read']}, accepted {summary['accepted']}, "
@@ -564,4 +725,6 @@ def build_shards(
     with atomic_writer(out_dir / "summary.json") as f:
         f.write(json.dumps(summary, indent=2, ensure_ascii=False) + "\n")
     print(format_summary(summary))
+    if collector.rejected:
+        print(f"prompts: rejected records with reason and detail: {out_dir / 'rejected.jsonl'}")
     return summary
