@@ -7,6 +7,7 @@ import hashlib
 import importlib.util
 import json
 import os
+import shutil
 import signal
 import subprocess
 from pathlib import Path
@@ -26,6 +27,20 @@ signal.signal(signal.SIGTERM, _interrupt_on_sigterm)
 
 REPO = Path(__file__).resolve().parents[1]
 CACHE = REPO / ".pytest_cache" / "draftline"
+
+
+WORKFLOW_FILES = ["Snakefile", "rules", "scripts", "report", "envs", "src/draftline"]
+
+
+def copy_workflow(workdir: Path) -> None:
+    """The workflow (without results) in ``workdir``, so a test may edit it or run it there."""
+    for name in WORKFLOW_FILES:
+        src = REPO / name
+        if src.is_dir():
+            shutil.copytree(src, workdir / name, ignore=shutil.ignore_patterns("__pycache__"))
+        else:
+            (workdir / name).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(src, workdir / name)
 
 
 def default_config(**overrides) -> dict:

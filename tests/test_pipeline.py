@@ -16,11 +16,9 @@ from pathlib import Path
 
 import pytest
 import yaml
-from conftest import REPO, default_config, requires_vllm
+from conftest import REPO, copy_workflow, default_config, requires_vllm
 
 pytestmark = [requires_vllm, pytest.mark.vllm, pytest.mark.slow]
-
-WORKFLOW_FILES = ["Snakefile", "rules", "scripts", "report", "envs", "src/draftline"]
 
 PIPELINE_CONFIG = {
     "prompts": {"max_samples": 48, "num_shards": 2},
@@ -80,13 +78,7 @@ def deep_update(base: dict, change: dict) -> dict:
 def pipeline(tmp_path_factory, toy_target):
     """A complete run of the default workflow (reduced sizes) in a copy of the workflow."""
     workdir = tmp_path_factory.mktemp("pipeline")
-    for name in WORKFLOW_FILES:
-        src = REPO / name
-        if src.is_dir():
-            shutil.copytree(src, workdir / name, ignore=shutil.ignore_patterns("__pycache__"))
-        else:
-            (workdir / name).parent.mkdir(parents=True, exist_ok=True)
-            shutil.copy2(src, workdir / name)
+    copy_workflow(workdir)
     base = deep_update(yaml.safe_load((REPO / "config.yaml").read_text()), PIPELINE_CONFIG)
     write_config(workdir, base)
     # The toy target is the cached build of the same config: its own rule is tested in

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from conftest import REPO, requires_vllm
+from conftest import REPO, copy_workflow, requires_vllm
 from fault_proxy import FaultProxy
 
 from draftline import atomic
@@ -163,16 +163,6 @@ def test_generation_interrupted_resumes_and_equals_an_uninterrupted_run(
 
 
 # ---------------------------------------------------------------- Ctrl-C on Snakemake
-
-
-def copy_workflow(workdir: Path) -> None:
-    for name in ("Snakefile", "rules", "scripts", "report", "envs", "src/draftline"):
-        src = REPO / name
-        if src.is_dir():
-            shutil.copytree(src, workdir / name, ignore=shutil.ignore_patterns("__pycache__"))
-        else:
-            (workdir / name).parent.mkdir(parents=True, exist_ok=True)
-            shutil.copy2(src, workdir / name)
 
 
 def start_snakemake(workdir: Path, *targets: str) -> subprocess.Popen:
