@@ -840,7 +840,8 @@ def _train(rt: Runtime, hidden_dir: Path, vocab_map: Path, target_dir: Path, out
             "draft_config": draft_cfg.to_dict(), "world_size": rt.world,
             "eval_split": "eval" if store.samples.get("eval") else "train"}
 
-    with StopRequest() as stop:
+    # the bar and the log are closed however the loop ends (a signal, a full disk, ...)
+    with StopRequest() as stop, contextlib.closing(progress), contextlib.closing(log):
         step = trainer["step"]
         for epoch in range(trainer["epoch"], len(plans)):
             if step >= total:
@@ -892,8 +893,6 @@ def _train(rt: Runtime, hidden_dir: Path, vocab_map: Path, target_dir: Path, out
                 if signum or step % cfg["checkpoint_every"] == 0 or step == total:
                     save_checkpoint(state_root, step, model, optimizer, scheduler, trainer, rt)
                 if signum and step < total:
-                    progress.close()
-                    log.close()
                     print(f"stopped by signal {signum} after step {step}/{total}; the checkpoint "
                           f"in {state_root} resumes it", file=sys.stderr, flush=True)
                     raise SystemExit(128 + signum)
@@ -902,8 +901,6 @@ def _train(rt: Runtime, hidden_dir: Path, vocab_map: Path, target_dir: Path, out
             if step >= total:
                 break
             trainer.update(epoch=epoch + 1, group=0)
-    progress.close()
-    log.close()
     record = {**trainer["best"], "best_step": trainer["best"]["step"], "steps": total,
               "train_tokens": trainer["tokens"], "final_eval": trainer["last_eval"], **meta}
     record.pop("step")
