@@ -77,7 +77,7 @@ def chunk(content=None, reasoning=None, completion_tokens=None, finish=None, tok
 def test_cumulative_usage_counts_tokens_exactly():
     r = RequestResult("p", start=0.0)
     _absorb_chunk(chunk(content="", completion_tokens=0), r, 0.1, keep_text=True)  # role chunk
-    assert r.first_token is None
+    assert r.arrivals == [] and r.chunk_times == [0.1]
     _absorb_chunk(chunk(reasoning="think", completion_tokens=1), r, 0.5, keep_text=True)
     _absorb_chunk(chunk(content="ab", completion_tokens=4), r, 0.7, keep_text=True)  # 3 at once
     _absorb_chunk(chunk(content="c", completion_tokens=5, finish="stop"), r, 0.9, keep_text=True)
@@ -85,9 +85,53 @@ def test_cumulative_usage_counts_tokens_exactly():
     r.end = 1.0
     assert r.output_tokens == 5 and r.prompt_tokens == 7
     assert r.arrivals == [(0.5, 1), (0.7, 3), (0.9, 1)]
-    assert r.first_token == 0.5 and r.ttft_s == 0.5
-    assert r.tpot_s == pytest.approx((1.0 - 0.5) / 4)
     assert (r.reasoning, r.content, r.finish_reason) == ("think", "abc", "stop")
+
+
+def timeline(start: float, events: list[tuple[float, dict]], end: float) -> RequestResult:
+    """A request built from hand-made chunk arrivals (time, parsed SSE chunk)."""
+    r = RequestResult("p", start=start)
+    for t, data in events:
+        _absorb_chunk(data, r, t, keep_text=False)
+    r.end = end
+    return r
+
+
+def test_latencies_are_those_of_vllm_bench_serve():
+    # vllm/benchmarks/lib/endpoint_request_func.py (chat): every chunk with a choice is an
+    # arrival; TTFT = first arrival - start, latency = last arrival - start, ITL = gaps between
+    # arrivals; serve.py: TPOT = (latency - TTFT) / (output tokens - 1).
+    r = timeline(10.0, [
+        (10.200, chunk(content="", completion_tokens=0)),  # role chunk: no token, an arrival
+        (10.201, chunk(reasoning="a", completion_tokens=1)),
+        (10.300, chunk(content="bcd", completion_tokens=4)),  # 3 tokens in one chunk
+        (10.450, chunk(content="ef", completion_tokens=6, finish="stop")),
+        (10.460, chunk(with_choice=False, completion_tokens=6)),  # usage only: not an arrival
+    ], end=10.470)
+    assert r.output_tokens == 6
+    assert r.ttft_s == pytest.approx(0.200)
+    assert r.latency_s == pytest.approx(0.450) and r.e2e_s == pytest.approx(0.450)
+    assert r.tpot_s == pytest.approx((0.450 - 0.200) / 5)  # 0.05, not (0.470 - 0.201) / 5
+    assert r.itl_s == pytest.approx([0.001, 0.099, 0.150])
+
+
+def test_latencies_with_token_ids_and_one_token():
+    # speculative decoding: 1 + 3 + 4 tokens in three chunks, counted from token_ids
+    r = timeline(0.0, [(0.040, chunk(content="", token_ids=[])),
+                       (0.050, chunk(content="a", token_ids=[1])),
+                       (0.080, chunk(content="bcd", token_ids=[2, 3, 4])),
+                       (0.120, chunk(content="efgh", token_ids=[5, 6, 7, 8], finish="length")),
+                       (0.121, chunk(with_choice=False, completion_tokens=8))], end=0.125)
+    assert r.output_tokens == 8
+    assert (r.ttft_s, r.latency_s) == (pytest.approx(0.040), pytest.approx(0.120))
+    assert r.tpot_s == pytest.approx(0.080 / 7)
+    assert r.itl_s == pytest.approx([0.010, 0.030, 0.040])
+    one = timeline(0.0, [(0.3, chunk(content="", completion_tokens=0)),
+                         (0.3, chunk(content="x", completion_tokens=1, finish="stop"))], 0.31)
+    assert one.ttft_s == pytest.approx(0.3) and one.tpot_s is None  # vLLM skips output_len <= 1
+    failed = timeline(0.0, [(0.1, chunk(content="", completion_tokens=0))], 0.2)
+    failed.error = "RuntimeError: stream error"
+    assert failed.tpot_s is None
 
 
 def test_sse_lines_are_split_across_network_reads():
@@ -113,17 +157,18 @@ def test_without_usage_token_ids_or_text_chunks_are_counted():
 
 
 def finished(start, arrivals, end, error=None) -> RequestResult:
-    r = RequestResult("p", start=start, end=end, first_token=arrivals[0][0] if arrivals else None,
-                      arrivals=list(arrivals), output_tokens=sum(n for _, n in arrivals),
-                      error=error, finish_reason="stop" if error is None else None)
-    return r
+    """One token per chunk at the given times (a role chunk at the first of them)."""
+    return RequestResult("p", start=start, end=end, arrivals=list(arrivals),
+                         chunk_times=[t for t, _ in arrivals],
+                         output_tokens=sum(n for _, n in arrivals), error=error,
+                         finish_reason="stop" if error is None else None)
 
 
 def test_window_attributes_tokens_by_arrival_time():
     straddling = finished(0.0, [(0.5, 1), (1.5, 1), (2.5, 1), (3.5, 1)], 11.0)
     inside = finished(2.0, [(2.2, 1), (2.4, 1), (2.6, 2)], 3.0)
-    cut_off = RequestResult("p", start=9.0, first_token=9.5, arrivals=[(9.5, 1), (10.5, 1)],
-                            output_tokens=2, cancelled=True)
+    cut_off = RequestResult("p", start=9.0, chunk_times=[9.5, 10.5],
+                            arrivals=[(9.5, 1), (10.5, 1)], output_tokens=2, cancelled=True)
     failed = finished(4.0, [], 4.1, error="APIStatusError: 500")
     stats = window_stats([straddling, inside, cut_off, failed], t0=1.0, t1=11.0)
     assert stats["output_tokens"] == 3 + 4 + 2  # 0.5 is before the window; 10.5 is inside
@@ -131,8 +176,13 @@ def test_window_attributes_tokens_by_arrival_time():
     assert stats["requests_completed"] == 1  # `straddling` ends at 11.0, outside [1, 11)
     assert stats["errors"] == 1 and stats["error_examples"] == ["APIStatusError: 500"]
     assert stats["ttft_ms"]["p50"] == pytest.approx(350.0)  # inside (0.2 s) and cut_off (0.5 s)
-    assert stats["tpot_ms"]["mean"] == pytest.approx(800.0 / 3, abs=1e-3)  # (3.0 - 2.2) / 3
-    assert stats["e2e_s"]["p99"] == pytest.approx(1.0)
+    # vLLM's TPOT: (last chunk - first chunk) / (tokens - 1) = (2.6 - 2.2) / 3
+    assert stats["tpot_ms"]["mean"] == pytest.approx(400.0 / 3, abs=1e-3)
+    assert stats["e2e_s"]["p99"] == pytest.approx(0.6)  # to the last chunk, not the close
+    # chunk gaps ending inside the window: 1.0, 1.0, 1.0 (straddling, the first one ends at
+    # 1.5), 0.2, 0.2 (inside), 1.0 (cut_off)
+    assert stats["itl_ms"]["p50"] == pytest.approx(1000.0)
+    assert stats["itl_ms"]["mean"] == pytest.approx(1e3 * 4.4 / 6)
     assert stats["halves_tok_s"] == [pytest.approx(7 / 5), pytest.approx(2 / 5)]
     assert stats["finish_reasons"] == {"stop": 1}
 

@@ -27,8 +27,9 @@ How it measures:
   of the chunk that carried them, including requests that started before the window or are cut
   off at its end. Throughput is then exact for the window even when no request completes inside
   it (long reasoning outputs at high concurrency). Per-request latencies (TPOT, end-to-end) come
-  from requests that completed inside the window, TTFT from requests whose first token arrived
-  inside it, ITL from chunk gaps ending inside it.
+  from requests that completed inside the window, TTFT from requests whose first chunk arrived
+  inside it, ITL from chunk gaps ending inside it. TTFT, TPOT, ITL and end-to-end latency are
+  defined as ``vllm bench serve`` defines them (see ``RequestResult``): per chunk, not token.
 
 Prometheus helpers read a vLLM server's ``/metrics`` (spec-decode counters, running requests,
 generated tokens) so that server-side counts can be compared over exactly the same window.
@@ -154,8 +155,9 @@ class RequestResult:
     prompt_id: str
     start: float
     end: float | None = None
-    first_token: float | None = None
     arrivals: list[tuple[float, int]] = field(default_factory=list)  # (time, new tokens)
+    # arrival time of every chunk that carries a choice (vLLM's "token chunks", see tpot_s)
+    chunk_times: list[float] = field(default_factory=list)
     output_tokens: int = 0
     prompt_tokens: int | None = None
     finish_reason: str | None = None
@@ -171,20 +173,39 @@ class RequestResult:
     def ok(self) -> bool:
         return self.end is not None and self.error is None and not self.cancelled
 
+    # Latencies as ``vllm bench serve`` defines them (vllm/benchmarks/serve.py and
+    # lib/endpoint_request_func.py, chat completions): every chunk that carries a choice counts
+    # as an arrival, whatever number of tokens it holds (none for the role chunk, several under
+    # speculative decoding or when the API server coalesces engine steps); the usage-only chunk
+    # at the end does not. TTFT is the first such arrival, the request's latency the last one,
+    # ITL the gaps between consecutive arrivals, and TPOT = (latency - TTFT) / (tokens - 1)
+    # with the exact output token count.
+
     @property
     def ttft_s(self) -> float | None:
-        return None if self.first_token is None else self.first_token - self.start
+        return self.chunk_times[0] - self.start if self.chunk_times else None
+
+    @property
+    def latency_s(self) -> float | None:
+        """Start to the last chunk carrying a choice (vLLM's request latency, E2EL)."""
+        return self.chunk_times[-1] - self.start if self.chunk_times else None
 
     @property
     def e2e_s(self) -> float | None:
-        return None if self.end is None else self.end - self.start
+        return self.latency_s
 
     @property
     def tpot_s(self) -> float | None:
         """Mean time per output token after the first (the decode speed one user sees)."""
-        if not self.ok or self.first_token is None or self.output_tokens < 2:
+        if not self.ok or not self.chunk_times or self.output_tokens < 2:
             return None
-        return (self.end - self.first_token) / (self.output_tokens - 1)
+        return (self.latency_s - self.ttft_s) / (self.output_tokens - 1)
+
+    @property
+    def itl_s(self) -> list[float]:
+        """Gaps between consecutive chunk arrivals (one per chunk after the first)."""
+        times = self.chunk_times
+        return [b - a for a, b in zip(times, times[1:], strict=False)]
 
 
 def _chunk_token_increment(chunk: dict, result: RequestResult) -> int:
@@ -208,12 +229,11 @@ def _absorb_chunk(chunk: dict, result: RequestResult, now: float, keep_text: boo
     if usage and usage.get("prompt_tokens") is not None:
         result.prompt_tokens = usage["prompt_tokens"]
     if new:
-        if result.first_token is None:
-            result.first_token = now
         result.arrivals.append((now, new))
         result.output_tokens += new
     choices = chunk.get("choices")
     if choices:
+        result.chunk_times.append(now)
         choice = choices[0]
         if choice.get("finish_reason"):
             result.finish_reason = choice["finish_reason"]
@@ -285,6 +305,8 @@ class ChatStreamer:
             now = time.perf_counter()
             for payload in _sse_payloads(buffer, data):
                 if payload == b"[DONE]":
+                    if not result.chunk_times:  # vLLM's benchmark counts this as a failure
+                        raise RuntimeError("stream ended without a chunk carrying a choice")
                     return
                 chunk = json.loads(payload)
                 if "error" in chunk and "choices" not in chunk:  # vLLM reports mid-stream errors
@@ -414,14 +436,12 @@ def window_stats(results: Sequence[RequestResult], t0: float, t1: float) -> dict
     tokens = first_half = 0
     itl: list[float] = []
     for r in results:
-        prev = r.first_token
         for t, n in r.arrivals:
             if t0 <= t < t1:
                 tokens += n
                 first_half += n if t < mid else 0
-                if prev is not None and t > prev:
-                    itl.append(t - prev)
-            prev = t
+        times = r.chunk_times
+        itl += [b - a for a, b in zip(times, times[1:], strict=False) if t0 <= b < t1]
     done = [r for r in results if r.ok and _inside(r.end, t0, t1)]
     failed = [r for r in results if r.error and _inside(r.end, t0, t1)]
     finish: dict[str, int] = {}
@@ -439,11 +459,11 @@ def window_stats(results: Sequence[RequestResult], t0: float, t1: float) -> dict
         "requests_s": round(len(done) / duration, 3),
         "errors": len(failed),
         "error_examples": sorted({r.error for r in failed})[:3],
-        "ttft_ms": percentiles([r.ttft_s for r in results
-                                if r.error is None and _inside(r.first_token, t0, t1)], 1e3),
+        "ttft_ms": percentiles([r.ttft_s for r in results if r.error is None and r.chunk_times
+                                and _inside(r.chunk_times[0], t0, t1)], 1e3),
         "tpot_ms": percentiles([r.tpot_s for r in done if r.tpot_s is not None], 1e3),
         "itl_ms": percentiles(itl, 1e3),
-        "e2e_s": percentiles([r.e2e_s for r in done]),
+        "e2e_s": percentiles([r.e2e_s for r in done if r.e2e_s is not None]),
         "mean_output_tokens": round(sum(r.output_tokens for r in done) / len(done), 1)
         if done else None,
         "mean_prompt_tokens": round(sum(prompt_tokens) / len(prompt_tokens), 1)
