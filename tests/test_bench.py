@@ -7,6 +7,7 @@ import pytest
 from draftline.bench import (
     acceptance_fields,
     best_config,
+    concurrency_levels,
     default_levels,
     eval_prompts,
     simulated_acceptance,
@@ -28,6 +29,29 @@ def _row(config, level, rep, tok_s, tpot, drafts=0, accepted=0, per_pos=None, te
             "output_tok_s": tok_s, "requests_s": 1.0, "ttft_ms": {"p50": 10.0},
             "tpot_ms": {"p50": tpot}, "itl_ms": None, "e2e_s": None, "errors": 0,
             **acceptance_fields(counters), "counters": counters}
+
+
+def test_explicit_concurrency_wins_over_a_profile_on_disk_in_every_stage(tmp_path):
+    """An integer generate.concurrency is what generation runs at; the benchmark must sweep up
+    to that same level, not to a profile file left on disk by an earlier auto run."""
+    from draftline.generate import GenerateSettings
+    from draftline.generate import resolve_concurrency as generate_resolver
+
+    profile = tmp_path / "concurrency.json"
+    profile.write_text(json.dumps({"chosen_concurrency": 24}))
+    gen_cfg = {"concurrency": 5, "temperature": 0.7}
+    generated_at = GenerateSettings.from_config(
+        gen_cfg, generate_resolver(gen_cfg["concurrency"], profile)).concurrency
+    assert generated_at == 5
+    assert concurrency_levels({"levels": None}, gen_cfg, str(profile)) == [1, 2, 4, 5]
+    # auto: both read the profile; auto without a profile is an error naming the key
+    auto = {"concurrency": "auto"}
+    assert generate_resolver("auto", profile) == 24
+    assert concurrency_levels({"levels": None}, auto, str(profile)) == [1, 2, 4, 8, 16, 24]
+    with pytest.raises(FileNotFoundError, match="generate.concurrency"):
+        concurrency_levels({"levels": None}, auto, None)
+    # explicit bench.levels are kept as given
+    assert concurrency_levels({"levels": [3, 7]}, gen_cfg, str(profile)) == [3, 7]
 
 
 def test_default_levels_span_one_to_chosen():

@@ -71,6 +71,9 @@ def test_concurrency_auto_reads_profile(tmp_path):
     assert resolve_concurrency(5, profile) == 5
     with pytest.raises(FileNotFoundError, match="generate.concurrency"):
         resolve_concurrency("auto", tmp_path / "missing.json")
+    profile.write_text(json.dumps({"levels": []}))
+    with pytest.raises(ValueError, match="chosen_concurrency"):
+        resolve_concurrency("auto", profile)
 
 
 def _hold_slots(slot_dir, size, n_tasks, peak, hold_s):

@@ -32,6 +32,7 @@ from pathlib import Path
 
 from draftline.atomic import write_json
 from draftline.loadgen import Prompt, SamplingSpec, acceptance_length, run_requests
+from draftline.profile import resolve_concurrency
 from draftline.server import Endpoint, endpoints_for
 
 SCHEMA = "draftline.bench/1"
@@ -307,11 +308,11 @@ def _write_json(path: Path, obj: dict) -> None:
 # ---------------------------------------------------------------- the stage
 
 
-def chosen_concurrency(profile_json: str | None, generate_cfg: dict) -> int:
-    if profile_json and Path(profile_json).exists():
-        return int(json.loads(Path(profile_json).read_text())["chosen_concurrency"])
-    concurrency = generate_cfg["concurrency"]
-    return 1 if concurrency == "auto" else int(concurrency)
+def concurrency_levels(bench_cfg: dict, generate_cfg: dict, profile_json: str | None) -> list[int]:
+    """``bench.levels``, else 1 up to the concurrency generation used (the one resolver)."""
+    if bench_cfg["levels"]:
+        return list(bench_cfg["levels"])
+    return default_levels(resolve_concurrency(generate_cfg["concurrency"], profile_json))
 
 
 def run_stage(response_files: list[str], draft_dir: str, eval_json: str | None,
@@ -323,7 +324,7 @@ def run_stage(response_files: list[str], draft_dir: str, eval_json: str | None,
     out.mkdir(parents=True, exist_ok=True)
     prompts = eval_prompts([Path(p) for p in response_files], eval_fraction,
                            bench_cfg["num_prompts"])
-    levels = bench_cfg["levels"] or default_levels(chosen_concurrency(profile_json, generate_cfg))
+    levels = concurrency_levels(bench_cfg, generate_cfg, profile_json)
     temperatures = bench_cfg["temperatures"] or sorted({0.0, float(generate_cfg["temperature"])})
     sampling = {"max_tokens": bench_cfg["max_tokens"], "top_p": generate_cfg["top_p"],
                 "seed": generate_cfg["seed"],

@@ -34,6 +34,7 @@ from tqdm import tqdm
 
 from draftline.atomic import atomic_open, disk_full_names, write_json
 from draftline.loadgen import request_seed
+from draftline.profile import resolve_concurrency
 from draftline.server import Endpoint
 from draftline.slots import SlotPool
 
@@ -64,16 +65,6 @@ class GenerateSettings:
         keys = ("temperature", "top_p", "max_tokens", "seed", "chat_template_kwargs",
                 "multi_turn", "max_retries", "request_timeout_s", "endpoint_down_timeout_s")
         return cls(concurrency=concurrency, **{k: gen_cfg[k] for k in keys if k in gen_cfg})
-
-
-def resolve_concurrency(setting: int | str, profile_json: Path | None) -> int:
-    """``auto`` reads ``chosen_concurrency`` from the profile; an integer overrides it."""
-    if setting != "auto":
-        return int(setting)
-    if profile_json is None or not Path(profile_json).exists():
-        raise FileNotFoundError("config key 'generate.concurrency' is auto but no concurrency "
-                                f"profile exists at {profile_json}")
-    return int(json.loads(Path(profile_json).read_text())["chosen_concurrency"])
 
 
 prompt_seed = request_seed  # one derivation for generation, profile and benchmark

@@ -204,6 +204,22 @@ def profile_is_stale(profile_json: Path | str, fingerprint: dict) -> bool:
     return given is not None and stored.get("prompt_lengths") != given
 
 
+def resolve_concurrency(setting: int | str, profile_json: Path | str | None) -> int:
+    """The in-flight level every stage uses (generation, benchmark, soak): an integer
+    ``generate.concurrency`` is taken as given, even when a profile file exists; ``auto`` reads
+    ``chosen_concurrency`` from the profile, which must then exist."""
+    if setting != "auto":
+        return int(setting)
+    if profile_json is None or not Path(profile_json).exists():
+        raise FileNotFoundError("config key 'generate.concurrency' is auto but no concurrency "
+                                f"profile exists at {profile_json}")
+    try:
+        return int(json.loads(Path(profile_json).read_text())["chosen_concurrency"])
+    except (KeyError, TypeError, ValueError) as exc:
+        raise ValueError(f"{profile_json}: no usable 'chosen_concurrency' "
+                         f"({type(exc).__name__}: {exc})") from exc
+
+
 # ---------------------------------------------------------------- prompts
 
 
