@@ -26,6 +26,12 @@ def _check_config(cfg):
         raise ValueError(
             f"config key 'hidden.layer_ids': ids must be distinct, got {ids}"
         )
+    if ids is not None and ids != sorted(ids):
+        # vLLM feeds the aux states to the draft in layer order, whatever the config says.
+        raise ValueError(
+            "config key 'hidden.layer_ids': ids must be ascending (vLLM passes the "
+            f"states in layer order), got {ids}"
+        )
     if (
         cfg["server"]["mode"] == "external"
         and not cfg["server"]["external"]["base_urls"]

@@ -28,6 +28,7 @@ BAD_CONFIGS = [
     ({"target": {"toy": {"num_heads": 3}}}, "target.toy.num_heads"),
     ({"hidden": {"layer_ids": [2, 2, 5]}}, "hidden.layer_ids"),
     ({"hidden": {"layer_ids": [2, 5]}}, "hidden.layer_ids"),
+    ({"hidden": {"layer_ids": [30, 2, 16]}}, "hidden.layer_ids"),
     ({"hidden": {"backend": "jax"}}, "hidden.backend"),
     ({"train": {"ttt_steps": 0}}, "train.ttt_steps"),
     ({"train": {"lr": -1}}, "train.lr"),
@@ -98,6 +99,7 @@ def _snakemake_dry_run(config_path, cwd):
     ({"generate": {"temperature": "hot"}}, "temperature"),
     ({"bogus_section": {}}, "bogus_section"),
     ({"prompts": {"sources": [{"path": "missing.jsonl"}]}}, "prompts.sources[0].path"),
+    ({"hidden": {"layer_ids": [30, 2, 16]}}, "hidden.layer_ids"),
 ])
 def test_snakemake_stops_bad_config_before_any_job(tmp_path, bad, key):
     config_path = tmp_path / "bad.yaml"

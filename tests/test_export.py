@@ -83,7 +83,7 @@ def test_export_refuses_a_broken_checkpoint(draft_inputs, tmp_path, change, mess
 
 def test_export_refuses_bad_layer_ids(draft_inputs, tmp_path):
     best = untrained(draft_inputs, tmp_path / "best")
-    for ids in ([2, 2, 5], [2, 4], [2, 4, 9]):
+    for ids in ([2, 2, 5], [2, 4], [2, 4, 9], [5, 2, 4]):
         with pytest.raises(ExportError, match="layer_ids"):
             export_draft(best, draft_inputs["target_dir"], draft_inputs["vocab_map"], ids,
                          tmp_path / "checkpoint")

@@ -22,6 +22,7 @@ from draftline.atomic import DiskFullError
 from draftline.hidden import (
     DiskSpaceError,
     HiddenStateError,
+    LayerIdError,
     default_layer_ids,
     extract,
     load_part,
@@ -192,16 +193,50 @@ def test_default_layer_ids_follow_vllm():
     assert resolve_layer_ids([1, 3, 8], 8) == [1, 3, 8]
 
 
-@pytest.mark.parametrize("num_layers", [4, 6])
+@pytest.mark.parametrize("num_layers", [3, 4, 5, 6])
 def test_colliding_default_layer_ids_are_refused(num_layers):
-    with pytest.raises(HiddenStateError, match="hidden.layer_ids"):
+    # L=3 gives (2, 1, 0): distinct, but not in the order vLLM feeds them to the draft
+    with pytest.raises(LayerIdError, match="hidden.layer_ids"):
         default_layer_ids(num_layers)
 
 
-@pytest.mark.parametrize("ids", [[1, 1, 2], [1, 2], [1, 2, 9]])
+@pytest.mark.parametrize("ids", [[1, 1, 2], [1, 2], [1, 2, 9], [-1, 2, 4]])
 def test_bad_layer_ids_are_refused(ids):
-    with pytest.raises(HiddenStateError, match="hidden.layer_ids"):
+    with pytest.raises(LayerIdError, match="hidden.layer_ids"):
         resolve_layer_ids(ids, 8)
+
+
+@pytest.mark.parametrize("ids", [[5, 2, 4], [2, 5, 4], [8, 1, 3]])
+def test_unsorted_layer_ids_are_refused_naming_the_order_vllm_uses(ids):
+    # vLLM collects aux states by membership while walking the layers: fc sees them ascending
+    with pytest.raises(LayerIdError, match=r"hidden.layer_ids.*ascending.*" +
+                       r"\[" + ", ".join(str(k) for k in sorted(ids)) + r"\]"):
+        resolve_layer_ids(ids, 8)
+
+
+DEEPSEEK_V3 = {"architectures": ["DeepseekV3ForCausalLM"], "model_type": "deepseek_v3"}
+KIMI_K25 = {"architectures": ["KimiK25ForConditionalGeneration"], "model_type": "kimi_k25",
+            "text_config": {"model_type": "deepseek_v3"}}
+LLAMA = {"architectures": ["LlamaForCausalLM"], "model_type": "llama"}
+
+
+@pytest.mark.parametrize("target", [DEEPSEEK_V3, KIMI_K25, {"model_type": "kimi_k2"}],
+                         ids=["deepseek_v3", "kimi_k25", "kimi_k2"])
+def test_layer_0_is_refused_for_the_deepseek_family(target):
+    with pytest.raises(LayerIdError, match="id 0 cannot be served"):
+        resolve_layer_ids([0, 3, 6], 8, target)
+    assert resolve_layer_ids([1, 3, 6], 8, target) == [1, 3, 6]
+
+
+def test_layer_0_is_accepted_for_llama():
+    assert resolve_layer_ids([0, 3, 8], 8, LLAMA) == [0, 3, 8]
+
+
+def test_extraction_refuses_unsorted_ids_before_running_the_target(tiny_target, dataset,
+                                                                     tmp_path):
+    with pytest.raises(LayerIdError, match="ascending"):
+        extract(dataset, tiny_target, tmp_path / "hidden", {**HF_CFG, "layer_ids": [5, 1, 3]})
+    assert not (tmp_path / "hidden" / "index.json").exists()
 
 
 def test_token_budget_batches_cover_every_sample_once_within_budget():

@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 from draftline import toy
+from draftline.hidden import default_layer_ids
 
 QUICK_STEPS = 20  # enough to exercise training; the default build is covered by `toy_target`
 
@@ -62,7 +63,7 @@ def test_schema_defaults_match_module_defaults(config):
 
 def test_default_aux_layer_ids_are_distinct(config):
     num_layers = config["target"]["toy"]["num_layers"]
-    ids = toy.default_aux_layer_ids(num_layers)
+    ids = default_layer_ids(num_layers)
     assert ids == (2, 4, 5)
     assert len(set(ids)) == 3 and max(ids) < num_layers
 

@@ -231,6 +231,22 @@ def test_mismatched_inputs_are_refused_with_the_file_named(draft_inputs, tmp_pat
               SMALL)
 
 
+def test_index_with_unsorted_layer_ids_is_refused(draft_inputs, tmp_path):
+    # Parts whose aux states were concatenated in another order than vLLM's (ascending) would
+    # train fc on a permutation of what it is served.
+    import shutil
+
+    hidden = tmp_path / "hidden"
+    shutil.copytree(draft_inputs["hidden_dir"], hidden)
+    index = json.loads((hidden / "index.json").read_text())
+    index["layer_ids"] = [5, 2, 4]
+    (hidden / "index.json").write_text(json.dumps(index))
+    with pytest.raises(ValueError, match=r"index.json: layer_ids must be in ascending order"):
+        train(hidden, draft_inputs["vocab_map"], draft_inputs["target_dir"], tmp_path / "out",
+              SMALL)
+    assert not (tmp_path / "out" / "best").exists()
+
+
 def test_full_disk_mid_training_keeps_the_last_complete_checkpoint(draft_inputs, tmp_path,
                                                                   small_disk):
     """Checkpoints fill the disk: the run fails naming the file, the checkpoint in charge is

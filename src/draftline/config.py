@@ -84,6 +84,10 @@ def check_semantics(config: dict[str, Any], base: Path | None = None) -> None:
     if layer_ids is not None and len(set(layer_ids)) != len(layer_ids):
         raise ConfigError(
             f"config key 'hidden.layer_ids': ids must be distinct, got {layer_ids}")
+    if layer_ids is not None and layer_ids != sorted(layer_ids):
+        # vLLM feeds the aux states to the draft in layer order, whatever the config says.
+        raise ConfigError(f"config key 'hidden.layer_ids': ids must be ascending (vLLM passes "
+                          f"the states in layer order), got {layer_ids}")
     if config["server"]["mode"] == "external" and not config["server"]["external"]["base_urls"]:
         raise ConfigError(
             "config key 'server.external.base_urls': required when server.mode is external")

@@ -17,6 +17,8 @@ import json
 from pathlib import Path
 
 from draftline.atomic import atomic_dir
+from draftline.hidden.layers import LayerIdError
+from draftline.hidden.layers import check_layer_ids as check_aux_layer_ids
 
 WEIGHTS_FILE, DRAFT_CONFIG_FILE = "model.safetensors", "draft_config.json"
 SHARED_WITH_TARGET = ("embed_tokens.weight",)  # may be present in the weights; never exported
@@ -87,14 +89,15 @@ def check_vocab_map(d2t, t2d, draft_cfg, source: Path) -> None:
         raise ExportError(f"{source}: d2t and t2d disagree on the draft vocab")
 
 
-def check_layer_ids(layer_ids, draft_cfg, num_layers: int) -> list[int]:
-    ids = [int(i) for i in layer_ids]
-    if len(ids) != draft_cfg.num_aux_hidden_states or len(set(ids)) != len(ids):
-        raise ExportError(f"layer_ids must be {draft_cfg.num_aux_hidden_states} distinct ids, "
-                          f"got {ids}")
-    if any(i < 0 or i > num_layers for i in ids):
-        raise ExportError(f"layer_ids {ids} outside 0..{num_layers} (target layers)")
-    return ids
+def check_layer_ids(layer_ids, target_cfg: dict) -> list[int]:
+    """The aux ids vLLM will capture for this draft, checked as extraction checked them."""
+    from draftline.model import text_config
+
+    num_layers = int(text_config(target_cfg)["num_hidden_layers"])
+    try:
+        return check_aux_layer_ids(layer_ids, num_layers, target_cfg, source="layer_ids")
+    except LayerIdError as exc:
+        raise ExportError(str(exc)) from exc
 
 
 def draft_config_json(draft_cfg, target_cfg: dict, layer_ids: list[int], dtype: str) -> dict:
@@ -153,7 +156,7 @@ def export_draft(best_weights, target_dir, vocab_map, layer_ids, out_dir) -> Pat
     import torch
     from safetensors.torch import load_file, save_file
 
-    from draftline.model import expected_shapes, text_config
+    from draftline.model import expected_shapes
     from draftline.train import read_target_config
 
     weights_file = _weights_file(Path(best_weights))
@@ -166,7 +169,7 @@ def export_draft(best_weights, target_dir, vocab_map, layer_ids, out_dir) -> Pat
     tensors = load_file(str(weights_file))
     check_tensors(tensors, expected_shapes(draft_cfg), weights_file)
     check_vocab_map(d2t, t2d, draft_cfg, Path(vocab_map))
-    ids = check_layer_ids(layer_ids, draft_cfg, int(text_config(target_cfg)["num_hidden_layers"]))
+    ids = check_layer_ids(layer_ids, target_cfg)
 
     dtype = _target_dtype(target_cfg)
     out = {name: tensors[name].to(getattr(torch, dtype)).contiguous()

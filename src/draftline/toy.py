@@ -101,11 +101,6 @@ def render_chat(messages: list[dict], add_generation_prompt: bool = False) -> st
     )
 
 
-def default_aux_layer_ids(num_layers: int) -> tuple[int, int, int]:
-    """vLLM's default EAGLE-3 aux hidden-state layers for a target with ``num_layers``."""
-    return (2, num_layers // 2, num_layers - 3)
-
-
 # ----------------------------------------------------------------------------- corpus
 
 _SENTENCES_FILE = "toy/sentences.txt"

@@ -57,6 +57,7 @@ from pathlib import Path
 from typing import Any
 
 from draftline.atomic import atomic_dir, copy_file, remove_temps, write_json
+from draftline.hidden.layers import check_layer_ids
 
 DISTRIBUTED_ENV = "WORLD_SIZE"
 STATE_DIR, BEST_DIR = "state", "best"
@@ -927,7 +928,7 @@ def check_inputs(store: HiddenStates, hidden_dir: Path, vocab_map: Path,
     """Hidden states, vocab map and target agree on widths, layer count and vocab size."""
     from safetensors import safe_open
 
-    from draftline.model import DraftConfig
+    from draftline.model import DraftConfig, text_config
 
     with safe_open(str(vocab_map), framework="pt") as f:
         missing = {"d2t", "t2d"} - set(f.keys())
@@ -935,13 +936,17 @@ def check_inputs(store: HiddenStates, hidden_dir: Path, vocab_map: Path,
             raise ValueError(f"{vocab_map}: missing tensor(s) {sorted(missing)}")
         draft_vocab = f.get_slice("d2t").get_shape()[0]
         t2d_size = f.get_slice("t2d").get_shape()[0]
-    draft_cfg = DraftConfig.from_target(read_target_config(target_dir), draft_vocab)
+    target_cfg = read_target_config(target_dir)
+    draft_cfg = DraftConfig.from_target(target_cfg, draft_vocab)
     if store.hidden_size != draft_cfg.target_hidden_size:
         raise ValueError(f"{hidden_dir / 'index.json'}: hidden_size {store.hidden_size} != "
                          f"target hidden_size {draft_cfg.target_hidden_size}")
     if len(store.layer_ids) != draft_cfg.num_aux_hidden_states:
         raise ValueError(f"{hidden_dir / 'index.json'}: {len(store.layer_ids)} layer_ids, the "
                          f"draft takes {draft_cfg.num_aux_hidden_states}")
+    # States concatenated in another order than vLLM's would train fc on a permutation.
+    check_layer_ids(store.layer_ids, int(text_config(target_cfg)["num_hidden_layers"]), target_cfg,
+                    source=f"{hidden_dir / 'index.json'}: layer_ids")
     if t2d_size != draft_cfg.vocab_size:
         raise ValueError(f"{vocab_map}: t2d has {t2d_size} entries, target vocab_size is "
                          f"{draft_cfg.vocab_size}")

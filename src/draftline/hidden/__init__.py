@@ -20,6 +20,13 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from draftline.atomic import write_json
+from draftline.hidden.layers import (
+    LayerIdError,
+    capture_ids,
+    check_layer_ids,
+    default_layer_ids,
+    resolve_layer_ids,
+)
 from draftline.hidden.store import (
     DTYPE_SIZES,
     FORMAT_VERSION,
@@ -63,43 +70,6 @@ class HiddenStateError(ValueError):
     """Bad input for extraction (dataset record, layer ids, target config)."""
 
 
-# ----------------------------------------------------------------------------- layer ids
-
-
-def default_layer_ids(num_layers: int) -> tuple[int, int, int]:
-    """vLLM's default EAGLE-3 aux layer ids ``(2, L//2, L-3)``; refuses colliding ids.
-
-    For small L they collide (L=4 gives 2, 2, 1; L=6 gives 2, 3, 3) and vLLM would silently
-    feed the draft fewer than three states, so that is an error here.
-    """
-    ids = (2, num_layers // 2, num_layers - 3)
-    if len(set(ids)) != 3 or min(ids) < 0:
-        raise HiddenStateError(
-            f"the default aux layer ids {ids} for a {num_layers}-layer target are not three "
-            "distinct layers; set hidden.layer_ids explicitly"
-        )
-    return ids
-
-
-def resolve_layer_ids(layer_ids: Sequence[int] | None, num_layers: int) -> list[int]:
-    """The aux layer ids to use: the config's (validated) or vLLM's default."""
-    if layer_ids is None:
-        return list(default_layer_ids(num_layers))
-    ids = [int(k) for k in layer_ids]
-    if len(ids) != 3 or len(set(ids)) != 3:
-        raise HiddenStateError(f"hidden.layer_ids must be 3 distinct ids, got {ids}")
-    bad = [k for k in ids if not 0 <= k <= num_layers]
-    if bad:
-        raise HiddenStateError(f"hidden.layer_ids {bad} outside 0..{num_layers} "
-                               f"(the target has {num_layers} layers)")
-    return ids
-
-
-def capture_ids(layer_ids: Sequence[int], num_layers: int) -> list[int]:
-    """Ids to capture from the target: the aux ids and L, ascending, without repeats."""
-    return sorted(set(layer_ids) | {num_layers})
-
-
 # ----------------------------------------------------------------------------- target
 
 
@@ -133,6 +103,7 @@ def target_info(target_dir: Path) -> dict:
         "vocab_size": int(text["vocab_size"]),
         "dtype": dtype,
         "fingerprint": digest.hexdigest(),
+        "config": config,
     }
 
 
@@ -313,7 +284,7 @@ def extract(dataset_dir: str | Path, target_dir: str | Path, out_dir: str | Path
     dataset_dir, target_dir, out_dir = Path(dataset_dir), Path(target_dir), Path(out_dir)
     info = target_info(target_dir)
     num_layers, hidden = info["num_layers"], info["hidden_size"]
-    layer_ids = resolve_layer_ids(cfg["layer_ids"], num_layers)
+    layer_ids = resolve_layer_ids(cfg["layer_ids"], num_layers, info["config"])
     captured = capture_ids(layer_ids, num_layers)
     splits = load_splits(dataset_dir, info["vocab_size"])
     per_token = stored_bytes_per_token(hidden, info["dtype"], len(layer_ids))
@@ -401,7 +372,9 @@ __all__ = [
     "DEFAULTS",
     "DiskSpaceError",
     "HiddenStateError",
+    "LayerIdError",
     "capture_ids",
+    "check_layer_ids",
     "default_layer_ids",
     "extract",
     "load_part",
