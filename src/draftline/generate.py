@@ -5,9 +5,13 @@ official ``AsyncOpenAI`` client. Each request holds a machine-wide slot (``SlotP
 shard jobs running side by side share the chosen concurrency and keep the server full.
 
 Durability: results are appended and flushed to ``<out_dir>/.partial/shard-{i}.jsonl`` as they
-arrive (Snakemake deletes declared outputs of failed jobs; the partial file survives). A rerun
-reads the ids already done, drops a torn last line, and only asks for the rest. At the end the
-shard is written once, sorted in prompt order, by atomic rename.
+arrive (Snakemake deletes declared outputs of failed jobs; the partial file survives). Every
+kept record carries the ``fingerprint`` of what determined its answer (target, served name,
+sampling settings, chat template kwargs, multi_turn, the prompt's messages). A rerun keeps
+only records with the current fingerprint (the others are discarded and counted as
+``discarded_stale``), takes valid answers for its ids from any shard's kept file (so a changed
+shard assignment loses nothing), drops a torn last line, and only asks for the rest. At the end
+the shard is written once, sorted in prompt order, by atomic rename.
 
 Failures (``failure_kind``): a refused connection sets the endpoint aside for a few seconds
 and costs the prompt nothing; a timeout, a dropped connection, a retryable status or an
@@ -20,6 +24,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
 import json
 import os
 import random
@@ -68,6 +73,63 @@ class GenerateSettings:
 
 
 prompt_seed = request_seed  # one derivation for generation, profile and benchmark
+
+# ---------------------------------------------------------------- fingerprints
+
+# Small files that define the target: architecture, generation defaults, tokenizer, template.
+TARGET_FILES = ("config.json", "generation_config.json", "tokenizer_config.json",
+                "tokenizer.json", "chat_template.jinja", "chat_template.json",
+                "model.safetensors.index.json", "pytorch_model.bin.index.json")
+# Weights up to this size are hashed whole (a retrained toy keeps its config); larger ones are
+# identified by their index, names and sizes (hashing 595 GB would take an hour).
+HASH_WEIGHTS_UP_TO = 256 << 20
+
+
+def _sha256(*parts: bytes) -> str:
+    digest = hashlib.sha256()
+    for part in parts:
+        digest.update(len(part).to_bytes(8, "little") + part)
+    return digest.hexdigest()
+
+
+def target_identity(model: str, revision: str | None = None) -> dict:
+    """What identifies the target: its path or hub id, the revision and, for a local directory,
+    a hash of its config, tokenizer and weights index (small weights: their content)."""
+    identity = {"model": str(model), "revision": revision}
+    path = Path(model)
+    if not path.is_dir():
+        return identity  # a hub id: the revision pins it
+    parts = [f"{name}\0".encode() + (path / name).read_bytes()
+             for name in TARGET_FILES if (path / name).is_file()]
+    weights = sorted(p for p in path.iterdir()
+                     if p.is_file() and p.suffix in (".safetensors", ".bin"))
+    sizes = [p.stat().st_size for p in weights]
+    whole = sum(sizes) <= HASH_WEIGHTS_UP_TO
+    for weight, size in zip(weights, sizes, strict=True):
+        parts.append(f"{weight.name}\0{size}\0".encode() + (weight.read_bytes() if whole else b""))
+    identity["files_sha256"] = _sha256(*parts)
+    return identity
+
+
+def settings_fingerprint(settings: GenerateSettings, served_model: str, target: dict) -> str:
+    """Everything but the prompt that determines an answer (not concurrency, retries, ...)."""
+    answer_settings = {
+        "target": target,
+        "served_model": served_model,
+        "temperature": settings.temperature,
+        "top_p": settings.top_p,
+        "max_tokens": settings.max_tokens,
+        "seed": settings.seed,
+        "chat_template_kwargs": settings.chat_template_kwargs,
+        "multi_turn": settings.multi_turn,
+    }
+    return _sha256(json.dumps(answer_settings, sort_keys=True).encode())
+
+
+def record_fingerprint(settings_fp: str, messages: list[dict]) -> str:
+    """The fingerprint a kept answer to ``messages`` must carry to be reused."""
+    return _sha256(settings_fp.encode(),
+                   json.dumps(messages, sort_keys=True, ensure_ascii=False).encode())[:32]
 
 
 def request_kwargs(messages: list[dict], settings: GenerateSettings, prompt_id: str,
@@ -192,14 +254,15 @@ class EndpointPool:
 # ---------------------------------------------------------------- durable results
 
 
-def read_jsonl_ids(path: Path) -> dict[str, dict]:
-    """Records of a JSONL file by id; a torn last line (killed writer) is cut off the file."""
+def read_jsonl_ids(path: Path, cut_torn: bool = True) -> dict[str, dict]:
+    """Records of a JSONL file by id; a torn last line (killed writer) is ignored and, with
+    ``cut_torn``, cut off the file (never on a file another job may be appending to)."""
     records: dict[str, dict] = {}
     if not path.exists():
         return records
     data = path.read_bytes()
     keep = data.rfind(b"\n") + 1
-    if keep < len(data):
+    if keep < len(data) and cut_torn:
         with open(path, "r+b") as fh:
             fh.truncate(keep)
     for line in data[:keep].splitlines():
@@ -247,7 +310,6 @@ def write_jsonl_atomic(path: Path, records: Iterable[dict]) -> None:
 @dataclass
 class ShardStats:
     total: int = 0
-    resumed: int = 0
     done: int = 0
     errors: int = 0
     retries: int = 0
@@ -260,10 +322,11 @@ class ShardStats:
 
 
 class ShardRun:
-    def __init__(self, prompts: list[dict], endpoints: list[Endpoint],
-                 settings: GenerateSettings, slots: SlotPool, results: AppendLog,
-                 errors: AppendLog, seed: int = 0):
+    def __init__(self, prompts: list[dict], fingerprints: dict[str, str],
+                 endpoints: list[Endpoint], settings: GenerateSettings, slots: SlotPool,
+                 results: AppendLog, errors: AppendLog, seed: int = 0):
         self.queue = iter(prompts)
+        self.fingerprints = fingerprints
         self.settings = settings
         self.slots = slots
         self.pool = EndpointPool(endpoints, settings.request_timeout_s, slots.size)
@@ -343,6 +406,7 @@ class ShardRun:
             "usage": parsed["usage"],
             "latency_s": round(latency, 4),
             "endpoint": endpoint,
+            "fingerprint": self.fingerprints[item["id"]],
         }
         self.results.write(record)
         self.stats.done += 1
@@ -418,7 +482,7 @@ class ShardRun:
         message = getattr(error, "message", None) or str(error) or type(error).__name__
         self.errors.write({"id": prompt_id, "error": f"{type(error).__name__}: {message}"[:2000],
                            "status": status, "kind": kind, "retryable": kind != "final",
-                           "attempts": attempts})
+                           "attempts": attempts, "fingerprint": self.fingerprints[prompt_id]})
         self.stats.errors += 1
         self._progress()
 
@@ -434,40 +498,96 @@ def partial_paths(out_file: Path) -> tuple[Path, Path]:
     return partial / f"{stem}.jsonl", partial / f"{stem}.errors.jsonl"
 
 
+def prompt_fingerprints(prompts: list[dict], settings: GenerateSettings,
+                        endpoints: list[Endpoint], target: dict) -> dict[str, str]:
+    """The fingerprint each prompt's kept answer must carry."""
+    served = sorted({ep.model for ep in endpoints})
+    settings_fp = settings_fingerprint(settings, ",".join(served), target)
+    return {p["id"]: record_fingerprint(settings_fp, p["messages"]) for p in prompts}
+
+
+@dataclass
+class Resumed:
+    records: dict[str, dict]  # valid answers for this shard's ids
+    errors: dict[str, dict]  # valid final errors for this shard's ids
+    discarded_stale: int  # kept records for this shard's ids made under other settings
+    adopted: int  # valid answers found in another shard's kept file
+
+
+def _valid(records: dict[str, dict], fingerprints: dict[str, str]) -> dict[str, dict]:
+    return {k: r for k, r in records.items() if r.get("fingerprint") == fingerprints.get(k)}
+
+
+def resume_shard(partial: Path, partial_errors: Path,
+                 fingerprints: dict[str, str]) -> Resumed:
+    """What an earlier run left that is still valid, and rewrite the kept files to hold it.
+
+    A record counts only under the current fingerprint. Answers for this shard's ids are also
+    taken from the other shards' kept files (the shard assignment may have changed); records
+    for ids this shard no longer owns stay in its file for the shard that does.
+    """
+    own = read_jsonl_ids(partial)
+    records = _valid(own, fingerprints)
+    discarded = sum(1 for k in own if k in fingerprints and k not in records)
+    adopted = 0
+    for other in sorted(partial.parent.glob("*.jsonl")):
+        if other == partial or other.name.endswith(".errors.jsonl"):
+            continue
+        found = _valid(read_jsonl_ids(other, cut_torn=False), fingerprints)
+        new = {k: r for k, r in found.items() if k not in records}
+        records.update(new)
+        adopted += len(new)
+    foreign = {k: r for k, r in own.items() if k not in fingerprints}
+    if discarded or adopted:
+        write_jsonl_atomic(partial, [*records.values(), *foreign.values()])
+    # Final errors (e.g. 400: prompt too long) stay; retryable ones get another chance.
+    errors = {k: e for k, e in _valid(read_jsonl_ids(partial_errors), fingerprints).items()
+              if not e.get("retryable") and k not in records}
+    write_jsonl_atomic(partial_errors, errors.values())
+    return Resumed(records, errors, discarded, adopted)
+
+
 def generate_shard(prompt_file: Path, out_file: Path, errors_file: Path, summary_file: Path,
                    endpoints: list[Endpoint], settings: GenerateSettings, slot_dir: Path,
-                   tokenizer_dir: str | None = None) -> dict:
-    """Answer every prompt of a shard once; resume from partial results; write the summary."""
+                   tokenizer_dir: str | None = None, target: dict | None = None) -> dict:
+    """Answer every prompt of a shard once; resume from valid kept results; write the summary.
+
+    ``target`` identifies the served target (``target_identity``); by default the tokenizer
+    directory's identity, which is the target's for managed servers.
+    """
     prompts = load_prompts(prompt_file)
+    if target is None:
+        target = target_identity(tokenizer_dir) if tokenizer_dir else {}
+    fingerprints = prompt_fingerprints(prompts, settings, endpoints, target)
     partial, partial_errors = partial_paths(out_file)
-    done = read_jsonl_ids(partial)
-    # Final errors (e.g. 400: prompt too long) stay; retryable ones get another chance.
-    errors = {k: v for k, v in read_jsonl_ids(partial_errors).items()
-              if not v.get("retryable") and k not in done}
-    write_jsonl_atomic(partial_errors, errors.values())
-    todo = [p for p in prompts if p["id"] not in done and p["id"] not in errors]
-    print(f"{prompt_file}: {len(prompts)} prompts, {len(done)} done, {len(errors)} failed "
-          f"before, {len(todo)} to ask at concurrency {settings.concurrency} over "
+    kept = resume_shard(partial, partial_errors, fingerprints)
+    todo = [p for p in prompts if p["id"] not in kept.records and p["id"] not in kept.errors]
+    print(f"{prompt_file}: {len(prompts)} prompts, {len(kept.records)} done "
+          f"({kept.adopted} from other shards' kept files), {kept.discarded_stale} kept "
+          f"answers discarded (made under other settings), {len(kept.errors)} failed before, "
+          f"{len(todo)} to ask at concurrency {settings.concurrency} over "
           f"{len(endpoints)} endpoint(s)")
     slots = SlotPool(slot_dir, settings.concurrency * len(endpoints))
     results_log, errors_log = AppendLog(partial), AppendLog(partial_errors)
     try:
-        run = ShardRun(todo, endpoints, settings, slots, results_log, errors_log)
+        run = ShardRun(todo, fingerprints, endpoints, settings, slots, results_log, errors_log)
         stats = asyncio.run(run.run(total=len(todo)))
         sent_by_endpoint = dict(zip([e.base_url for e in endpoints], run.pool.sent, strict=True))
     finally:
         results_log.close()
         errors_log.close()
         slots.close()
-    return finish_shard(prompts, partial, partial_errors, out_file, errors_file, summary_file,
-                        stats, settings, sent_by_endpoint, tokenizer_dir)
+    return finish_shard(prompts, fingerprints, kept, partial, partial_errors, out_file,
+                        errors_file, summary_file, stats, settings, sent_by_endpoint,
+                        tokenizer_dir)
 
 
-def finish_shard(prompts, partial, partial_errors, out_file, errors_file, summary_file, stats,
-                 settings, sent_by_endpoint, tokenizer_dir) -> dict:
+def finish_shard(prompts, fingerprints, kept, partial, partial_errors, out_file, errors_file,
+                 summary_file, stats, settings, sent_by_endpoint, tokenizer_dir) -> dict:
     order = {p["id"]: i for i, p in enumerate(prompts)}
-    done = read_jsonl_ids(partial)
-    errors = {k: v for k, v in read_jsonl_ids(partial_errors).items() if k not in done}
+    done = _valid(read_jsonl_ids(partial), fingerprints)
+    errors = {k: v for k, v in _valid(read_jsonl_ids(partial_errors), fingerprints).items()
+              if k not in done}
     mismatches = None
     if tokenizer_dir:
         from draftline.dataset import count_render_mismatches
@@ -482,7 +602,9 @@ def finish_shard(prompts, partial, partial_errors, out_file, errors_file, summar
         "responses": len(done),
         "errors": len(errors),
         "unanswered": len(prompts) - len(done) - len(errors),
-        "resumed": len(done) - stats.done,
+        "resumed": len(kept.records),
+        "resumed_from_other_shards": kept.adopted,
+        "discarded_stale": kept.discarded_stale,
         "retries": stats.retries,
         "retries_by_kind": dict(sorted(stats.retries_by_kind.items())),
         "endpoint_set_asides": stats.set_asides,
@@ -515,7 +637,8 @@ def _count(values: Iterable) -> dict:
 
 def run_stage(prompt_file: Path, out_file: Path, errors_file: Path, summary_file: Path,
               gen_cfg: dict, server_cfg: dict, model: str, state_dir: Path, slot_dir: Path,
-              profile_json: Path | None = None, trust_remote_code: bool = False) -> dict:
+              profile_json: Path | None = None, trust_remote_code: bool = False,
+              revision: str | None = None) -> dict:
     """The generate stage: resolve concurrency, get endpoints (shared or external), run."""
     from draftline.server import endpoints_for
 
@@ -524,4 +647,4 @@ def run_stage(prompt_file: Path, out_file: Path, errors_file: Path, summary_file
     with endpoints_for(server_cfg, model, Path(state_dir), trust_remote_code) as endpoints:
         return generate_shard(Path(prompt_file), Path(out_file), Path(errors_file),
                               Path(summary_file), endpoints, settings, Path(slot_dir),
-                              tokenizer_dir=model)
+                              tokenizer_dir=model, target=target_identity(model, revision))
