@@ -13,6 +13,7 @@ from draftline.profile import (
     ProfileError,
     choose_concurrency,
     fingerprint_from_config,
+    next_level,
     plan_levels,
     plot_profile,
     profile_is_stale,
@@ -93,6 +94,23 @@ def test_levels_are_capped_by_max_num_seqs():
 
 
 # ---------------------------------------------------------------- fingerprint and staleness
+
+
+def test_sweep_extends_while_the_highest_level_is_a_rising_peak():
+    # the toy's default levels: the peak at the highest level, still rising
+    level, why = next_level(table({1: 300, 4: 1000, 16: 2300, 64: 3700}), 0.05, cap=256)
+    assert (level, why["reason"]) == (128, "rising")
+    assert next_level(table({1: 300}), 0.05, cap=256)[0] == 2  # one level: nothing known
+    assert next_level(table({1: 300, 4: 1000, 16: 2300, 64: 3700}), 0.05, cap=100)[0] == 100
+    # rose by no more than the tolerance: the plateau is measured
+    level, why = next_level(table({16: 2300, 64: 3700, 128: 3800}), 0.05, cap=256)
+    assert level is None and why["reason"] == "plateau" and "+2.7%" in why["detail"]
+    level, why = next_level(table({16: 2300, 64: 3700, 128: 3500}), 0.05, cap=256)
+    assert level is None and why["reason"] == "past_peak" and "C=64" in why["detail"]
+    level, why = next_level(table({64: 3700, 256: 5000}), 0.05, cap=256)
+    assert level is None and why["reason"] == "cap" and "not established" in why["detail"]
+    level, why = next_level(table({64: 3700, 128: 5000}, errors={128: 50}), 0.05, cap=256)
+    assert level is None and why["reason"] == "failing"
 
 
 def test_fingerprint_makes_the_profile_stale_when_max_tokens_changes(config, tmp_path):
@@ -242,8 +260,9 @@ def write_prompt_shards(directory, n: int = 48) -> list:
 @pytest.mark.vllm
 @pytest.mark.slow
 def test_real_sweep_gives_a_rising_curve_and_a_choice_by_the_rule(vllm_server, config, tmp_path):
-    profile_cfg = {**config["profile"], "levels": [1, 4, 16], "num_prompts": 48,
-                   "warmup_s": 2, "measure_s": 8}
+    # configured 1 and 4 only: 4 is the peak and rising, so the sweep doubles on (up to 16)
+    profile_cfg = {**config["profile"], "levels": [1, 4], "num_prompts": 48,
+                   "warmup_s": 2, "measure_s": 8, "max_concurrency": 16}
     generate_cfg = {**config["generate"], "max_tokens": 64}
     server_info = server_info_from_config(config, vllm_server.spec.model)
     out_json, out_png = tmp_path / "concurrency.json", tmp_path / "concurrency.png"
@@ -253,10 +272,19 @@ def test_real_sweep_gives_a_rising_curve_and_a_choice_by_the_rule(vllm_server, c
     on_disk = json.loads(out_json.read_text())
     assert on_disk["chosen_concurrency"] == profile["chosen_concurrency"]
     assert out_png.stat().st_size > 10_000
-    assert on_disk["levels_measured"] == [1, 4, 16] and on_disk["capped_levels"] == {}
     rows = on_disk["levels"]
     tok_s = [r["output_tok_s"] for r in rows]
-    assert 0 < tok_s[0] < tok_s[1] and tok_s[2] > 1.5 * tok_s[0], tok_s
+    assert 0 < tok_s[0] < tok_s[1], tok_s
+    stop = on_disk["sweep_stop"]
+    measured = [r["concurrency"] for r in rows]
+    assert measured[:3] == [1, 4, 8] and stop["extended_levels"] == measured[2:], stop
+    assert on_disk["levels_measured"] == measured and on_disk["capped_levels"] == {}
+    assert all(b == 2 * a for a, b in zip(measured[1:-1], measured[2:], strict=True))
+    # it stopped for the reason the measured rows give, and not before
+    assert next_level(rows[:-1], profile_cfg["tolerance"], 16)[0] == measured[-1]
+    assert (None, stop["reason"]) == (next_level(rows, profile_cfg["tolerance"], 16)[0],
+                                      next_level(rows, profile_cfg["tolerance"], 16)[1]["reason"])
+    assert stop["reason"] in ("plateau", "past_peak", "cap") and stop["cap"] == 16
     assert all(r["errors"] == 0 and r["requests_completed"] > 0 for r in rows)
     assert all(r["tpot_ms"]["p99"] > 0 and r["ttft_ms"]["p50"] > 0 for r in rows)
     assert all(r["client_cpu_frac"] < 0.5 for r in rows)  # the client is not the bottleneck

@@ -31,6 +31,7 @@ if TYPE_CHECKING:
     from draftline.server import Endpoint
 
 PROFILE_VERSION = 1
+MAX_SWEEP_CONCURRENCY = 4096  # no cap configured and no max_num_seqs known
 MAX_ERROR_RATE = 0.01  # a level that fails more requests than this is not a safe operating point
 # Server settings that do not change how the server performs.
 _NOT_WORKLOAD = {"host", "port", "served_name", "startup_timeout_s", "idle_timeout_s", "mode",
@@ -125,6 +126,48 @@ def plan_levels(levels: Sequence[int], max_num_seqs: int | None) -> tuple[list[i
             level = max_num_seqs
         out.add(int(level))
     return sorted(out), capped
+
+
+def _working(rows: Sequence[dict]) -> list[dict]:
+    return [r for r in sorted(rows, key=lambda r: r["concurrency"])
+            if r["output_tok_s"] > 0 and _error_rate(r) <= MAX_ERROR_RATE]
+
+
+def next_level(rows: Sequence[dict], tolerance: float, cap: int) -> tuple[int | None, dict]:
+    """The next level past the measured ones (double the highest), or None and why to stop.
+
+    Going on pays only while the highest level is the peak and rose by more than ``tolerance``
+    over the level below it: then saturation is not established yet. ``cap`` is the most the
+    server runs at once (``max_num_seqs``) or the configured ``profile.max_concurrency``.
+    """
+    top = max(rows, key=lambda r: r["concurrency"])
+    working = _working(rows)
+    c = top["concurrency"]
+    if top not in working:
+        return None, {"reason": "failing", "detail": f"C={c} failed (no output or more than "
+                      f"{MAX_ERROR_RATE:.0%} errors); higher levels would not be safe"}
+    peak = max(working, key=lambda r: r["output_tok_s"])
+    if peak is not top:
+        return None, {"reason": "past_peak", "detail": f"throughput peaked at "
+                      f"C={peak['concurrency']} ({peak['output_tok_s']:.0f} tok/s) below the "
+                      f"highest level C={c} ({top['output_tok_s']:.0f} tok/s)"}
+    if len(working) > 1:
+        below = working[-2]
+        gain = top["output_tok_s"] / below["output_tok_s"] - 1.0
+        if gain <= tolerance:
+            return None, {"reason": "plateau", "detail": f"C={c} gave {gain:+.1%} over "
+                          f"C={below['concurrency']}, within the {tolerance:.0%} tolerance"}
+    if c >= cap:
+        return None, {"reason": "cap", "detail": f"throughput still rising at C={c}, the most "
+                      "the sweep may use (server.max_num_seqs or profile.max_concurrency): "
+                      "saturation is not established"}
+    return min(2 * c, cap), {"reason": "rising", "detail": f"C={c} is the peak so far"}
+
+
+def sweep_cap(profile_cfg: dict, max_num_seqs: int | None) -> int:
+    """The highest level the sweep may extend to."""
+    caps = [v for v in (profile_cfg.get("max_concurrency"), max_num_seqs) if v is not None]
+    return min(caps) if caps else MAX_SWEEP_CONCURRENCY
 
 
 # ---------------------------------------------------------------- workload fingerprint
@@ -305,6 +348,26 @@ def _sweep(endpoint: Endpoint, prompts: Sequence[Prompt], spec: SamplingSpec,
     return rows, None
 
 
+def _extend_sweep(endpoint: Endpoint, prompts: Sequence[Prompt], spec: SamplingSpec,
+                  rows: list[dict], aborted: dict | None, profile_cfg: dict, timeout_s: float,
+                  cap: int, log: Callable[[str], None]) -> tuple[list[dict], dict | None, dict]:
+    """Past the configured levels: double while the highest level is a rising peak."""
+    tolerance = profile_cfg.get("tolerance", 0.05)
+    extended: list[int] = []
+    while aborted is None:
+        level, why = next_level(rows, tolerance, cap)
+        if level is None:
+            break
+        log(f"{why['detail']}: extending the sweep to C={level}")
+        more, aborted = _sweep(endpoint, prompts, spec, [level], profile_cfg, timeout_s, log)
+        rows = rows + more
+        extended.append(level)
+    if aborted is not None:
+        why = {"reason": "aborted", "detail": aborted["reason"]}
+    log(f"sweep stopped: {why['detail']}")
+    return rows, aborted, {**why, "cap": cap, "extended_levels": extended}
+
+
 def run_profile(prompt_files: Sequence[Path | str], endpoints: Sequence[Endpoint],
                 profile_cfg: dict, generate_cfg: dict, server_info: dict,
                 out_json: Path | str, out_png: Path | str | None = None,
@@ -326,8 +389,12 @@ def run_profile(prompt_files: Sequence[Path | str], endpoints: Sequence[Endpoint
     log(f"profiling {endpoint.base_url} at concurrency {levels} with {len(prompts)} prompts, "
         f"max_tokens {spec.max_tokens}")
     t_start = time.time()
-    rows, aborted = _sweep(endpoint, prompts, spec, levels, profile_cfg,
-                           generate_cfg.get("request_timeout_s", 600.0), log)
+    timeout_s = generate_cfg.get("request_timeout_s", 600.0)
+    rows, aborted = _sweep(endpoint, prompts, spec, levels, profile_cfg, timeout_s, log)
+    rows, aborted, stop = _extend_sweep(
+        endpoint, prompts, spec, rows, aborted, profile_cfg, timeout_s,
+        sweep_cap(profile_cfg, server_info.get("max_num_seqs")), log)
+    levels = levels + stop["extended_levels"]
     choice = choose_concurrency(rows, profile_cfg.get("tolerance", 0.05),
                                 profile_cfg.get("max_p99_tpot_ms"))
     profile = {
@@ -337,6 +404,7 @@ def run_profile(prompt_files: Sequence[Path | str], endpoints: Sequence[Endpoint
         "levels_measured": levels,
         "capped_levels": capped,  # requested level -> server max_num_seqs it was capped to
         "aborted": aborted,  # set when the server died during the sweep
+        "sweep_stop": stop,  # why no higher level was measured
         "per_endpoint": True,
         "endpoint": endpoint.base_url,
         "num_prompts": len(prompts),
