@@ -408,6 +408,36 @@ def test_resume_after_interrupt_gives_identical_files(hf_run, tiny_target, datas
     assert (out / "index.json").read_bytes() == (hf_run / "index.json").read_bytes()
 
 
+def test_a_changed_loss_mask_makes_its_part_stale(hf_run, dataset, tiny_target, tmp_path):
+    """Same tokens, another mask for one sample: its part is written anew with the new mask
+    (training reads the mask from the part), every other part is reused."""
+    from datasets import DatasetDict, load_from_disk
+
+    from draftline.dataset import dataset_features
+
+    data = load_from_disk(str(dataset))
+    changed_id = data["train"]["id"][5]
+
+    def flip_mask(row):
+        if row["id"] == changed_id:
+            row["loss_mask"] = [1 - m for m in row["loss_mask"]]
+        return row
+
+    rebuilt = tmp_path / "dataset"
+    DatasetDict({"train": data["train"].map(flip_mask, features=dataset_features()),
+                 "eval": data["eval"]}).save_to_disk(str(rebuilt))
+    out = tmp_path / "hidden"
+    shutil.copytree(hf_run, out)
+    extract(rebuilt, tiny_target, out, HF_CFG)
+
+    stats = json.loads((out / "extract_stats.json").read_text())
+    parts = len(read_index(hf_run)["files"])
+    assert (stats["computed_files"], stats["reused_files"]) == (1, parts - 1)
+    new_mask = stored_samples(out)[changed_id]["loss_mask"].tolist()
+    assert new_mask == [1 - m for m in dataset_rows(dataset)[changed_id][1]]
+    assert new_mask == dataset_rows(rebuilt)[changed_id][1]
+
+
 def test_full_disk_mid_extraction_keeps_only_complete_parts(hf_run, tiny_target, dataset,
                                                              small_disk):
     """The disk fills up after the capacity check (another writer, say): the stage fails

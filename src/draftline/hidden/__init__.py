@@ -301,7 +301,7 @@ def extract(dataset_dir: str | Path, target_dir: str | Path, out_dir: str | Path
     todo: list[tuple[PartSpec, str]] = []
     for part in parts:
         samples = splits[part.split].rows(part.rows)
-        fingerprint = part_fingerprint(settings, [s[0] for s in samples], [s[1] for s in samples])
+        fingerprint = part_fingerprint(settings, samples)
         record = load_complete_part(out_dir, part, fingerprint)
         if record is None:
             todo.append((part, fingerprint))

@@ -146,16 +146,23 @@ def plan_parts(lengths: dict[str, Sequence[int]], samples_per_file: int,
     return parts
 
 
-def part_fingerprint(settings: dict, sample_ids: Sequence[str], input_ids: Iterable) -> str:
-    """Hash of everything that determines a part's content (target, layers, dtype, tokens)."""
+def part_fingerprint(settings: dict, samples: Sequence[tuple]) -> str:
+    """Hash of everything a part holds and training reads from it.
+
+    ``settings`` fix the states (target, layers, dtype, backend); ``samples`` are the part's
+    ``(id, input_ids, loss_mask)`` rows: the ids and tokens fix the states, and the mask is
+    copied into the part for training, so a dataset rebuilt with the same tokens but another
+    mask makes the part stale.
+    """
     import numpy as np
 
     digest = hashlib.sha256(json.dumps(settings, sort_keys=True).encode())
-    digest.update(json.dumps(list(sample_ids)).encode())
-    for ids in input_ids:
-        array = np.asarray(ids, dtype=np.int64)
-        digest.update(len(array).to_bytes(8, "little"))
-        digest.update(array.tobytes())
+    digest.update(json.dumps([str(sample[0]) for sample in samples]).encode())
+    for _, input_ids, loss_mask in samples:
+        for array in (np.asarray(input_ids, dtype=np.int64),
+                      np.asarray(loss_mask, dtype=np.uint8)):
+            digest.update(len(array).to_bytes(8, "little"))
+            digest.update(array.tobytes())
     return digest.hexdigest()
 
 
