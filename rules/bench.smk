@@ -36,6 +36,6 @@ rule bench:
         server=server_params(),
         model=target_path,
         state_dir=SERVER_STATE,
-        code=code_hash("bench", "loadgen", "server"),
+        code=code_hash("bench.py"),
     script:
         "../scripts/bench.py"

@@ -45,7 +45,7 @@ rule bundle:
         draft_ref=lambda wildcards, output: (
             config["bundle"]["hf_repo"] or os.path.dirname(output.manifest)
         ),
-        code=code_hash("bundle", "modelcard"),
+        code=code_hash("bundle.py"),
     script:
         "../scripts/bundle.py"
 

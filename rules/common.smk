@@ -1,6 +1,6 @@
 # Helpers shared by the rules. Deliberately light: no draftline or heavy imports here, so the
 # workflow parses, validates and dry-runs with only Snakemake installed (GPU host orchestrator).
-import hashlib
+import importlib.util
 import json
 import os
 import signal
@@ -71,20 +71,34 @@ def res(path):
     return f"{RESULTS}/{path}"
 
 
-def code_hash(*modules):
-    """Content hash of the library modules behind a stage. It is passed as a param, so
-    editing the code of a stage makes that stage (and what depends on it) stale."""
-    digest = hashlib.sha256()
-    for name in modules:
-        base = Path(workflow.basedir) / "src" / "draftline"
-        # a stage's code is a module (name.py) or a package (name/, all its .py files)
-        package = base / name
-        paths = (
-            sorted(package.rglob("*.py")) if package.is_dir() else [base / f"{name}.py"]
-        )
-        for path in paths:
-            digest.update(path.read_bytes() if path.exists() else name.encode())
-    return digest.hexdigest()[:16]
+def _library_module(name):
+    """A standard-library-only module of the library, loaded by its file path: importing the
+    draftline package here would need its dependencies at parse time."""
+    path = Path(workflow.basedir) / "src" / "draftline" / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(f"_draftline_{name}", path)
+    loaded = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(loaded)
+    return loaded
+
+
+_codehash = _library_module("codehash")
+# parsed imports by file content, kept between runs so that parsing costs nothing once done
+_import_cache = _codehash.ImportCache(".snakemake/draftline-imports.json")
+
+
+def code_hash(script):
+    """Content hash of the code a stage runs: scripts/<script>, every draftline module it can
+    import (the transitive closure of its imports, read from the source) and the config schema.
+    It is passed as a param, so editing any of them makes the stage (and what depends on it)
+    stale, and nothing else does."""
+    base = Path(workflow.basedir)
+    return _codehash.stage_code_hash(
+        base / "scripts" / script,
+        base / "src",
+        base,
+        extra=[base / "src" / "draftline" / "schemas" / "config.schema.yaml"],
+        cache=_import_cache,
+    )
 
 
 def target_dir():

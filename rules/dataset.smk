@@ -14,7 +14,7 @@ rule dataset:
         max_length=config["dataset"]["max_length"],
         trust_remote_code=config["target"]["trust_remote_code"],
         chat_template_kwargs=config["generate"]["chat_template_kwargs"],
-        code=code_hash("dataset"),
+        code=code_hash("dataset.py"),
     script:
         "../scripts/dataset.py"
 
@@ -33,6 +33,6 @@ rule vocab_map:
     params:
         model=target_path,
         draft_vocab_size=config["vocab"]["draft_vocab_size"],
-        code=code_hash("vocab"),
+        code=code_hash("vocab_map.py"),
     script:
         "../scripts/vocab_map.py"

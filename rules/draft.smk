@@ -16,7 +16,7 @@ rule train_draft:
         train=config["train"],
         model=target_path,
         out_dir=lambda wildcards, output: os.path.dirname(output.eval),
-        code=code_hash("model", "train"),
+        code=code_hash("train_draft.py"),
     script:
         "../scripts/train_draft.py"
 
@@ -36,6 +36,6 @@ rule export_draft:
         "../envs/draftline.yaml"
     params:
         model=target_path,
-        code=code_hash("export", "model"),
+        code=code_hash("export_draft.py"),
     script:
         "../scripts/export_draft.py"

@@ -20,6 +20,6 @@ rule generate:
         revision=config["target"]["revision"],
         state_dir=SERVER_STATE,
         slot_dir=res(".slots/generate"),
-        code=code_hash("generate", "slots", "server", "dataset"),
+        code=code_hash("generate.py"),
     script:
         "../scripts/generate.py"

@@ -18,6 +18,6 @@ rule hidden_states:
         },
         server=server_params(),
         model=target_path,
-        code=code_hash("hidden", "hidden_connector"),
+        code=code_hash("hidden_states.py"),
     script:
         "../scripts/hidden_states.py"

@@ -21,6 +21,6 @@ rule concurrency_profile:
         server=server_params(),
         model=target_path,
         state_dir=SERVER_STATE,
-        code=code_hash("profile", "loadgen", "server"),
+        code=code_hash("concurrency_profile.py"),
     script:
         "../scripts/concurrency_profile.py"

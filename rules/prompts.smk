@@ -14,6 +14,6 @@ rule prompt_shards:
         max_samples=config["prompts"]["max_samples"],
         num_shards=config["prompts"]["num_shards"],
         seed=config["prompts"]["seed"],
-        code=code_hash("prompts"),
+        code=code_hash("prompt_shards.py"),
     script:
         "../scripts/prompt_shards.py"

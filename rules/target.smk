@@ -12,6 +12,6 @@ rule toy_target:
         mem_mb=4000,
     params:
         toy=config["target"]["toy"],
-        code=code_hash("toy"),
+        code=code_hash("toy_target.py"),
     script:
         "../scripts/toy_target.py"

@@ -1,0 +1,279 @@
+"""A stage's code hash covers exactly the code it runs: the closure of its draftline imports.
+
+Unit tests of the closure on a made-up package (every import form) and on the real stages, then
+the real Snakemake: a workflow whose every job has run (``--touch`` records the same provenance
+as a run), a library edit, and the jobs a dry run would execute.
+"""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import yaml
+from conftest import REPO, copy_workflow
+
+from draftline.codehash import (
+    ImportCache,
+    ImportResolutionError,
+    import_closure,
+    imported_modules,
+    stage_code_hash,
+)
+
+SRC = REPO / "src"
+LIB = SRC / "draftline"
+
+
+def write_tree(root: Path, files: dict[str, str]) -> None:
+    for name, text in files.items():
+        path = root / name
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(textwrap.dedent(text))
+
+
+# Every way a module can be reached, in a made-up draftline package.
+FAKE = {
+    "src/draftline/__init__.py": "",
+    "src/draftline/a.py": """\
+        import json
+        from typing import TYPE_CHECKING
+
+        from draftline import b
+        from draftline.pkg import store, helper_function
+
+        if TYPE_CHECKING:
+            from draftline import typing_only
+        else:
+            from draftline import not_typing
+
+        def later():
+            try:
+                import draftline.deep.leaf
+            except ImportError:
+                from draftline import fallback
+            return "draftline.launched", "draftline.bench/1", "draftline.missing"
+        """,
+    "src/draftline/b.py": "x = 1\n",
+    "src/draftline/pkg/__init__.py": "from .store import save\nfrom . import sibling\n"
+                                     "def helper_function():\n    pass\n",
+    "src/draftline/pkg/store.py": "from ..b import x\nfrom .. import c\n",
+    "src/draftline/pkg/sibling.py": "",
+    "src/draftline/c.py": "",
+    "src/draftline/typing_only.py": "",
+    "src/draftline/not_typing.py": "",
+    "src/draftline/deep/__init__.py": "",
+    "src/draftline/deep/leaf.py": "",
+    "src/draftline/fallback.py": "",
+    "src/draftline/launched.py": "",
+    "src/draftline/unused.py": "",
+    "scripts/entry.py": "from draftline.a import later\n",
+}
+
+
+def rel(paths, root):
+    return {str(p.relative_to(root)) for p in paths}
+
+
+def test_closure_follows_every_import_form(tmp_path):
+    write_tree(tmp_path, FAKE)
+    closure = import_closure([tmp_path / "scripts/entry.py"], tmp_path / "src")
+    assert rel(closure, tmp_path) == {
+        "scripts/entry.py",
+        "src/draftline/__init__.py",
+        "src/draftline/a.py",
+        "src/draftline/b.py",  # from draftline import b (a module)
+        "src/draftline/pkg/__init__.py",  # a package: its __init__
+        "src/draftline/pkg/store.py",  # from draftline.pkg import store (a submodule)
+        "src/draftline/pkg/sibling.py",  # from . import sibling
+        "src/draftline/c.py",  # from .. import c
+        "src/draftline/not_typing.py",  # the else of if TYPE_CHECKING runs
+        "src/draftline/deep/__init__.py",  # import draftline.deep.leaf runs the parents
+        "src/draftline/deep/leaf.py",  # imported inside a function
+        "src/draftline/fallback.py",  # inside an except handler
+        "src/draftline/launched.py",  # named in a string ("-m draftline.launched")
+    }
+
+
+def test_imported_modules_resolves_relative_imports_in_a_package(tmp_path):
+    write_tree(tmp_path, FAKE)
+    src = tmp_path / "src"
+    assert imported_modules(src / "draftline/pkg/__init__.py", src) == {
+        "draftline.pkg.store", "draftline.pkg", "draftline.pkg.sibling"}
+    assert imported_modules(src / "draftline/pkg/store.py", src) == {
+        "draftline.b", "draftline", "draftline.c"}
+
+
+def test_an_import_of_a_missing_module_names_the_file(tmp_path):
+    write_tree(tmp_path, {"src/draftline/__init__.py": "",
+                          "src/draftline/a.py": "from draftline.hidden_connector import x\n"})
+    with pytest.raises(ImportResolutionError, match=r"a\.py imports draftline.hidden_connector"):
+        import_closure([tmp_path / "src/draftline/a.py"], tmp_path / "src")
+
+
+def test_real_stages_reach_the_modules_they_run():
+    def closure(script):
+        entry = REPO / "scripts" / script
+        paths = set(import_closure([entry], SRC))
+        assert entry in paths  # the script itself counts
+        return rel(paths - {entry}, LIB) - {"__init__.py"}
+
+    # small stages, exactly
+    assert closure("prompt_shards.py") == {"prompts.py", "runlog.py"}
+    assert closure("toy_target.py") == {"toy.py", "runlog.py"}
+    # what the hand-kept lists missed
+    generate = closure("generate.py")
+    assert {"generate.py", "loadgen.py", "slots.py", "server.py", "atomic.py",
+            "docker_launcher.py", "dataset.py"} <= generate
+    assert {"train.py", "model.py", "prompts.py", "toy.py"}.isdisjoint(generate)
+    assert {"export.py", "train.py", "model.py"} <= closure("export_draft.py")
+    assert {"bench.py", "dataset.py", "loadgen.py", "server.py"} <= closure("bench.py")
+    assert {"hidden/__init__.py", "hidden/store.py", "hidden/hf_backend.py",
+            "hidden/vllm_backend.py", "hidden/vllm_connector.py"} <= closure("hidden_states.py")
+
+
+def test_import_cache_skips_parsing_and_never_serves_an_old_version(tmp_path, monkeypatch):
+    write_tree(tmp_path, FAKE)
+    entry, src = tmp_path / "scripts/entry.py", tmp_path / "src"
+    cache_file = tmp_path / "cache.json"
+    first = stage_code_hash(entry, src, tmp_path, cache=ImportCache(cache_file))
+    assert cache_file.exists()
+
+    import draftline.codehash as codehash
+
+    def no_parsing(*args):
+        raise AssertionError("parsed although cached")
+
+    with monkeypatch.context() as m:
+        m.setattr(codehash, "import_statements", no_parsing)
+        assert stage_code_hash(entry, src, tmp_path, cache=ImportCache(cache_file)) == first
+    # an edit: a new content, parsed again; the new import counts
+    (src / "draftline/b.py").write_text("from draftline import unused\n")
+    edited = stage_code_hash(entry, src, tmp_path, cache=ImportCache(cache_file))
+    assert edited != first
+    assert "src/draftline/unused.py" in rel(
+        import_closure([entry], src, ImportCache(cache_file)), tmp_path)
+    # an unreadable cache is no error
+    cache_file.write_text("{not json")
+    assert stage_code_hash(entry, src, tmp_path, cache=ImportCache(cache_file)) == edited
+
+
+def test_every_rule_hashes_the_script_it_runs():
+    for smk in sorted((REPO / "rules").glob("*.smk")):
+        for block in re.split(r"(?m)^(?=\s*rule )", smk.read_text()):
+            script = re.search(r'"\.\./scripts/(\w+\.py)"', block)
+            code = re.search(r"code=code_hash\(([^)]*)\)", block)
+            if script and code:
+                assert code.group(1) == f'"{script.group(1)}"', (smk.name, block[:40])
+
+
+# ---------------------------------------------------------------- the real Snakemake
+
+STAGES_AFTER_GENERATE = {"generate", "dataset", "vocab_map", "hidden_states", "train_draft",
+                         "export_draft", "bench", "bundle", "all"}
+
+
+def snakemake(workdir: Path, *args: str) -> subprocess.CompletedProcess:
+    exe = Path(sys.executable).with_name("snakemake")
+    return subprocess.run([str(exe), "--snakefile", str(workdir / "Snakefile"), "--directory",
+                           str(workdir), "--cores", "1", *args],
+                          capture_output=True, text=True, timeout=600)
+
+
+def jobs_to_run(workdir: Path) -> set[str]:
+    result = snakemake(workdir, "-n", "--quiet", "rules")
+    text = result.stdout + result.stderr
+    assert result.returncode == 0, text[-3000:]
+    if "Nothing to be done" in text:
+        return set()
+    table = text[text.index("Job stats"):]
+    return {m.group(1) for m in re.finditer(r"^(\w+)\s+\d+\s*$", table, re.M)} - {"total"}
+
+
+@pytest.fixture(scope="module")
+def completed_workflow(tmp_path_factory):
+    """A copy of the workflow in which every job has run, as far as Snakemake knows: every
+    output exists and carries the provenance (params, code hash) a real run records."""
+    workdir = tmp_path_factory.mktemp("wf")
+    copy_workflow(workdir)
+    cfg = yaml.safe_load((REPO / "config.yaml").read_text())
+    cfg["generate"]["concurrency"] = 4  # no concurrency profile in the DAG
+    (workdir / "config.yaml").write_text(yaml.safe_dump(cfg))
+    summary = snakemake(workdir, "--summary")
+    assert summary.returncode == 0, summary.stderr[-3000:]
+    for line in summary.stdout.splitlines()[1:]:
+        path = workdir / line.split("\t")[0]
+        if "." in path.name:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text("x")
+        else:  # the directory outputs: results/target, results/dataset, results/draft/best
+            path.mkdir(parents=True, exist_ok=True)
+    touched = snakemake(workdir, "--touch", "--forceall")
+    assert touched.returncode == 0, touched.stderr[-3000:]
+    assert jobs_to_run(workdir) == set()
+    return workdir
+
+
+def jobs_after_editing(workdir: Path, module: str) -> set[str]:
+    path = workdir / "src" / "draftline" / module
+    original = path.read_text()
+    path.write_text(original + "\n# an edit\n")
+    try:
+        return jobs_to_run(workdir)
+    finally:
+        path.write_text(original)
+
+
+def test_editing_loadgen_makes_generate_and_downstream_stale_and_nothing_upstream(
+        completed_workflow):
+    assert jobs_after_editing(completed_workflow, "loadgen.py") == STAGES_AFTER_GENERATE
+
+
+def test_editing_the_docker_launcher_makes_the_serving_stages_stale(completed_workflow):
+    # server.py imports it inside a function: generate (and bench) run it
+    assert jobs_after_editing(completed_workflow, "docker_launcher.py") == STAGES_AFTER_GENERATE
+
+
+def test_editing_train_makes_export_stale_too(completed_workflow):
+    assert jobs_after_editing(completed_workflow, "train.py") == {
+        "train_draft", "export_draft", "bench", "bundle", "all"}
+
+
+def test_editing_the_vllm_connector_makes_hidden_states_stale(completed_workflow):
+    assert jobs_after_editing(completed_workflow, "hidden/vllm_connector.py") == {
+        "hidden_states", "train_draft", "export_draft", "bench", "bundle", "all"}
+
+
+def test_an_unused_module_makes_nothing_stale(completed_workflow):
+    assert jobs_after_editing(completed_workflow, "plan.py") == set()
+
+
+BLOCK_IMPORTS = """
+import sys
+BLOCKED = {"draftline", "torch", "transformers", "vllm", "datasets", "numpy", "openai"}
+class Blocker:
+    def find_spec(self, name, path=None, target=None):
+        if name.split(".")[0] in BLOCKED:
+            raise ImportError(f"imported at workflow parse time: {name}")
+sys.meta_path.insert(0, Blocker())
+from snakemake.cli import main
+sys.argv = ["snakemake", *sys.argv[1:]]
+main()
+"""
+
+
+def test_workflow_parses_without_importing_the_library(tmp_path):
+    """Code hashes are read from the source: a dry run needs Snakemake only."""
+    copy_workflow(tmp_path)
+    (tmp_path / "config.yaml").write_text((REPO / "config.yaml").read_text())
+    result = subprocess.run([sys.executable, "-c", BLOCK_IMPORTS, "--snakefile",
+                             str(tmp_path / "Snakefile"), "--directory", str(tmp_path),
+                             "--cores", "1", "-n", "--quiet", "rules"],
+                            capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, (result.stdout + result.stderr)[-3000:]
+    assert "generate" in result.stdout + result.stderr
+    assert (tmp_path / ".snakemake/draftline-imports.json").exists()
