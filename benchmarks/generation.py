@@ -90,7 +90,7 @@ def main() -> None:
     # The generation window: from the first request to the last answer of the slower shard
     # (process start-up and imports excluded, as the profiler's window excludes its own).
     achieved = tokens / max(s["duration_s"] for s in summaries)
-    util = [s["inflight_utilization"] for s in summaries if s["inflight_utilization"]]
+    util = [s["server"].get("utilization_fill") for s in summaries]
     cpu_per_1k = 1000 * sum(s["client_cpu_s"] for s in summaries) / max(requests, 1)
     rows = [
         ("profiler peak (loadgen, closed loop)", f"{peak.stats['output_tok_s']:.0f}", "1.00"),
@@ -102,7 +102,7 @@ def main() -> None:
     print(f"{'run':<45} {'output tok/s':>12} {'ratio':>6}")
     for name, tps, ratio in rows:
         print(f"{name:<45} {tps:>12} {ratio:>6}")
-    print(f"in-flight utilization (fill phase, per shard): {', '.join(f'{u:.3f}' for u in util)}")
+    print(f"server-side running / C (fill phase, per shard): {', '.join(map(str, util))}")
     print(f"client CPU seconds per 1,000 requests: {cpu_per_1k:.2f}")
 
 

@@ -196,7 +196,7 @@ def publish_target(name):
 
 
 def final_outputs():
-    outputs = [res("bundle.tar")]
+    outputs = [res("bundle.tar"), res("responses/summary.json")]
     if config["bundle"]["publish_to"]:
         outputs += [
             publish_target(n)

@@ -23,3 +23,23 @@ rule generate:
         code=code_hash("generate.py"),
     script:
         "../scripts/generate.py"
+
+
+rule generation_summary:
+    input:
+        summaries=expand(res("responses/shard-{i}.summary.json"), i=SHARDS),
+    output:
+        json=res("responses/summary.json"),
+        png=report(
+            res("responses/server_running.png"),
+            caption="../report/generation.rst",
+            category="Generation",
+        ),
+    log:
+        "logs/generation_summary/summary.log",
+    conda:
+        "../envs/draftline.yaml"
+    params:
+        code=code_hash("generation_summary.py"),
+    script:
+        "../scripts/generation_summary.py"

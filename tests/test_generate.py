@@ -304,3 +304,47 @@ def test_changed_shard_count_resumes_without_crash_and_loses_nothing(tmp_path, v
     assert s0["discarded_stale"] == s1["discarded_stale"] == 0
     merged = {**_outputs(out0), **_outputs(out1)}
     assert all(merged[i] == before[i] for i in before)  # the kept answers, unchanged
+
+
+@requires_vllm
+@pytest.mark.vllm
+def test_summaries_report_what_the_server_ran(tmp_path, vllm_server):
+    """Two shard jobs side by side: each summary and the stage summary say what the server's
+    own metrics showed (running requests against C, generated tokens), not client slots."""
+    from draftline.generation_report import stage_summary
+
+    prompts = _lines(_prompts(tmp_path, 48))
+    files = []
+    for i in range(2):
+        files.append(tmp_path / f"in-{i}.jsonl")
+        files[-1].write_text("".join(json.dumps(p) + "\n" for p in prompts[i::2]))
+    settings = GenerateSettings(concurrency=4, max_tokens=64)
+    summaries = [None, None]
+
+    def shard(i):
+        summaries[i] = _run(tmp_path, files[i], [vllm_server.endpoint], settings, shard=i)[1]
+
+    threads = [threading.Thread(target=shard, args=(i,)) for i in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(600)
+    for s in summaries:
+        timing, server = s["timing"], s["server"]
+        assert timing["job_start"] <= timing["first_request"] <= timing["fill_end"]
+        assert timing["fill_end"] <= timing["end"] and timing["startup_s"] >= 0
+        assert "inflight_utilization" not in s and 0 < s["client_slot_utilization"] <= 1
+        assert server["samples"] >= 3
+        assert server["timeline"]["columns"] == ["t", "running", "waiting",
+                                                 "generation_tokens", "completed"]
+        assert server["timeline"]["rows"][-1][4] == 24
+        # the server never ran more than the shared C=4 (both shards together)
+        assert max(row[1] for row in server["timeline"]["rows"]) <= 4
+        assert 0 < server["utilization_fill"] <= 1.0
+    stage = stage_summary(summaries)
+    # the server's counter saw exactly the tokens the clients received
+    assert stage["server"]["output_tokens"] == sum(s["output_tokens"] for s in summaries)
+    assert stage["new_requests"] == 48 and stage["capacity"] == 4
+    assert 0.5 <= stage["server"]["utilization_fill"] <= 1.0
+    assert stage["server"]["utilization"] <= stage["server"]["utilization_fill"] + 1e-9
+    assert stage["tail_s"] is not None and stage["tail_s"] >= 0

@@ -32,8 +32,9 @@ PIPELINE_CONFIG = {
     "server": {"idle_timeout_s": 600},
 }
 
-ALL_AFTER_TARGET = {"prompt_shards", "concurrency_profile", "generate", "dataset", "vocab_map",
-                    "hidden_states", "train_draft", "export_draft", "bench", "bundle", "all"}
+ALL_AFTER_TARGET = {"prompt_shards", "concurrency_profile", "generate", "generation_summary",
+                    "dataset", "vocab_map", "hidden_states", "train_draft", "export_draft",
+                    "bench", "bundle", "all"}
 
 
 def snakemake(workdir: Path, *args: str, timeout: int = 3000) -> subprocess.CompletedProcess:
@@ -95,10 +96,18 @@ def test_complete_run_produces_every_artifact(pipeline):
     workdir, _ = pipeline
     results = workdir / "results"
     profile = json.loads((results / "profile/concurrency.json").read_text())
-    assert profile["chosen_concurrency"] in (1, 4, 16)
+    assert profile["chosen_concurrency"] in [r["concurrency"] for r in profile["levels"]]
+    assert profile["sweep_stop"]["reason"] in ("plateau", "past_peak", "cap")
     for i in range(2):
         summary = json.loads((results / f"responses/shard-{i}.summary.json").read_text())
         assert summary["unanswered"] == 0 and summary["responses"] + summary["errors"] == 24
+    # the stage as the server saw it: both shard jobs on one time axis
+    stage = json.loads((results / "responses/summary.json").read_text())
+    assert stage["shards"] == 2 and stage["capacity"] == profile["chosen_concurrency"]
+    assert 0 < stage["server"]["utilization"] <= stage["server"]["utilization_fill"] <= 1.0
+    assert stage["server"]["output_tokens"] == stage["client"]["output_tokens"]
+    assert stage["startup_s"]["first_job_to_first_request"] > 0
+    assert (results / "responses/server_running.png").stat().st_size > 10_000
     stats = json.loads((results / "dataset/stats.json").read_text())
     assert stats["samples_out"]["train"] > 0 and stats["samples_out"]["eval"] > 0
     coverage = json.loads((results / "vocab/coverage.json").read_text())

@@ -13,6 +13,13 @@ only records with the current fingerprint (the others are discarded and counted 
 shard assignment loses nothing), drops a torn last line, and only asks for the rest. At the end
 the shard is written once, sorted in prompt order, by atomic rename.
 
+What the server shows: each shard job samples every endpoint's Prometheus ``/metrics``
+(``vllm:num_requests_running``, ``vllm:num_requests_waiting``, ``vllm:generation_tokens``)
+while it runs (``ServerSampler``); the shard summary reports the server-side mean running
+requests against the chosen concurrency and the server-side output tok/s, and keeps a compact
+timeline; ``stage_summary`` merges the shards' timelines into one stage view (and a plot).
+``client_slot_utilization`` is the client-side figure: slots held, not server work.
+
 Failures (``failure_kind``): a refused connection sets the endpoint aside for a few seconds
 and costs the prompt nothing; a timeout, a dropped connection, a retryable status or an
 unparseable body costs one retry (backoff with jitter); what another try would repeat goes to
@@ -29,7 +36,7 @@ import json
 import os
 import random
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -38,7 +45,8 @@ import openai
 from tqdm import tqdm
 
 from draftline.atomic import atomic_open, disk_full_names, write_json
-from draftline.loadgen import request_seed
+from draftline.generation_report import server_view
+from draftline.loadgen import parse_metrics, request_seed
 from draftline.profile import resolve_concurrency
 from draftline.server import Endpoint
 from draftline.slots import SlotPool
@@ -317,8 +325,58 @@ class ShardStats:
     set_asides: int = 0  # refused connections: the endpoint rested, no retry spent
     prompt_tokens: int = 0
     output_tokens: int = 0
-    inflight_area: float = 0.0  # integral of machine-wide in-flight over the fill phase
+    slot_area: float = 0.0  # integral of machine-wide client slots held over the fill phase
     fill_seconds: float = 0.0
+    latencies: list = field(default_factory=list)  # seconds, answered requests of this run
+    t_first_request: float | None = None  # wall clock (time.time())
+    t_fill_end: float | None = None  # this shard's queue ran empty
+    t_end: float | None = None
+
+
+SERVER_SAMPLE_EVERY_S = 0.25
+
+
+class ServerSampler:
+    """The servers' own view, sampled from ``/metrics``: requests running and waiting (gauges,
+    summed over endpoints and engines) and generated tokens (counter), with this job's count
+    of completed requests, stamped with wall-clock time so shard jobs line up."""
+
+    def __init__(self, endpoints: list[Endpoint], completed: Callable[[], int],
+                 every_s: float = SERVER_SAMPLE_EVERY_S):
+        self.endpoints = endpoints
+        self.completed = completed
+        self.every_s = every_s
+        self.rows: list[list[float]] = []
+        self.failures = 0
+        self.http = httpx.AsyncClient(timeout=5.0)
+
+    async def _scrape(self, ep: Endpoint):
+        try:
+            resp = await self.http.get(f"{ep.root_url}/metrics",
+                                       headers={"Authorization": f"Bearer {ep.api_key}"})
+            resp.raise_for_status()
+        except httpx.HTTPError:
+            return None  # the servers' view is a report, never a reason to stop generating
+        return parse_metrics(resp.text)
+
+    async def sample(self) -> None:
+        scraped = await asyncio.gather(*(self._scrape(ep) for ep in self.endpoints))
+        if any(m is None or not m.has("vllm:num_requests_running") for m in scraped):
+            self.failures += 1
+            return
+        self.rows.append([time.time(), *(sum(m.total(name) for m in scraped) for name in (
+            "vllm:num_requests_running", "vllm:num_requests_waiting",
+            "vllm:generation_tokens")), self.completed()])
+
+    async def run(self) -> None:
+        while True:
+            await self.sample()
+            await asyncio.sleep(self.every_s)
+
+    async def close(self) -> None:
+        with contextlib.suppress(Exception):
+            await self.sample()  # the state at the end
+        await self.http.aclose()
 
 
 class ShardRun:
@@ -340,35 +398,43 @@ class ShardRun:
     async def run(self, total: int) -> ShardStats:
         self.bar = tqdm(total=total, desc="generate", unit="req", dynamic_ncols=True,
                         mininterval=1.0)
-        sampler = asyncio.create_task(self._sample_inflight())
+        self.server = ServerSampler(self.pool.endpoints, lambda: self.stats.done)
+        await self.server.sample()  # before the first request
+        samplers = [asyncio.create_task(self._sample_slots()),
+                    asyncio.create_task(self.server.run())]
         t0 = time.monotonic()
         workers = [asyncio.create_task(self._worker()) for _ in range(self.slots.size)]
         try:
             await asyncio.gather(*workers)
         finally:
-            for task in [sampler, *workers]:
+            for task in [*samplers, *workers]:
                 task.cancel()
-            await asyncio.gather(sampler, *workers, return_exceptions=True)
+            await asyncio.gather(*samplers, *workers, return_exceptions=True)
+            self.stats.t_end = time.time()
+            await self.server.close()
             await self.pool.close()
             self.bar.close()
         self.stats.duration_s = time.monotonic() - t0
         return self.stats
 
-    async def _sample_inflight(self, every_s: float = 0.1) -> None:
-        """Machine-wide in-flight over the fill phase (until this shard's queue is empty)."""
+    async def _sample_slots(self, every_s: float = 0.1) -> None:
+        """Client slots held machine-wide over the fill phase (until this shard's queue is
+        empty): what the clients asked for, not what the server ran."""
         last = time.monotonic()
         while True:
             await asyncio.sleep(every_s)
             now = time.monotonic()
             if not self.queue_empty:
-                self.stats.inflight_area += self.slots.held_anywhere() * (now - last)
+                self.stats.slot_area += self.slots.held_anywhere() * (now - last)
                 self.stats.fill_seconds += now - last
             last = now
 
     async def _worker(self) -> None:
         for item in self.queue:
             await self._answer(item)
-        self.queue_empty = True
+        if not self.queue_empty:
+            self.queue_empty = True
+            self.stats.t_fill_end = time.time()
 
     async def _answer(self, item: dict) -> None:
         messages = item["messages"]
@@ -410,6 +476,7 @@ class ShardRun:
         }
         self.results.write(record)
         self.stats.done += 1
+        self.stats.latencies.append(latency)
         usage = parsed["usage"] or {}
         self.stats.prompt_tokens += usage.get("prompt_tokens", 0)
         self.stats.output_tokens += usage.get("completion_tokens", 0)
@@ -418,7 +485,7 @@ class ShardRun:
     def _progress(self) -> None:
         elapsed = max(self.bar.format_dict["elapsed"], 1e-6)
         self.bar.set_postfix(tok_s=f"{self.stats.output_tokens / elapsed:.0f}",
-                             inflight=self.slots.held_here, retries=self.stats.retries,
+                             slots=self.slots.held_here, retries=self.stats.retries,
                              errors=self.stats.errors, refresh=False)
         self.bar.update(1)
 
@@ -433,6 +500,7 @@ class ShardRun:
                 self.pool.in_flight[index] += 1
                 self.pool.sent[index] += 1
                 t0 = time.monotonic()
+                self.stats.t_first_request = self.stats.t_first_request or time.time()
                 try:
                     resp = await self.pool.clients[index].chat.completions.create(**kwargs)
                     self.pool.succeeded()
@@ -549,12 +617,15 @@ def resume_shard(partial: Path, partial_errors: Path,
 
 def generate_shard(prompt_file: Path, out_file: Path, errors_file: Path, summary_file: Path,
                    endpoints: list[Endpoint], settings: GenerateSettings, slot_dir: Path,
-                   tokenizer_dir: str | None = None, target: dict | None = None) -> dict:
+                   tokenizer_dir: str | None = None, target: dict | None = None,
+                   job_start: float | None = None) -> dict:
     """Answer every prompt of a shard once; resume from valid kept results; write the summary.
 
     ``target`` identifies the served target (``target_identity``); by default the tokenizer
-    directory's identity, which is the target's for managed servers.
+    directory's identity, which is the target's for managed servers. ``job_start`` (wall
+    clock) is when the job began, for the start-up time in the summary (default: now).
     """
+    job_start = time.time() if job_start is None else job_start
     prompts = load_prompts(prompt_file)
     if target is None:
         target = target_identity(tokenizer_dir) if tokenizer_dir else {}
@@ -572,18 +643,21 @@ def generate_shard(prompt_file: Path, out_file: Path, errors_file: Path, summary
     try:
         run = ShardRun(todo, fingerprints, endpoints, settings, slots, results_log, errors_log)
         stats = asyncio.run(run.run(total=len(todo)))
+        server_rows = run.server.rows
         sent_by_endpoint = dict(zip([e.base_url for e in endpoints], run.pool.sent, strict=True))
     finally:
         results_log.close()
         errors_log.close()
         slots.close()
+    timing = {"job_start": job_start, "server_rows": server_rows}
     return finish_shard(prompts, fingerprints, kept, partial, partial_errors, out_file,
                         errors_file, summary_file, stats, settings, sent_by_endpoint,
-                        tokenizer_dir)
+                        tokenizer_dir, timing)
 
 
 def finish_shard(prompts, fingerprints, kept, partial, partial_errors, out_file, errors_file,
-                 summary_file, stats, settings, sent_by_endpoint, tokenizer_dir) -> dict:
+                 summary_file, stats, settings, sent_by_endpoint, tokenizer_dir,
+                 timing) -> dict:
     order = {p["id"]: i for i, p in enumerate(prompts)}
     done = _valid(read_jsonl_ids(partial), fingerprints)
     errors = {k: v for k, v in _valid(read_jsonl_ids(partial_errors), fingerprints).items()
@@ -613,15 +687,48 @@ def finish_shard(prompts, fingerprints, kept, partial, partial_errors, out_file,
         "duration_s": round(stats.duration_s, 3),
         "output_tok_s": round(stats.output_tokens / max(stats.duration_s, 1e-9), 2),
         "concurrency": settings.concurrency,
-        "inflight_utilization": round(stats.inflight_area / fill / slots_total(
+        "capacity": slots_total(settings, sent_by_endpoint),
+        # client side: machine-wide slots held / capacity over this shard's fill phase
+        "client_slot_utilization": round(stats.slot_area / fill / slots_total(
             settings, sent_by_endpoint), 4) if fill > 0 else None,
+        "latency_s": _quantiles(stats.latencies),
         "requests_by_endpoint": sent_by_endpoint,
         "finish_reasons": _count(r["finish_reason"] for r in done.values()),
         "render_mismatches": mismatches,
+        "timing": {"job_start": round(timing["job_start"], 3),
+                   "first_request": _round(stats.t_first_request, 3),
+                   "fill_end": _round(stats.t_fill_end, 3), "end": _round(stats.t_end, 3),
+                   "startup_s": _round(stats.t_first_request and
+                                       stats.t_first_request - timing["job_start"], 3)},
+        "server": server_view(timing["server_rows"], slots_total(settings, sent_by_endpoint),
+                              stats.t_first_request, stats.t_fill_end, stats.t_end),
     }
     write_json(summary_file, summary, indent=2)
     print(json.dumps(summary))
     return summary
+
+
+def _round(value: float | None, digits: int) -> float | None:
+    return None if value is None else round(value, digits)
+
+
+def _quantiles(values: list[float]) -> dict | None:
+    if not values:
+        return None
+    ordered = sorted(values)
+    return {f"p{q}": round(ordered[min(len(ordered) - 1, int(q / 100 * len(ordered)))], 4)
+            for q in (50, 90, 99)}
+
+
+def process_start_time() -> float:
+    """Wall-clock time this process started (Linux ``/proc``; elsewhere: now)."""
+    try:
+        fields = Path("/proc/self/stat").read_text().rsplit(")", 1)[1].split()
+        started = int(fields[19]) / os.sysconf("SC_CLK_TCK")  # seconds after boot
+        uptime = float(Path("/proc/uptime").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return time.time()
+    return time.time() - (uptime - started)
 
 
 def slots_total(settings: GenerateSettings, sent_by_endpoint: dict) -> int:
@@ -642,9 +749,11 @@ def run_stage(prompt_file: Path, out_file: Path, errors_file: Path, summary_file
     """The generate stage: resolve concurrency, get endpoints (shared or external), run."""
     from draftline.server import endpoints_for
 
+    job_start = process_start_time()
     concurrency = resolve_concurrency(gen_cfg["concurrency"], profile_json)
     settings = GenerateSettings.from_config(gen_cfg, concurrency)
     with endpoints_for(server_cfg, model, Path(state_dir), trust_remote_code) as endpoints:
         return generate_shard(Path(prompt_file), Path(out_file), Path(errors_file),
                               Path(summary_file), endpoints, settings, Path(slot_dir),
-                              tokenizer_dir=model, target=target_identity(model, revision))
+                              tokenizer_dir=model, target=target_identity(model, revision),
+                              job_start=job_start)

@@ -1,0 +1,268 @@
+"""The generation stage as the servers saw it: all shard jobs on one time axis.
+
+Every shard summary carries its job's timing (job start, first request, end of its fill phase,
+end) and a timeline sampled from the servers' ``/metrics`` (requests running and waiting,
+generated tokens, this job's completed requests). ``stage_summary`` merges them: the stage runs
+from the first job's start to the last job's end; its fill phase from the first request to
+the moment the last shard ran out of prompts to send. Before the first sample nothing of this
+stage runs on the server (no job had sent a request), so it counts as 0 running.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+from draftline.atomic import write_json
+
+TAIL_FRACTION = 0.05  # the tail: the last 5% of the stage's requests
+TIMELINE_ROWS = 720  # a shard summary keeps at most this many timeline rows (bucket means)
+TIMELINE_COLUMNS = ["t", "running", "waiting", "generation_tokens", "completed"]
+
+
+# ---------------------------------------------------------------- one shard job
+
+
+def step_mean(times: list[float], values: list[float], start: float, end: float,
+              before: float = 0.0) -> float | None:
+    """Time-weighted mean over [start, end] of sampled values, each held until the next
+    sample (``before`` until the first one)."""
+    if end <= start:
+        return None
+    area, last_t, last_v = 0.0, start, before
+    for t, v in zip(times, values, strict=True):
+        if t <= start:
+            last_v = v
+            continue
+        if t >= end:
+            break
+        area += last_v * (t - last_t)
+        last_t, last_v = t, v
+    area += last_v * (end - last_t)
+    return area / (end - start)
+
+
+def counter_increase(times: list[float], counts: list[float], start: float,
+                     end: float) -> float:
+    """How much a counter rose over [start, end]: from the last sample at or before ``start``
+    to the first at or after ``end`` (a server restart resets it to 0)."""
+    first = max([i for i, t in enumerate(times) if t <= start], default=0)
+    last = min([i for i, t in enumerate(times) if t >= end], default=len(times) - 1)
+    total = 0.0
+    for before, after in zip(counts[first:last], counts[first + 1:last + 1], strict=True):
+        total += after - before if after >= before else after
+    return total
+
+
+def server_view(rows: list[list[float]], capacity: int, first_request: float | None,
+                fill_end: float | None, end: float | None) -> dict:
+    """Mean requests running on the servers (over the run from the first request, and over
+    the fill phase) against the capacity, server-side output tok/s, and a compact timeline."""
+    view: dict = {"samples": len(rows), "timeline": {"columns": TIMELINE_COLUMNS,
+                                                     "rows": compact_timeline(rows)}}
+    if len(rows) < 2 or first_request is None or end is None:
+        return view
+    times = [r[0] for r in rows]
+    running = [r[1] for r in rows]
+    waiting = [r[2] for r in rows]
+    fill_end = fill_end or end
+    over_run = step_mean(times, running, first_request, end, running[0])
+    over_fill = step_mean(times, running, first_request, fill_end, running[0])
+    tokens = counter_increase(times, [r[3] for r in rows], first_request, end)
+    view.update({
+        "mean_running": _round(over_run, 3),
+        "mean_running_fill": _round(over_fill, 3),
+        "utilization": _round(over_run and over_run / capacity, 4),
+        "utilization_fill": _round(over_fill and over_fill / capacity, 4),
+        "mean_waiting_fill": _round(step_mean(times, waiting, first_request, fill_end,
+                                              waiting[0]), 3),
+        "output_tokens": round(tokens),
+        "output_tok_s": round(tokens / max(end - first_request, 1e-9), 2),
+    })
+    return view
+
+
+def compact_timeline(rows: list[list[float]], limit: int = TIMELINE_ROWS) -> list[list]:
+    """At most ``limit`` rows: gauges averaged over buckets of samples, counters and time at
+    the bucket's end."""
+    step = max(1, -(-len(rows) // limit))
+    out = []
+    for i in range(0, len(rows), step):
+        bucket = rows[i:i + step]
+        last = bucket[-1]
+        out.append([round(last[0], 3), round(sum(r[1] for r in bucket) / len(bucket), 2),
+                    round(sum(r[2] for r in bucket) / len(bucket), 2), int(last[3]),
+                    int(last[4])])
+    return out
+
+
+# ---------------------------------------------------------------- the stage
+
+
+def load_summaries(paths: list[Path | str]) -> list[dict]:
+    summaries = []
+    for path in map(Path, paths):
+        summary = json.loads(path.read_text())
+        if "timing" not in summary or "server" not in summary:
+            raise ValueError(f"{path}: a shard summary without 'timing' and 'server' (written "
+                             "by an older draftline); rerun the generate rule")
+        summaries.append(summary)
+    return summaries
+
+
+def _merged_rows(summaries: list[dict]) -> list[list[float]]:
+    return sorted((row for s in summaries for row in s["server"]["timeline"]["rows"]),
+                  key=lambda r: r[0])
+
+
+def _completed_at(summaries: list[dict]) -> list[tuple[float, int]]:
+    """(time, requests completed by all shards so far), at every sample of any shard."""
+    events = []
+    for index, s in enumerate(summaries):
+        events += [(row[0], index, row[4]) for row in s["server"]["timeline"]["rows"]]
+    latest = [0] * len(summaries)
+    out = []
+    for t, index, done in sorted(events):
+        latest[index] = max(latest[index], done)
+        out.append((t, sum(latest)))
+    return out
+
+
+def tail_seconds(summaries: list[dict], fraction: float = TAIL_FRACTION) -> float | None:
+    """From the moment all but ``fraction`` of the stage's new requests had completed to the
+    last completion (at the resolution of the server samples)."""
+    completed = _completed_at(summaries)
+    total = sum(s["responses"] - s["resumed"] for s in summaries)
+    if total == 0 or not completed:
+        return None
+    mark = math.ceil((1.0 - fraction) * total)
+    reached = [t for t, n in completed if n >= mark]
+    finished = [t for t, n in completed if n >= total]
+    if not reached or not finished:
+        return None
+    return finished[0] - reached[0]
+
+
+def stage_summary(summaries: list[dict]) -> dict:
+    """Stage-level figures from the shard summaries (see the module docstring)."""
+    starts = [s["timing"]["job_start"] for s in summaries]
+    ends = [s["timing"]["end"] or s["timing"]["job_start"] for s in summaries]
+    firsts = [s["timing"]["first_request"] for s in summaries if s["timing"]["first_request"]]
+    fill_ends = [s["timing"]["fill_end"] for s in summaries if s["timing"]["fill_end"]]
+    t0, t1 = min(starts), max(ends)
+    wall = t1 - t0
+    capacity = max(s["capacity"] for s in summaries)
+    rows = _merged_rows(summaries)
+    times, running = [r[0] for r in rows], [r[1] for r in rows]
+    tokens = counter_increase(times, [r[3] for r in rows], t0, t1)
+    client_tokens = sum(s["output_tokens"] for s in summaries)
+    new_requests = sum(s["responses"] - s["resumed"] for s in summaries)
+    fill = (min(firsts), max(fill_ends)) if firsts and fill_ends else None
+    over_wall = step_mean(times, running, t0, t1) if rows else None
+    over_fill = step_mean(times, running, *fill) if rows and fill else None
+    weights = [(s["latency_s"]["p50"], s["responses"] - s["resumed"]) for s in summaries
+               if s.get("latency_s")]
+    median_latency = _weighted_median(weights)
+    tail = tail_seconds(summaries)
+    return {
+        "shards": len(summaries),
+        "prompts": sum(s["prompts"] for s in summaries),
+        "responses": sum(s["responses"] for s in summaries),
+        "errors": sum(s["errors"] for s in summaries),
+        "resumed": sum(s["resumed"] for s in summaries),
+        "discarded_stale": sum(s.get("discarded_stale", 0) for s in summaries),
+        "new_requests": new_requests,
+        "concurrency": summaries[0]["concurrency"],
+        "capacity": capacity,
+        "wall_s": round(wall, 3),
+        "fill_s": _round(fill and fill[1] - fill[0]),
+        "startup_s": {"first_job_to_first_request": _round(firsts and min(firsts) - t0),
+                      "per_shard": [s["timing"]["startup_s"] for s in summaries]},
+        "server": {
+            "samples": len(rows),
+            "mean_running": _round(over_wall),
+            "utilization": _round(over_wall and over_wall / capacity, 4),
+            "mean_running_fill": _round(over_fill),
+            "utilization_fill": _round(over_fill and over_fill / capacity, 4),
+            "output_tokens": round(tokens),
+            "output_tok_s": round(tokens / wall, 2) if wall > 0 else None,
+        },
+        "client": {
+            "output_tokens": client_tokens,
+            "output_tok_s": round(client_tokens / wall, 2) if wall > 0 else None,
+            "slot_utilization_per_shard": [s["client_slot_utilization"] for s in summaries],
+        },
+        "latency_p50_s": _round(median_latency, 4),
+        "tail_s": _round(tail),
+        "tail_over_median_latency": _round(tail / median_latency if tail is not None
+                                           and median_latency else None),
+    }
+
+
+def _round(value: float | None, digits: int = 3) -> float | None:
+    return None if value is None else round(value, digits)
+
+
+def _weighted_median(pairs: list[tuple[float, int]]) -> float | None:
+    pairs = sorted((v, w) for v, w in pairs if w > 0)
+    total = sum(w for _, w in pairs)
+    seen = 0
+    for value, weight in pairs:
+        seen += weight
+        if seen >= total / 2:
+            return value
+    return None
+
+
+def plot_running(summaries: list[dict], stage: dict, out_png: Path | str) -> None:
+    """Requests running (and waiting) on the servers over the stage, every shard job's span
+    below, the capacity as a line."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    t0 = min(s["timing"]["job_start"] for s in summaries)
+    rows = _merged_rows(summaries)
+    fig, ax = plt.subplots(figsize=(8, 4.2), dpi=120)
+    if rows:
+        times = [r[0] - t0 for r in rows]
+        ax.step(times, [r[1] for r in rows], where="post", color="tab:blue",
+                label="running (server)")
+        ax.step(times, [r[2] for r in rows], where="post", color="tab:orange", alpha=0.7,
+                label="waiting (server)")
+    capacity = stage["capacity"]
+    ax.axhline(capacity, color="tab:green", linestyle="--", label=f"chosen C={capacity}")
+    for i, s in enumerate(summaries):
+        timing = s["timing"]
+        y = -capacity * (0.06 + 0.05 * i)
+        ax.plot([timing["job_start"] - t0, (timing["end"] or timing["job_start"]) - t0],
+                [y, y], color="grey", linewidth=3, solid_capstyle="butt")
+        if timing["first_request"]:
+            ax.plot([timing["first_request"] - t0], [y], "k|", markersize=9)
+    ax.set_xlabel("seconds since the first shard job started (bars: shard jobs, | first "
+                  "request)")
+    ax.set_ylabel("requests")
+    server = stage["server"]
+    util = server["utilization"]
+    fill = server["utilization_fill"]
+    ax.set_title(f"generation: {stage['shards']} shard job(s), server-side mean running / C = "
+                 f"{util if util is not None else 'n/a'} over the stage, "
+                 f"{fill if fill is not None else 'n/a'} over the fill phase", fontsize=8)
+    ax.legend(loc="upper right", fontsize=8)
+    fig.tight_layout()
+    Path(out_png).parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out_png)
+    plt.close(fig)
+
+
+def run_stage(summary_files: list[Path | str], out_json: Path | str,
+              out_png: Path | str) -> dict:
+    """The stage summary rule: merge the shard summaries, write the JSON and the plot."""
+    summaries = load_summaries(summary_files)
+    stage = stage_summary(summaries)
+    write_json(out_json, stage, indent=2)
+    plot_running(summaries, stage, out_png)
+    print(json.dumps(stage))
+    return stage

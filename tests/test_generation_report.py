@@ -1,0 +1,91 @@
+"""The generation stage as the servers saw it: merging shard timelines (no server needed)."""
+
+import json
+
+import pytest
+
+from draftline.generation_report import (
+    compact_timeline,
+    counter_increase,
+    load_summaries,
+    run_stage,
+    server_view,
+    stage_summary,
+    step_mean,
+)
+
+
+def test_step_mean_holds_each_sample_until_the_next():
+    times, values = [0.0, 1.0, 3.0], [0.0, 4.0, 2.0]
+    assert step_mean(times, values, 0.0, 4.0) == pytest.approx((0 + 4 * 2 + 2 * 1) / 4)
+    assert step_mean(times, values, 2.0, 4.0) == pytest.approx((4 + 2) / 2)
+    assert step_mean([5.0], [3.0], 0.0, 10.0) == pytest.approx(1.5)  # 0 before the first
+    assert step_mean(times, values, 4.0, 4.0) is None
+
+
+def test_counter_increase_spans_the_window_and_survives_a_restart():
+    times, counts = [0.0, 1.0, 2.0, 3.0, 4.0], [10.0, 20.0, 5.0, 15.0, 99.0]
+    # from the sample at 0 (last before 0.5) to the one at 3 (first after 2.5); 20 -> 5 is a
+    # restart: it counts 5
+    assert counter_increase(times, counts, 0.5, 2.5) == 10 + 5 + 10
+
+
+def test_compact_timeline_averages_gauges_and_keeps_counters():
+    rows = [[float(i), float(i % 2) * 4, 0.0, 10.0 * i, i] for i in range(10)]
+    out = compact_timeline(rows, limit=5)
+    assert len(out) == 5
+    assert out[0] == [1.0, 2.0, 0.0, 10, 1]  # mean running of (0, 4), counters at the end
+    assert out[-1][3:] == [90, 9]
+
+
+def shard(job_start, first, fill_end, end, rows, responses=10, resumed=0, p50=1.0,
+          capacity=4, tokens=100):
+    summary = {"prompts": responses, "responses": responses, "errors": 0,
+               "resumed": resumed, "discarded_stale": 0, "output_tokens": tokens,
+               "concurrency": capacity, "capacity": capacity,
+               "client_slot_utilization": 1.0, "latency_s": {"p50": p50},
+               "timing": {"job_start": job_start, "first_request": first,
+                          "fill_end": fill_end, "end": end,
+                          "startup_s": first - job_start}}
+    summary["server"] = server_view(rows, capacity, first, fill_end, end)
+    return summary
+
+
+def test_stage_summary_puts_every_shard_on_one_time_axis(tmp_path):
+    # shard A: job 100-110, requests from 102, queue empty at 106; shard B: job 101-111.
+    # The server ran 4 from 102 to 108 and 2 from 108 to 110, then nothing.
+    a = shard(100.0, 102.0, 106.0, 110.0, [
+        [101.5, 0, 0, 0, 0], [102.0, 4, 3, 0, 0], [104.0, 4, 1, 40, 4], [106.0, 4, 0, 80, 8],
+        [108.0, 2, 0, 120, 9], [110.0, 0, 0, 150, 10]])
+    b = shard(101.0, 103.0, 107.0, 111.0, [
+        [103.0, 4, 2, 10, 0], [107.0, 4, 0, 100, 9], [109.0, 2, 0, 140, 10],
+        [111.0, 0, 0, 150, 10]])
+    stage = stage_summary([a, b])
+    assert stage["wall_s"] == 11.0 and stage["fill_s"] == 5.0  # 102 .. 107
+    assert stage["startup_s"]["first_job_to_first_request"] == 2.0
+    assert stage["startup_s"]["per_shard"] == [2.0, 2.0]
+    # running: 0 for 100-102, 4 for 102-108, 2 for 108-110, 0 after: (24 + 4) / 11
+    assert stage["server"]["mean_running"] == pytest.approx(28 / 11, abs=1e-3)
+    assert stage["server"]["utilization"] == pytest.approx(28 / 11 / 4, abs=1e-4)
+    assert stage["server"]["utilization_fill"] == 1.0
+    assert stage["server"]["output_tokens"] == 150
+    assert stage["server"]["output_tok_s"] == pytest.approx(150 / 11, abs=0.01)
+    assert stage["client"]["output_tok_s"] == pytest.approx(200 / 11, abs=0.01)
+    # completed: 17 at 107, 18 at 108, 19 (95%) at 109, all 20 at 110
+    assert stage["tail_s"] == 1.0
+    assert stage["tail_over_median_latency"] == 1.0
+    # the rule writes the JSON and the plot
+    paths = []
+    for i, s in enumerate((a, b)):
+        paths.append(tmp_path / f"shard-{i}.summary.json")
+        paths[-1].write_text(json.dumps(s))
+    run_stage(paths, tmp_path / "summary.json", tmp_path / "running.png")
+    assert json.loads((tmp_path / "summary.json").read_text()) == stage
+    assert (tmp_path / "running.png").stat().st_size > 10_000
+
+
+def test_an_old_shard_summary_is_named(tmp_path):
+    path = tmp_path / "shard-0.summary.json"
+    path.write_text(json.dumps({"prompts": 1}))
+    with pytest.raises(ValueError, match="shard-0.summary.json.*rerun the generate rule"):
+        load_summaries([path])
