@@ -173,8 +173,8 @@ def test_every_rule_hashes_the_script_it_runs():
 
 # ---------------------------------------------------------------- the real Snakemake
 
-STAGES_AFTER_GENERATE = {"generate", "dataset", "vocab_map", "hidden_states", "train_draft",
-                         "export_draft", "bench", "bundle", "all"}
+STAGES_AFTER_GENERATE = {"generate", "generation_summary", "dataset", "vocab_map",
+                         "hidden_states", "train_draft", "export_draft", "bench", "bundle", "all"}
 
 
 def snakemake(workdir: Path, *args: str) -> subprocess.CompletedProcess:
