@@ -15,6 +15,7 @@ from draftline.model import (
     fused_attention_ok,
     init_draft_weights,
     metrics_from_counts,
+    on_greedy_path,
     rotary_tables,
     shift_left,
     ttt_attention,
@@ -202,6 +203,30 @@ def test_loss_and_metrics_on_hand_made_tensors():
     assert m["simulated_acceptance_length_by_num_drafts"] == pytest.approx([4 / 3, 5 / 3])
 
 
+def test_simulated_acceptance_follows_the_greedy_path_only():
+    """The tensors above, with token 3 sampled off the target's greedy path: a round that reads
+    it (step 0 at row 2, step 1 at row 1) is not the server's round at T=0 and is not counted.
+    """
+    tgt = [[1 / 3] * 3, [0.7, 0.2, 0.1], [0.1, 0.8, 0.1], [0.2, 0.2, 0.6], [1 / 3] * 3]
+    d0 = [[0.6, 0.3, 0.1], [0.2, 0.3, 0.5], [0.1, 0.1, 0.8], [1 / 3] * 3, [1 / 3] * 3]
+    d1 = [[0.3, 0.5, 0.2], [0.1, 0.2, 0.7], [1 / 3] * 3, [1 / 3] * 3, [1 / 3] * 3]
+    input_ids = torch.tensor([[4, 0, 0, 7, 2]])
+    argmax = torch.tensor([[0, 0, 1, 9, 0]])  # the target's argmax per row (full vocab)
+    path = on_greedy_path(input_ids, argmax)
+    assert path.tolist() == [[False, True, True, False, False]]
+    path = torch.tensor([[False, True, True, False, True]])
+    loss, counts = ttt_loss([_log(d0)[None], _log(d1)[None]], _log(tgt)[None],
+                            torch.tensor([[True, True, True, False, True]]),
+                            torch.tensor([[0, 0, 1, 1, 1]]), decay=0.5, greedy_path=path)
+    m = metrics_from_counts(counts)
+    assert m["accuracy"] == pytest.approx([1 / 3, 1 / 2])  # teacher-forced: unchanged
+    # step 0: rows 0 (right) and 1 (wrong) read on-path tokens 1, 2; row 2 reads token 3
+    # step 1: row 0 (right) reads token 2
+    assert m["cond_accuracy"] == pytest.approx([1 / 2, 1.0])
+    assert m["simulated_acceptance_length"] == pytest.approx(1 + 1 / 2 + 1 / 2)
+    assert m["simulated_acceptance_temperature"] == 0.0
+
+
 def test_loss_gradient_is_zero_on_masked_rows():
     target_logp = torch.log_softmax(torch.randn(1, 6, 4), -1)
     logits = [torch.randn(1, 6, 4, requires_grad=True) for _ in range(2)]
@@ -224,10 +249,12 @@ def test_target_head_restricts_to_draft_vocab():
     t2d[chosen] = True
     head = TargetHead(norm_w, lm_head, 1e-6, d2t, t2d)
     logp, in_draft = head(final, chunk_rows=3)
+    _, _, argmax = head(final, chunk_rows=3, with_argmax=True)
     normed = final * torch.rsqrt(final.pow(2).mean(-1, keepdim=True) + 1e-6) * norm_w
     full = normed @ lm_head.T  # [2, 5, V]
     torch.testing.assert_close(logp, torch.log_softmax(full[..., chosen], -1))
     assert torch.equal(in_draft, t2d[full.argmax(-1)])
+    assert torch.equal(argmax, full.argmax(-1))
 
 
 def test_draft_config_from_a_kimi_like_target():

@@ -447,21 +447,32 @@ class TargetHead(nn.Module):
         self.eps = eps
 
     @torch.no_grad()
-    def forward(self, final: torch.Tensor, chunk_rows: int = 2048):
+    def forward(self, final: torch.Tensor, chunk_rows: int = 2048, with_argmax: bool = False):
         """final ``[..., Ht]`` (pre-norm last layer) ->
         log-probs over the draft vocab ``[..., D]`` (fp32), and whether the target's argmax
-        over its full vocab lies in the draft vocab ``[...]`` bool."""
+        over its full vocab lies in the draft vocab ``[...]`` bool; with ``with_argmax`` also
+        that argmax (target token ids ``[...]``, the token the server takes at T=0)."""
         flat = final.reshape(-1, final.shape[-1])  # [N, Ht]
-        logps, in_draft = [], []
+        logps, argmax = [], []
         for rows in flat.split(chunk_rows):  # bounds the [rows, V] logits (V = 163,840 at Kimi)
             x32 = rows.float()
             normed = (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps))
             normed = self.norm_weight * normed.to(self.norm_weight.dtype)
             logits = F.linear(normed.to(self.lm_head.dtype), self.lm_head)  # [n, V]
-            in_draft.append(self.t2d[logits.argmax(-1)])  # [n]
+            argmax.append(logits.argmax(-1))  # [n]
             logps.append(torch.log_softmax(logits[:, self.draft_ids].float(), dim=-1))  # [n, D]
         shape = final.shape[:-1]
-        return torch.cat(logps).view(*shape, -1), torch.cat(in_draft).view(shape)
+        argmax_ids = torch.cat(argmax).view(shape)
+        out = (torch.cat(logps).view(*shape, -1), self.t2d[argmax_ids])
+        return (*out, argmax_ids) if with_argmax else out
+
+
+def on_greedy_path(input_ids: torch.Tensor, target_argmax: torch.Tensor) -> torch.Tensor:
+    """``[B, T]`` bool: token j is the target's argmax at row j-1 (what the server would have
+    taken there at temperature 0). Token 0 has no row before it: False."""
+    path = torch.zeros_like(input_ids, dtype=torch.bool)
+    path[:, 1:] = input_ids[:, 1:] == target_argmax[:, :-1]
+    return path
 
 
 # ----------------------------------------------------------------------------- loss, metrics
@@ -475,18 +486,23 @@ def ttt_loss(
     target_in_draft: torch.Tensor,
     loss_mask: torch.Tensor,
     decay: float,
+    greedy_path: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Weighted forward KL over the unroll, and per-step counts for the metrics.
 
     step_logits: K x ``[B, T, D]``; target_logp ``[B, T, D]`` and target_in_draft ``[B, T]``
     from :class:`TargetHead` at each position; loss_mask ``[B, T]`` (1 on generated tokens,
-    0 on prompt and padding).
+    0 on prompt and padding); greedy_path ``[B, T]`` from :func:`on_greedy_path` (None: every
+    token counts as on the path).
 
     Step k, row i is compared with the target at row i+1+k and counts when the token it
     predicts (i+2+k) is a generated one ("valid"). The loss uses valid rows whose target
     argmax is in the draft vocab; accuracy counts out-of-vocab argmaxes as misses, since the
-    draft can never propose them. The chain counts follow one drafting run from row i:
-    step k is eligible when steps 0..k-1 were all correct.
+    draft can never propose them. The chain counts follow one drafting run from row i the way
+    the server runs it at temperature 0: step k is eligible when steps 0..k-1 were all correct
+    and the token it reads (i+1+k: the target's bonus token for k = 0, else the draft's own
+    previous token) is the target's argmax, so that the data context is the server's context.
+    Data sampled at T > 0 leaves the greedy path; those rounds are not counted.
 
     Returns (loss scalar, counts ``[len(COUNT_KEYS), K]`` float64, rows in COUNT_KEYS order).
     """
@@ -512,6 +528,8 @@ def ttt_loss(
         loss = loss + decay**k * kl_sum / n_loss.clamp(min=1)
         correct = loss_rows & (draft_logp.argmax(-1) == tgt_logp.argmax(-1))  # [B, n]
         eligible = valid & chain[:, :rows]
+        if greedy_path is not None:
+            eligible = eligible & greedy_path[:, 1 + k:1 + k + rows]
         chain_correct = eligible & correct
         chain[:, :rows] = chain_correct
         chain[:, rows:] = False
@@ -525,10 +543,14 @@ def ttt_loss(
 def metrics_from_counts(counts: torch.Tensor) -> dict:
     """Per-step accuracy, conditional accuracy, loss and simulated acceptance length.
 
-    ``simulated_acceptance_length`` = 1 + sum_k prod_{j<=k} cond_accuracy_j: the expected
+    ``simulated_acceptance_length`` = 1 + sum_k prod_{j<=k} cond_accuracy_j, with the
+    conditional accuracies counted along the target's greedy path (``ttt_loss``): the expected
     tokens per drafting round at temperature 0 (the bonus token plus accepted drafts), the
-    same quantity as vLLM's 1 + accepted / drafts. ``..._by_num_drafts[n-1]`` stops after n
-    drafts, for comparison with a server run at ``num_speculative_tokens = n``.
+    same quantity as vLLM's 1 + accepted / drafts at T=0. It is a T=0 figure only: at T > 0
+    vLLM accepts a greedy draft token with the target's probability of it, which is lower.
+    ``..._by_num_drafts[n-1]`` stops after n drafts, for comparison with a server run at
+    ``num_speculative_tokens = n``. This is the one definition of simulated acceptance:
+    training's model selection and the benchmark's train-serve gap use it.
     """
     c = dict(zip(COUNT_KEYS, counts.double().tolist(), strict=True))
 
@@ -549,6 +571,7 @@ def metrics_from_counts(counts: torch.Tensor) -> dict:
         "valid_tokens": [int(v) for v in c["valid"]],
         "simulated_acceptance_length": accept,
         "simulated_acceptance_length_by_num_drafts": by_drafts,
+        "simulated_acceptance_temperature": 0.0,
     }
 
 

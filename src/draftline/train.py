@@ -670,7 +670,7 @@ def run_micro_batch(model, head, batch: dict, cfg: dict, rt: Runtime):
     """Forward one micro-batch: (loss, counts ``[6, K]``)."""
     import torch
 
-    from draftline.model import ttt_loss
+    from draftline.model import on_greedy_path, ttt_loss
 
     cuda = rt.device.type == "cuda"
     dtype = torch.bfloat16 if cuda else torch.float32
@@ -680,9 +680,10 @@ def run_micro_batch(model, head, batch: dict, cfg: dict, rt: Runtime):
     loss_mask = batch["loss_mask"].to(rt.device, non_blocking=True)  # [B, T]
     amp = torch.autocast("cuda", dtype=torch.bfloat16) if cuda else contextlib.nullcontext()
     with amp:
-        target_logp, target_in_draft = head(final)  # [B, T, D], [B, T]
+        target_logp, target_in_draft, argmax = head(final, with_argmax=True)  # [B, T, (D)]
         logits = model(aux, input_ids, cfg["ttt_steps"])  # K x [B, T, D]
-        return ttt_loss(logits, target_logp, target_in_draft, loss_mask, cfg["loss_decay"])
+        return ttt_loss(logits, target_logp, target_in_draft, loss_mask, cfg["loss_decay"],
+                        greedy_path=on_greedy_path(input_ids, argmax))
 
 
 def evaluate(model, head, store: HiddenStates, refs: list[SampleRef], cfg: dict,
