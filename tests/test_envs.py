@@ -8,7 +8,10 @@ and pipeline image deployments install the same thing.
 
 from __future__ import annotations
 
+import json
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -109,3 +112,88 @@ def test_locks_satisfy_pyproject_and_keep_broken_packages_out():
     core = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["dependencies"]
     for line in core:  # the pipeline image installs draftline with --no-deps: all must be locked
         assert canonical(Requirement(line).name) in pipeline_names, f"pipeline.txt lacks {line}"
+
+
+# ------------------------------------------------- what a remote-code tokenizer needs in images
+
+TIKTOKEN_TOKENIZER = '''
+import tiktoken
+from transformers import PreTrainedTokenizer
+
+
+class TikTokenizer(PreTrainedTokenizer):
+    """Byte-level tiktoken encoding, the way Kimi-K2.5's tokenization_kimi.py builds its own."""
+
+    vocab_files_names: dict = {}
+
+    def __init__(self, **kwargs):
+        self.model = tiktoken.Encoding(name="tiny", pat_str=r"\\S+|\\s+", special_tokens={},
+                                       mergeable_ranks={bytes([i]): i for i in range(256)})
+        super().__init__(**kwargs)
+
+    @property
+    def vocab_size(self):
+        return 256
+
+    def get_vocab(self):
+        return {str(i): i for i in range(256)}
+
+    def _tokenize(self, text):
+        return [str(t) for t in self.model.encode(text)]
+
+    def _convert_token_to_id(self, token):
+        return int(token)
+
+    def _convert_id_to_token(self, index):
+        return str(index)
+
+    def convert_tokens_to_string(self, tokens):
+        return self.model.decode([int(t) for t in tokens])
+'''
+
+# Prints the distributions behind every module imported once draftline's dataset stage has
+# loaded the tokenizer in argv[1] (and encoded a text with it).
+IMPORTED_DISTRIBUTIONS = '''
+import importlib.metadata, json, sys
+from draftline.dataset import load_tokenizer
+tokenizer = load_tokenizer(sys.argv[1], trust_remote_code=True)
+assert tokenizer("hi there")["input_ids"]
+owners = importlib.metadata.packages_distributions()
+top = {name.partition(".")[0] for name in sys.modules}
+print(json.dumps(sorted({canonical for n in top for canonical in owners.get(n, [])})))
+'''
+
+
+def imported_distributions(tokenizer_dir: Path) -> set[str]:
+    proc = subprocess.run([sys.executable, "-c", IMPORTED_DISTRIBUTIONS, str(tokenizer_dir)],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    return {canonical(name) for name in json.loads(proc.stdout.splitlines()[-1])}
+
+
+def test_images_that_load_the_tokenizer_have_what_remote_tokenizer_code_imports(tmp_path):
+    """Kimi-K2.5's tokenizer is remote code that imports tiktoken; the dataset stage (pipeline
+    image) and vLLM (serving image) load it. What such code imports beyond a plain tokenizer's
+    load must be locked in both images."""
+    from tokenizers import Tokenizer, models
+    from transformers import PreTrainedTokenizerFast
+
+    plain = tmp_path / "plain"
+    vocab = {"[UNK]": 0, "hi": 1, "there": 2}
+    PreTrainedTokenizerFast(tokenizer_object=Tokenizer(models.WordLevel(vocab, "[UNK]")),
+                            unk_token="[UNK]").save_pretrained(plain)
+    remote = tmp_path / "remote"
+    remote.mkdir()
+    (remote / "tokenization_tiny.py").write_text(TIKTOKEN_TOKENIZER)
+    (remote / "tokenizer_config.json").write_text(json.dumps({
+        "tokenizer_class": "TikTokenizer",
+        "auto_map": {"AutoTokenizer": ["tokenization_tiny.TikTokenizer", None]}}))
+
+    needed = imported_distributions(remote) - imported_distributions(plain)
+    assert "tiktoken" in needed  # the check sees what remote code imports
+    locked = {path.stem: {canonical(line.partition("==")[0])
+                          for line in path.read_text().splitlines() if "==" in line}
+              for path in LOCKS}
+    for image in ("pipeline", "serving-cpu"):
+        missing = needed - locked[image]
+        assert not missing, f"containers/requirements/{image}.txt lacks {sorted(missing)}"
