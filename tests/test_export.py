@@ -37,6 +37,8 @@ def test_export_writes_the_vllm_eagle3_format(draft_inputs, tmp_path):
     assert config["vocab_size"] == 2048 and config["draft_vocab_size"] == 1024
     assert config["tie_word_embeddings"] is False and "target_hidden_size" not in config
     assert config["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [2, 4, 5]
+    # vLLM's newer GPU model runner reads the ids only at the top level of the draft config
+    assert config["eagle_aux_hidden_state_layer_ids"] == [2, 4, 5]
     assert config["torch_dtype"] == "bfloat16"
 
     tensors = load_file(str(out / "model.safetensors"))

@@ -128,6 +128,9 @@ def draft_config_json(draft_cfg, target_cfg: dict, layer_ids: list[int], dtype: 
         "bos_token_id": text.get("bos_token_id"),
         "eos_token_id": text.get("eos_token_id"),
         "pad_token_id": text.get("pad_token_id"),
+        # Both places: vLLM's model runner reads eagle_config, its newer GPU runner
+        # (v1/worker/gpu/spec_decode) only the top level.
+        "eagle_aux_hidden_state_layer_ids": layer_ids,
         "eagle_config": {
             "eagle_aux_hidden_state_layer_ids": layer_ids,
             "use_aux_hidden_state": True,
