@@ -2,8 +2,9 @@
 
 The ``vllm`` test runs the stages for real on the toy target: sampled replies (transformers),
 hidden states (draftline.hidden, hf backend), vocab map (draftline.vocab), training, export,
-then two vLLM servers (trained and untrained draft, about 60-100 s each to start) and reads
-the acceptance from the spec-decode Prometheus counters. About 5 minutes on 2 cores.
+then two vLLM servers (trained draft; untrained draft over the whole target vocab, the
+identity map vLLM loads without ``d2t``; about 60-100 s each to start) and reads the acceptance
+from the spec-decode Prometheus counters. About 7 minutes on 2 cores.
 """
 
 from __future__ import annotations
@@ -55,6 +56,54 @@ def test_export_writes_the_vllm_eagle3_format(draft_inputs, tmp_path):
     target = load_file(str(draft_inputs["target_dir"] / "model.safetensors"))
     rows = torch.arange(1024) + vocab["d2t"]
     assert torch.equal(tensors["lm_head.weight"], target["lm_head.weight"][rows])
+
+
+def identity_vocab_map(path: Path, vocab: int = 2048) -> Path:
+    """What the vocab stage writes when the draft vocab covers the target's: d2t all 0."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    save_file({"d2t": torch.zeros(vocab, dtype=torch.int64),
+               "t2d": torch.ones(vocab, dtype=torch.bool)}, str(path))
+    return path
+
+
+def test_full_vocab_draft_exports_without_a_vocab_map(draft_inputs, tmp_path):
+    # vLLM's Eagle3LlamaForCausalLM has no draft_id_to_target_id when draft_vocab_size equals
+    # the target vocab and refuses a checkpoint holding d2t; it skips t2d by name.
+    vocab_map = identity_vocab_map(tmp_path / "vocab" / "vocab_map.safetensors")
+    best = save_untrained(draft_inputs["target_dir"], vocab_map, tmp_path / "best")
+    out = export_draft(best, draft_inputs["target_dir"], vocab_map, draft_inputs["layer_ids"],
+                       tmp_path / "checkpoint")
+    config = json.loads((out / "config.json").read_text())
+    assert config["vocab_size"] == 2048 and config["draft_vocab_size"] == 2048
+    tensors = load_file(str(out / "model.safetensors"))
+    assert {name: list(t.shape) for name, t in tensors.items()} == {
+        "fc.weight": [128, 384],
+        "midlayer.self_attn.q_proj.weight": [128, 256],
+        "midlayer.self_attn.k_proj.weight": [128, 256],
+        "midlayer.self_attn.v_proj.weight": [128, 256],
+        "midlayer.self_attn.o_proj.weight": [128, 128],
+        "midlayer.mlp.gate_proj.weight": [384, 128],
+        "midlayer.mlp.up_proj.weight": [384, 128],
+        "midlayer.mlp.down_proj.weight": [128, 384],
+        "midlayer.hidden_norm.weight": [128],
+        "midlayer.input_layernorm.weight": [128],
+        "midlayer.post_attention_layernorm.weight": [128],
+        "norm.weight": [128],
+        "lm_head.weight": [2048, 128],
+    }
+    target = load_file(str(draft_inputs["target_dir"] / "model.safetensors"))
+    assert torch.equal(tensors["lm_head.weight"], target["lm_head.weight"])  # row i = token i
+
+
+def test_export_refuses_a_full_size_map_that_is_not_the_identity(draft_inputs, tmp_path):
+    vocab_map = identity_vocab_map(tmp_path / "vocab" / "vocab_map.safetensors")
+    best = save_untrained(draft_inputs["target_dir"], vocab_map, tmp_path / "best")
+    d2t = torch.zeros(2048, dtype=torch.int64)
+    d2t[0], d2t[1] = 1, -1  # draft 0 -> target 1, draft 1 -> target 0: a permutation
+    save_file({"d2t": d2t, "t2d": torch.ones(2048, dtype=torch.bool)}, str(vocab_map))
+    with pytest.raises(ExportError, match="strictly ascending"):
+        export_draft(best, draft_inputs["target_dir"], vocab_map, draft_inputs["layer_ids"],
+                     tmp_path / "checkpoint")
 
 
 @pytest.mark.parametrize(("change", "message"), [
@@ -186,6 +235,7 @@ def served_acceptance(target: Path, draft: Path, server_cfg: dict, prompts: list
 
 
 @pytest.mark.vllm
+@pytest.mark.slow
 @requires_vllm
 def test_trained_draft_serves_and_beats_an_untrained_one(toy_target, config, tmp_path):
     from draftline.hidden import extract
@@ -208,12 +258,17 @@ def test_trained_draft_serves_and_beats_an_untrained_one(toy_target, config, tmp
     assert record["layer_ids"] == index["layer_ids"]
     trained = export_draft(tmp_path / "draft" / "best", toy_target, vocab_map,
                            record["layer_ids"], tmp_path / "trained")
-    baseline = export_draft(save_untrained(toy_target, vocab_map, tmp_path / "untrained-best"),
-                            toy_target, vocab_map, record["layer_ids"], tmp_path / "untrained")
+    # The baseline predicts the whole target vocab (draft vocab = target vocab, an identity
+    # map): the case vLLM loads without a draft_id_to_target_id table.
+    write_vocab(dataset, 2048, 2048, tmp_path / "vocab-identity")
+    identity_map = tmp_path / "vocab-identity" / "vocab_map.safetensors"
+    baseline = export_draft(save_untrained(toy_target, identity_map, tmp_path / "untrained-best"),
+                            toy_target, identity_map, record["layer_ids"], tmp_path / "untrained")
+    assert json.loads((baseline / "config.json").read_text())["draft_vocab_size"] == 2048
 
     results = {name: served_acceptance(toy_target, ckpt, config["server"], eval_prompts,
                                        tmp_path / f"{name}.log")
-               for name, ckpt in (("trained", trained), ("untrained", baseline))}
+               for name, ckpt in (("untrained", baseline), ("trained", trained))}
     simulated = record["simulated_acceptance_length_by_num_drafts"][2]  # 3 drafts, as served
     summary = {"served": results, "simulated_3_drafts": simulated, "data_s": round(data_s),
                "train_s": round(train_s),

@@ -78,12 +78,18 @@ def test_too_little_disk_is_flagged():
 
 def test_target_dims_from_a_local_model_dir(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps({"text_config": {
-        "hidden_size": 256, "num_hidden_layers": 12, "vocab_size": 5000,
-        "num_attention_heads": 8, "intermediate_size": 512, "torch_dtype": "bfloat16"}}))
+        "model_type": "deepseek_v3", "hidden_size": 256, "num_hidden_layers": 12,
+        "vocab_size": 5000, "num_attention_heads": 8, "intermediate_size": 512,
+        "torch_dtype": "bfloat16"}}))
     config = default_config(**{"target.model": str(tmp_path)})
     dims = target_dims(config)
     assert (dims["hidden_size"], dims["num_layers"], dims["vocab_size"]) == (256, 12, 5000)
     assert by_stage(plan(config, None))["hidden"]["state_bytes_per_token"] == 4 * 256 * 2
+
+
+def test_a_draft_vocab_over_the_targets_is_planned_at_the_targets_size():
+    config = default_config(**{"vocab.draft_vocab_size": 32_000})  # toy target: vocab 2048
+    assert "d2t int64 [2,048] + t2d bool [2,048]" in by_stage(plan(config, None))["vocab"]["basis"]
 
 
 def test_unknown_target_leaves_sizes_open():

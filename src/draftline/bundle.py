@@ -49,7 +49,7 @@ TARGET_ID_PATTERNS = ("config.json", "generation_config.json", "*.safetensors.in
                       "merges.txt", "chat_template*", "*.tiktoken", "tiktoken.model", "*.py")
 CONTENT = {  # what each bundled file is (the model card's file table)
     "config.json": "draft config (vLLM / SGLang EAGLE-3 format)",
-    "model.safetensors": "draft weights, with d2t and t2d",
+    "model.safetensors": "draft weights (with d2t and t2d when the draft vocab is reduced)",
     "vocab/vocab_map.safetensors": "draft vocab map (d2t, t2d)",
     "vocab/coverage.json": "draft vocab coverage",
     "training/metrics.jsonl": "training metrics",

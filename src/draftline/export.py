@@ -7,6 +7,12 @@ target's ``vocab_size``, ``draft_vocab_size``, ``eagle_config.eagle_aux_hidden_s
 ``midlayer.*``, ``norm``, ``lm_head``, ``d2t`` (vLLM's ``draft_id_to_target_id``) and ``t2d``
 (skipped by vLLM, used by SGLang). No ``embed_tokens``: vLLM shares the target's.
 
+A draft vocab equal to the target's (the vocab stage's identity map, whenever
+``vocab.draft_vocab_size`` >= the target vocab) ships neither ``d2t`` nor ``t2d``: vLLM then
+builds the draft without a ``draft_id_to_target_id`` parameter, and its loader fails on a
+checkpoint that has ``d2t`` ("There is no module or parameter named 'draft_id_to_target_id'").
+SGLang, too, treats a checkpoint without ``d2t`` as predicting the full vocab.
+
 Every tensor is checked against the shapes the config implies before anything is written;
 a missing, mis-shaped, unexpected or non-finite tensor refuses the export.
 """
@@ -85,8 +91,17 @@ def check_vocab_map(d2t, t2d, draft_cfg, source: Path) -> None:
     target_ids = torch.arange(d2t.shape[0]) + d2t  # [D]
     if (target_ids < 0).any() or (target_ids >= t2d.shape[0]).any():
         raise ExportError(f"{source}: d2t maps draft ids outside the target vocab")
+    # Ascending ids make a full-size map the identity, which is what vLLM assumes when it
+    # loads a draft without d2t (a permuted full map would silently scramble lm_head rows).
+    if (target_ids[1:] <= target_ids[:-1]).any():
+        raise ExportError(f"{source}: d2t target ids must be strictly ascending")
     if not t2d[target_ids].all() or int(t2d.sum()) != d2t.shape[0]:
         raise ExportError(f"{source}: d2t and t2d disagree on the draft vocab")
+
+
+def vocab_map_needed(draft_cfg) -> bool:
+    """Whether the checkpoint carries ``d2t``/``t2d``: only for a reduced draft vocab."""
+    return draft_cfg.draft_vocab_size != draft_cfg.vocab_size
 
 
 def check_layer_ids(layer_ids, target_cfg: dict) -> list[int]:
@@ -177,8 +192,9 @@ def export_draft(best_weights, target_dir, vocab_map, layer_ids, out_dir) -> Pat
     dtype = _target_dtype(target_cfg)
     out = {name: tensors[name].to(getattr(torch, dtype)).contiguous()
            for name in expected_shapes(draft_cfg)}
-    out["d2t"] = d2t.contiguous()
-    out["t2d"] = t2d.contiguous()
+    if vocab_map_needed(draft_cfg):
+        out["d2t"] = d2t.contiguous()
+        out["t2d"] = t2d.contiguous()
     config = draft_config_json(draft_cfg, target_cfg, ids, dtype)
 
     out_dir = Path(out_dir)

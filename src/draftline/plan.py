@@ -223,8 +223,14 @@ def _generate_row(config: dict, measured: dict, kind: str, tokens: int, out_toke
                 f"records ~{JSONL_BYTES_PER_TOKEN} B/token (assumed)", tok_s=rate)
 
 
+def draft_vocab_size(config: dict, dims: dict | None) -> int:
+    """The draft vocab the vocab stage chooses: never more than the target's."""
+    requested = config["vocab"]["draft_vocab_size"]
+    return min(requested, (dims or {}).get("vocab_size") or requested)
+
+
 def _vocab_row(config: dict, dims: dict | None) -> dict:
-    draft_vocab = config["vocab"]["draft_vocab_size"]
+    draft_vocab = draft_vocab_size(config, dims)
     target_vocab = (dims or {}).get("vocab_size", 0)
     return _row("vocab", draft_vocab * 8 + target_vocab, 10.0,
                 f"d2t int64 [{draft_vocab:,}] + t2d bool [{target_vocab:,}]")
@@ -255,7 +261,7 @@ def _train_rows(config: dict, measured: dict, dims: dict | None, kind: str,
     if not dims:
         return [_row("train", None, None, "target dimensions unknown")]
     train = config["train"]
-    params = draft_params(dims, config["vocab"]["draft_vocab_size"])
+    params = draft_params(dims, draft_vocab_size(config, dims))
     checkpoint = params * 2  # bf16 export
     state = params * 16  # fp32 weights + 2 Adam moments + fp32 gradients, one state kept
     rate = measured.get("train_tok_s")

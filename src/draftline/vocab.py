@@ -12,9 +12,10 @@ have count 0 and so come last, lowest id first: when fewer distinct tokens exist
 vocab, the map is padded with the lowest unused ids.
 
 No map needed: when ``draft_vocab_size >= target_vocab_size`` the draft predicts the whole
-target vocab. ``coverage.json`` then says ``map_needed: false`` (the draft config should use
-``draft_vocab_size = vocab_size``), and an identity map (d2t all 0, t2d all True) is still
-written so the pipeline's output file exists and loads the same way.
+target vocab. ``coverage.json`` then says ``map_needed: false``, and an identity map of the
+target's size (d2t all 0, t2d all True) is still written so the pipeline's output file exists
+and training loads it the same way; the export then writes ``draft_vocab_size = vocab_size``
+and leaves d2t/t2d out of the checkpoint (vLLM refuses d2t for a full-vocab draft).
 
 Counting streams over the Arrow-backed dataset in batches with ``np.bincount``: memory is
 bounded by the batch and the ``[vocab]`` counter, not by the dataset size.
