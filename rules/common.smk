@@ -81,6 +81,22 @@ def _library_module(name):
     return loaded
 
 
+def _check_target_head(cfg):
+    """A local target whose final head training's teacher cannot reproduce is refused
+    before any job runs, not at hidden-state extraction hours later."""
+    model = cfg["target"]["model"]
+    config_json = Path(model) / "config.json"
+    if model == "toy" or not config_json.is_file():
+        return
+    teacher = _library_module("teacher")
+    try:
+        teacher.check_teacher_head(json.loads(config_json.read_text()), config_json)
+    except teacher.UnsupportedTargetHead as exc:
+        raise ValueError(f"config key 'target.model': {exc}") from None
+
+
+_check_target_head(config)
+
 _codehash = _library_module("codehash")
 # parsed imports by file content, kept between runs so that parsing costs nothing once done
 _import_cache = _codehash.ImportCache(".snakemake/draftline-imports.json")

@@ -7,12 +7,15 @@ gives the CLI (and tests) the same behaviour without Snakemake.
 from __future__ import annotations
 
 import copy
+import json
 from importlib import resources
 from pathlib import Path
 from typing import Any
 
 import jsonschema
 import yaml
+
+from draftline.teacher import UnsupportedTargetHead, check_teacher_head
 
 SCHEMA_PATH = Path(str(resources.files("draftline") / "schemas" / "config.schema.yaml"))
 
@@ -77,6 +80,7 @@ def check_semantics(config: dict[str, Any], base: Path | None = None) -> None:
     target = config["target"]["model"]
     if target != "toy" and target.startswith(("/", ".")) and not (base / target).exists():
         raise ConfigError(f"config key 'target.model': model directory not found: {target}")
+    check_local_target_head(base / target if target != "toy" else None)
     toy = config["target"]["toy"]
     if toy["hidden_size"] % toy["num_heads"]:
         raise ConfigError("config key 'target.toy.num_heads': must divide target.toy.hidden_size")
@@ -93,6 +97,18 @@ def check_semantics(config: dict[str, Any], base: Path | None = None) -> None:
             "config key 'server.external.base_urls': required when server.mode is external")
     if config["server"]["launcher"] == "docker" and not config["server"]["image"]:
         raise ConfigError("config key 'server.image': required when server.launcher is docker")
+
+
+def check_local_target_head(target_dir: Path | None) -> None:
+    """A local target whose final head training cannot reproduce is refused now, not at
+    hidden-state extraction hours later (a hub id is checked when the stages read it)."""
+    config_json = target_dir / "config.json" if target_dir else None
+    if config_json is None or not config_json.is_file():
+        return
+    try:
+        check_teacher_head(json.loads(config_json.read_text()), config_json)
+    except UnsupportedTargetHead as exc:
+        raise ConfigError(f"config key 'target.model': {exc}") from exc
 
 
 def load_config(path: str | Path | None = None, overrides: dict | None = None) -> dict[str, Any]:

@@ -175,10 +175,10 @@ def export_draft(best_weights, target_dir, vocab_map, layer_ids, out_dir) -> Pat
     from safetensors.torch import load_file, save_file
 
     from draftline.model import expected_shapes
-    from draftline.train import read_target_config
+    from draftline.train import read_teacher_config
 
     weights_file = _weights_file(Path(best_weights))
-    target_cfg = read_target_config(Path(target_dir))
+    target_cfg = read_teacher_config(Path(target_dir))
     vocab = load_file(str(vocab_map))
     if "d2t" not in vocab or "t2d" not in vocab:
         raise ExportError(f"{vocab_map}: needs tensors 'd2t' and 't2d'")

@@ -58,6 +58,7 @@ from typing import Any
 
 from draftline.atomic import atomic_dir, copy_file, remove_temps, write_json
 from draftline.hidden.layers import check_layer_ids
+from draftline.teacher import check_teacher_head
 
 DISTRIBUTED_ENV = "WORLD_SIZE"
 STATE_DIR, BEST_DIR = "state", "best"
@@ -95,6 +96,13 @@ def read_target_config(target_dir: Path) -> dict:
     if not path.exists():
         raise FileNotFoundError(f"target config not found: {path}")
     return json.loads(path.read_text())
+
+
+def read_teacher_config(target_dir: Path) -> dict:
+    """The target config, refused when training's teacher cannot reproduce its final head."""
+    config = read_target_config(target_dir)
+    check_teacher_head(config, Path(target_dir) / "config.json")
+    return config
 
 
 def target_weight_map(target_dir: Path) -> dict[str, Path]:
@@ -135,7 +143,7 @@ def load_target_tensors(target_dir: Path) -> dict:
     from safetensors import safe_open
 
     target_dir = Path(target_dir)
-    cfg = read_target_config(target_dir)
+    cfg = read_teacher_config(target_dir)
     weight_map = target_weight_map(target_dir)
     names = {key: find_tensor(weight_map, suffix, target_dir) for key, suffix in
              (("embed", "embed_tokens.weight"), ("norm", "model.norm.weight"),
@@ -718,6 +726,7 @@ def train(hidden_dir, vocab_map, target_dir, out_dir, train_cfg: dict | None = N
     cfg = resolve_train_cfg(train_cfg)
     hidden_dir, vocab_map, target_dir, out_dir = map(Path, (hidden_dir, vocab_map, target_dir,
                                                           out_dir))
+    read_teacher_config(target_dir)  # refuse an unsupported target before any process starts
     processes = cfg["nproc_per_node"] * cfg["nnodes"]
     if processes > 1 and DISTRIBUTED_ENV not in os.environ:
         if cfg["nnodes"] > 1:
@@ -937,7 +946,7 @@ def check_inputs(store: HiddenStates, hidden_dir: Path, vocab_map: Path,
             raise ValueError(f"{vocab_map}: missing tensor(s) {sorted(missing)}")
         draft_vocab = f.get_slice("d2t").get_shape()[0]
         t2d_size = f.get_slice("t2d").get_shape()[0]
-    target_cfg = read_target_config(target_dir)
+    target_cfg = read_teacher_config(target_dir)
     draft_cfg = DraftConfig.from_target(target_cfg, draft_vocab)
     if store.hidden_size != draft_cfg.target_hidden_size:
         raise ValueError(f"{hidden_dir / 'index.json'}: hidden_size {store.hidden_size} != "

@@ -46,6 +46,7 @@ from draftline.hidden.store import (
     verify_index,
     write_safetensors,
 )
+from draftline.teacher import check_teacher_head
 
 log = logging.getLogger(__name__)
 
@@ -86,6 +87,7 @@ def target_info(target_dir: Path) -> dict:
         config = json.loads(raw)
     except (OSError, ValueError) as exc:
         raise HiddenStateError(f"{config_path}: cannot read the target config ({exc})") from exc
+    check_teacher_head(config, config_path)  # states for a teacher training cannot build
     text = _text_config(config)
     missing = [k for k in ("num_hidden_layers", "hidden_size", "vocab_size") if k not in text]
     if missing:

@@ -1,0 +1,98 @@
+"""Which targets the training teacher reproduces: a Llama-style final RMSNorm and a plain lm_head.
+
+Training's teacher (``draftline.model.TargetHead``) turns the target's pre-norm last-layer
+state into the target's distribution as ``softmax(lm_head(weight * x / rms(x)))``. A target
+whose final head computes something else (Gemma's ``(1 + weight)`` norm, a final-logit
+softcap, a logit scale) would give training wrong targets without any error, and the draft
+would only disappoint when served. So every stage that builds or reads the teacher (config
+validation of a local target, hidden-state extraction, training, export) calls
+``check_teacher_head`` first: families whose head was checked against the HF model's own
+logits (``tests/test_teacher.py``) pass; every other family is refused with the architecture
+and the config key that makes it differ.
+
+Standard library only: ``draftline.config`` (and so ``draftline plan``) imports it, and
+``rules/common.smk`` loads it by path at Snakefile parse time.
+"""
+
+from __future__ import annotations
+
+# Text model types whose final head is RMSNorm(weight * x) + lm_head (tied or not), verified
+# against transformers in tests/test_teacher.py. kimi_k2 is the DeepSeek-V3 architecture
+# (Kimi-K2 and Kimi-K2.5's text_config; remote code, so tested as deepseek_v3).
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "mixtral", "qwen2", "qwen2_moe", "qwen3",
+                         "qwen3_moe", "deepseek_v2", "deepseek_v3", "kimi_k2")
+
+# Config keys that change the logits after lm_head, and what they do. A key counts when it is
+# present and not neutral (vLLM's Llama reads ``logit_scale`` too, so even a Llama config with
+# one would be served differently from what the teacher computes).
+HEAD_KEYS = {
+    "final_logit_softcapping": ("caps the logits at c * tanh(logits / c)", (None,)),
+    "logit_scale": ("multiplies the logits", (None, 1, 1.0)),
+    "logits_scaling": ("divides the logits", (None, 1, 1.0)),
+    "dim_model_base": ("scales the final state by dim_model_base / hidden_size (MiniCPM)",
+                       (None,)),
+}
+
+# Families known to differ without a config key saying so: why, for the message.
+KNOWN_DIFFERENT = {
+    "gemma": "its final RMSNorm scales by (1 + weight)",
+    "gemma2": "its final RMSNorm scales by (1 + weight)",
+    "gemma3": "its final RMSNorm scales by (1 + weight)",
+    "gemma3_text": "its final RMSNorm scales by (1 + weight)",
+    "gemma3n": "its final RMSNorm scales by (1 + weight)",
+    "gemma3n_text": "its final RMSNorm scales by (1 + weight)",
+    "cohere": "its final norm is a LayerNorm and logit_scale scales the logits",
+    "cohere2": "its final norm is a LayerNorm and logit_scale scales the logits",
+    "nemotron": "its final norm is a LayerNorm scaled by (1 + weight)",
+    "granite": "logits_scaling divides the logits",
+    "granitemoe": "logits_scaling divides the logits",
+    "minicpm": "the final state is scaled by dim_model_base / hidden_size",
+    "phi": "its final norm is a LayerNorm and its lm_head has a bias",
+}
+
+
+class UnsupportedTargetHead(ValueError):
+    """The target's final head is not what the training teacher computes."""
+
+
+def text_config(config: dict) -> dict:
+    """The language-model part of a target config (multimodal targets nest it)."""
+    return config.get("text_config") or config
+
+
+def architecture(config: dict) -> str:
+    """``model_type`` (of the text config when nested) and the architectures, for messages."""
+    text = text_config(config)
+    model_type = text.get("model_type") or config.get("model_type") or "?"
+    names = config.get("architectures") or text.get("architectures") or []
+    return f"{model_type} ({', '.join(names)})" if names else model_type
+
+
+def head_problems(config: dict) -> list[str]:
+    """Why the teacher would not reproduce this target's logits; empty when it would."""
+    text = text_config(config)
+    scopes = [("", config)] if text is config else [("text_config.", text), ("", config)]
+    problems = []
+    for key, (effect, neutral) in HEAD_KEYS.items():
+        for where, cfg in scopes:
+            if key in cfg and cfg[key] not in neutral:
+                problems.append(f"'{where}{key}: {cfg[key]}' {effect}")
+                break
+    model_type = text.get("model_type") or config.get("model_type")
+    if model_type in KNOWN_DIFFERENT:
+        problems.append(f"model_type '{model_type}': {KNOWN_DIFFERENT[model_type]}")
+    elif model_type not in SUPPORTED_MODEL_TYPES:
+        problems.append(f"model_type {model_type!r} is not a family whose final head was "
+                        "checked against its HF logits")
+    return problems
+
+
+def check_teacher_head(config: dict, source) -> None:
+    """Refuse a target whose final head training cannot reproduce (``source``: its config)."""
+    problems = head_problems(config)
+    if problems:
+        raise UnsupportedTargetHead(
+            f"{source}: target {architecture(config)} is not supported: training's teacher "
+            "computes softmax(lm_head(weight * x / rms(x))) (a Llama-style final RMSNorm and a "
+            "plain lm_head), but " + "; ".join(problems) + ". Supported model types: "
+            + ", ".join(SUPPORTED_MODEL_TYPES))
