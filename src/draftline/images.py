@@ -3,6 +3,8 @@
 * ``check(repo)`` - every Dockerfile FROM (its ``ARG`` default), every ``containers.*`` and
   ``server.image`` in the config files is pinned by digest and is a locked reference, and every
   locked image is used. Returns the problems (tests and ``python -m draftline.images check``).
+* ``placeholders(config)`` - the images a config would pull that still carry the all-zero
+  placeholder digest (``check --config FILE``: refuse a production config before its run).
 * ``resolve`` - read the digest of each entry's tag from its registry (Docker Registry HTTP
   API v2, anonymous pull token) and write it wherever the old reference was used.
 * ``set NAME REPO@sha256:...`` - record an image you built and pushed.
@@ -23,6 +25,7 @@ REPO = Path(__file__).resolve().parents[2]
 LOCK = Path("containers") / "images.lock"
 DIGEST = re.compile(r"@sha256:[0-9a-f]{64}$")
 LOCAL_ID = re.compile(r"^sha256:[0-9a-f]{64}$")
+PLACEHOLDER_DIGEST = "@sha256:" + "0" * 64
 MANIFEST_TYPES = ", ".join([
     "application/vnd.oci.image.index.v1+json",
     "application/vnd.docker.distribution.manifest.list.v2+json",
@@ -119,6 +122,18 @@ def check(repo: Path = REPO) -> list[str]:
     return problems
 
 
+def placeholders(config: dict) -> list[str]:
+    """Problems: images of ``config`` whose digest is the all-zero placeholder of the lock.
+
+    The repository may hold placeholders (no registry is reachable where it is developed);
+    a config about to run must not: its first pull would fail, hours into the run.
+    """
+    return [f"config key '{key}': {ref} carries the placeholder digest; run "
+            "`python -m draftline.images resolve` (public images) or build, push and "
+            "`python -m draftline.images set NAME REPO@sha256:...` (draftline's images) first"
+            for key, ref in config_images(config) if ref.endswith(PLACEHOLDER_DIGEST)]
+
+
 def unverified(repo: Path = REPO) -> list[str]:
     return [name for name, e in load_lock(repo).items() if not e.get("verified")]
 
@@ -204,7 +219,9 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m draftline.images", description=__doc__)
     parser.add_argument("--repo", type=Path, default=Path.cwd(), help="repository root")
     sub = parser.add_subparsers(dest="cmd", required=True)
-    sub.add_parser("check", help="every image pinned, locked and used")
+    chk = sub.add_parser("check", help="every image pinned, locked and used")
+    chk.add_argument("--config", type=Path, action="append", default=[],
+                     help="a config about to run: its images must not be placeholders")
     res = sub.add_parser("resolve", help="read digests of the locked tags from their registries")
     res.add_argument("names", nargs="*", help="lock entries (default: all with a public image)")
     put = sub.add_parser("set", help="record a built and pushed image: NAME REPO@sha256:...")
@@ -213,6 +230,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.cmd == "check":
         problems = check(args.repo)
+        for path in args.config:
+            problems += [f"{path}: {p}" for p in placeholders(yaml.safe_load(path.read_text()))]
         print("\n".join(problems) or "all image references pinned, locked and used")
         if unverified(args.repo):
             print(f"unverified digests: {', '.join(unverified(args.repo))}")
