@@ -67,6 +67,11 @@ SHARDS = list(range(config["prompts"]["num_shards"]))
 SERVER_STATE = f"{RESULTS}/.servers"
 
 
+# The repository's root: the folder above rules/ (not workflow.basedir, the folder of the main
+# Snakefile, which is elsewhere when another workflow includes this one).
+WORKFLOW_ROOT = Path(workflow.current_basedir.get_path_or_uri(secret_free=True)).parent
+
+
 def res(path):
     return f"{RESULTS}/{path}"
 
@@ -74,7 +79,7 @@ def res(path):
 def _library_module(name):
     """A standard-library-only module of the library, loaded by its file path: importing the
     draftline package here would need its dependencies at parse time."""
-    path = Path(workflow.basedir) / "src" / "draftline" / f"{name}.py"
+    path = WORKFLOW_ROOT / "src" / "draftline" / f"{name}.py"
     spec = importlib.util.spec_from_file_location(f"_draftline_{name}", path)
     loaded = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(loaded)
@@ -107,7 +112,7 @@ def code_hash(script):
     import (the transitive closure of its imports, read from the source) and the config schema.
     It is passed as a param, so editing any of them makes the stage (and what depends on it)
     stale, and nothing else does."""
-    base = Path(workflow.basedir)
+    base = WORKFLOW_ROOT
     return _codehash.stage_code_hash(
         base / "scripts" / script,
         base / "src",
@@ -138,7 +143,7 @@ def target_input():
 
 def package_data(name):
     """A data file shipped with the library (an input, so editing it makes its stage stale)."""
-    return str(Path(workflow.basedir) / "src" / "draftline" / "data" / name)
+    return str(WORKFLOW_ROOT / "src" / "draftline" / "data" / name)
 
 
 def prompt_source_files():
