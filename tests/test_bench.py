@@ -5,12 +5,18 @@ import json
 import pytest
 
 from draftline.bench import (
+    BenchError,
     acceptance_fields,
     best_config,
+    check_configurations,
     concurrency_levels,
+    configurations,
     default_levels,
     eval_prompts,
+    explain_speedup,
+    run_stage,
     simulated_acceptance,
+    step_costs,
     summarise,
     summary_markdown,
     train_serve_gap,
@@ -90,10 +96,14 @@ def test_speedups_come_from_the_same_measured_rows():
                                             "repetitions": 3, "train_serve_gap": []})
 
 
-def test_simulated_acceptance_truncates_to_served_depth():
-    eval_json = {"accuracy": [0.8, 0.5, 0.5, 0.1], "simulated_acceptance_length": 9.9}
-    assert simulated_acceptance(eval_json, 2) == pytest.approx(1 + 0.8 + 0.4)
-    assert simulated_acceptance({"simulated_acceptance_length": 2.2}, 3) == 2.2
+def test_simulated_acceptance_is_the_training_evaluation_figure():
+    # one definition: training's simulated acceptance (greedy path) at the served depth
+    eval_json = {"accuracy": [0.8, 0.5, 0.5], "cond_accuracy": [0.8, 0.6, 0.5],
+                 "simulated_acceptance_length": 2.52,
+                 "simulated_acceptance_length_by_num_drafts": [1.8, 2.28, 2.52]}
+    assert simulated_acceptance(eval_json, 2) == pytest.approx(2.28)
+    assert simulated_acceptance(eval_json, 3) == pytest.approx(2.52)
+    assert simulated_acceptance(eval_json, 4) is None  # not simulated that deep
 
 
 def test_train_serve_gap_warns_over_ten_percent():
@@ -101,11 +111,15 @@ def test_train_serve_gap_warns_over_ten_percent():
     summary = summarise(rows)
     configs = [{"name": "eagle3-k1", "num_speculative_tokens": 1}]
     messages = []
-    (gap,) = train_serve_gap(summary, configs, {"accuracy": [0.8]}, log=messages.append)
+    (gap,) = train_serve_gap(summary, configs,
+                             {"simulated_acceptance_length_by_num_drafts": [1.8]},
+                             log=messages.append)
     assert gap["serving"] == 1.5 and gap["simulated"] == 1.8
     assert gap["gap_pct"] == pytest.approx(-16.67, abs=0.01) and gap["warning"]
     assert messages and "WARNING" in messages[0]
-    (ok,) = train_serve_gap(summary, configs, {"accuracy": [0.52]}, log=messages.append)
+    (ok,) = train_serve_gap(summary, configs,
+                            {"simulated_acceptance_length_by_num_drafts": [1.52]},
+                            log=messages.append)
     assert not ok["warning"]
 
 
@@ -124,3 +138,117 @@ def test_eval_prompts_are_the_eval_split_only(tmp_path):
     assert 20 <= len(prompts) <= 60
     with pytest.raises(ValueError, match="eval_fraction"):
         eval_prompts([path], 0.0, limit=10)
+
+
+# ---------------------------------------------------------------- load and fail-fast
+
+
+def test_underloaded_cells_are_marked_in_the_summary():
+    rows = [_row("baseline", 8, r, 100, 5.0) | {"running_mean": run, "underloaded": run < 7.2}
+            for r, run in enumerate([7.9, 6.5, 7.8])]
+    rows += [_row("baseline", 1, 0, 10, 5.0) | {"running_mean": 1.0, "underloaded": False}]
+    summary = summarise(rows)
+    cells = {s["concurrency"]: s for s in summary}
+    assert cells[8]["underloaded"] and not cells[1]["underloaded"]
+    assert cells[8]["running_mean"] == {"median": 7.8, "min": 6.5, "max": 7.9}
+    text = summary_markdown({"summary": summary, "num_prompts": 8, "repetitions": 3,
+                             "measure_s": 8.0, "train_serve_gap": []})
+    line8 = next(line for line in text.splitlines() if line.startswith("| baseline | 0 | 8 |"))
+    line1 = next(line for line in text.splitlines() if line.startswith("| baseline | 0 | 1 |"))
+    assert "7.8 *" in line8 and "*" not in line1
+
+
+def _mla_target(tmp_path):
+    target = tmp_path / "kimi-like"
+    target.mkdir()
+    (target / "config.json").write_text(json.dumps({
+        "architectures": ["DeepseekV3ForCausalLM"], "model_type": "deepseek_v3",
+        "kv_lora_rank": 448, "qk_rope_head_dim": 64, "hidden_size": 128}))
+    return target
+
+
+def test_mla_target_with_eagle3_is_refused_before_anything_runs(tmp_path, config):
+    target = _mla_target(tmp_path)
+    out = tmp_path / "bench"
+    with pytest.raises(BenchError) as err:
+        run_stage([], str(tmp_path / "draft"), None, None, str(out), bench_cfg=config["bench"],
+                  generate_cfg=config["generate"], eval_fraction=0.1,
+                  server_cfg=config["server"], model=str(target), state_dir=str(tmp_path))
+    message = str(err.value)
+    assert "eagle3-k3" in message and "MLA" in message and "CPU build" in message
+    assert "target.model" in message and "bench.endpoints" in message
+    assert not (out / "results.json").exists()
+
+
+def test_refusal_only_where_the_pair_cannot_start(tmp_path):
+    mla = str(_mla_target(tmp_path))
+    configs = configurations([3])
+    check_configurations(configs, mla, {}, on_gpu=True)  # GPUs run it
+    check_configurations(configs, mla, {"eagle3-k3": "http://gpu-host:8001"}, on_gpu=False)
+    check_configurations(configs[:1], mla, {}, on_gpu=False)  # the baseline alone runs
+    llama = tmp_path / "llama"
+    llama.mkdir()
+    (llama / "config.json").write_text(json.dumps({"model_type": "llama"}))
+    check_configurations(configs, str(llama), {}, on_gpu=False)
+    with pytest.raises(BenchError):
+        check_configurations(configs, mla, {}, on_gpu=False)
+
+
+def test_speculative_server_starts_first_and_measured_rows_survive_a_failure(
+        tmp_path, config, monkeypatch):
+    import draftline.bench as bench
+
+    responses = tmp_path / "shard-0.jsonl"
+    with open(responses, "w") as fh:
+        for i in range(100):
+            fh.write(json.dumps({"id": f"s{i}", "messages": [
+                {"role": "user", "content": f"q{i}"}, {"role": "assistant", "content": "a"}]})
+                     + "\n")
+    started = []
+
+    def fake_measure_one(cfg, *args, **kwargs):  # test double for a server that dies
+        started.append(cfg["name"])
+        if cfg["num_speculative_tokens"] is None:
+            raise RuntimeError("engine core died")
+        return [_row(cfg["name"], 1, 0, 10.0, 5.0, drafts=10, accepted=10)]
+
+    monkeypatch.setattr(bench, "_measure_one", fake_measure_one)
+    out = tmp_path / "bench"
+    with pytest.raises(BenchError, match="baseline failed") as err:
+        run_stage([str(responses)], str(tmp_path / "draft"), None, None, str(out),
+                  bench_cfg=dict(config["bench"], levels=[1]), generate_cfg=config["generate"],
+                  eval_fraction=0.2,
+                  server_cfg=config["server"], model=str(tmp_path / "no-such"),
+                  state_dir=str(tmp_path))
+    assert started == ["eagle3-k3", "baseline"]
+    partial = json.loads((out / ".partial" / "rows.json").read_text())
+    assert [r["config"] for r in partial["rows"]] == ["eagle3-k3"]
+    assert partial["failed_config"] == "baseline" and "1 rows" in str(err.value)
+
+
+def test_step_costs_predict_the_speedup_and_say_when_none_is_possible():
+    # baseline: 5 ms a token at C=1; EAGLE-3 k=3: 4 ms a token at acceptance 2.0 -> a round
+    # of 8 ms (3 draft steps of 1 ms + a 5 ms verification)
+    rows = [_row("baseline", 1, 0, 200, 5.0), _row("baseline", 4, 0, 600, 6.0),
+            _row("eagle3-k3", 1, 0, 250, 4.0, drafts=100, accepted=100),
+            _row("eagle3-k3", 4, 0, 700, 5.0, drafts=100, accepted=150)]
+    configs = configurations([3])
+    summary = summarise(rows)
+    costs = step_costs(summary, configs)
+    assert costs["target_step_ms"] == 5.0 and costs["concurrency"] == 1
+    k3 = costs["configs"]["eagle3-k3"]
+    assert k3["round_ms"] == pytest.approx(8.0) and k3["draft_step_ms"] == pytest.approx(1.0)
+    assert k3["break_even_acceptance_length"] == pytest.approx(1.6)
+    assert k3["max_speedup"] == pytest.approx(4 * 5.0 / 8.0)
+    cells = {(s["config"], s["concurrency"]): s for s in summary}
+    assert cells[("eagle3-k3", 1)]["predicted_speedup"] == pytest.approx(2.0 * 5 / 8)
+    assert cells[("eagle3-k3", 4)]["predicted_speedup"] == pytest.approx(2.5 * 5 / 8, abs=1e-3)
+    text = "\n".join(explain_speedup(costs))
+    assert "5.000 ms" in text and "No speed-up is possible" not in text
+    # a tiny target on a CPU: a draft step costs as much as a target step
+    slow = [_row("baseline", 1, 0, 200, 5.0),
+            _row("eagle3-k3", 1, 0, 100, 10.0, drafts=100, accepted=120)]
+    costs = step_costs(summarise(slow), configs)
+    assert costs["configs"]["eagle3-k3"]["max_speedup"] == pytest.approx(20 / 22, abs=1e-3)
+    assert "No speed-up is possible on this host for eagle3-k3" in "\n".join(
+        explain_speedup(costs))

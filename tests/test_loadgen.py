@@ -51,6 +51,19 @@ def test_sampling_spec_from_generate_config_builds_streaming_requests():
     assert spec.workload_params()["max_tokens"] == 160
 
 
+def test_a_closed_loop_cycles_prompts_with_a_new_seed_per_pass():
+    from draftline.loadgen import _cycled
+
+    ps = [Prompt("a", [{"role": "user", "content": "x"}]), Prompt("b", [])]
+    gen = _cycled(ps)
+    sent = [next(gen) for _ in range(5)]
+    assert [p.id for p in sent] == ["a", "b", "a#1", "b#1", "a#2"]
+    assert sent[2].messages == ps[0].messages
+    spec = SamplingSpec(max_tokens=8, seed=0)
+    seeds = {spec.request_body("m", p.messages, p.id)["seed"] for p in sent}
+    assert len(seeds) == 5
+
+
 # ---------------------------------------------------------------- chunk accounting
 
 

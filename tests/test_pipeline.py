@@ -28,7 +28,8 @@ PIPELINE_CONFIG = {
     "vocab": {"draft_vocab_size": 1024},
     "train": {"epochs": 3, "ttt_steps": 3, "eval_every": 20, "checkpoint_every": 20},
     "bench": {"num_speculative_tokens": [3], "levels": [1, 4], "temperatures": [0.0],
-              "num_prompts": 8, "max_tokens": 48, "repetitions": 3},
+              "num_prompts": 8, "max_tokens": 48, "repetitions": 3, "warmup_s": 1,
+              "measure_s": 3},
     "server": {"idle_timeout_s": 600},
 }
 

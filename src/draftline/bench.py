@@ -1,25 +1,38 @@
 """Deployment benchmark: the target alone vs the target with the trained EAGLE-3 draft.
 
-For each configuration (``baseline`` and ``eagle3-k{n}`` for every ``num_speculative_tokens``)
-a vLLM server is started (or an external endpoint used), and the eval-split prompts are sent
-once per repetition at every concurrency level and temperature, with identical prompts and
-per-prompt seeds for every configuration. Measurements come from ``draftline.loadgen`` (the
-profiler's load generator); acceptance comes from the server's spec-decode Prometheus counters,
-differenced over each measured run and pooled (DESIGN.md).
+For each configuration (``eagle3-k{n}`` for every ``num_speculative_tokens``, then
+``baseline``) a vLLM server is started (or an external endpoint used); the speculative ones go
+first, so a server that cannot start fails before baseline time is spent, and pairs known not
+to start (an MLA target with EAGLE-3 on vLLM's CPU build) are refused before anything runs.
+Every (temperature, level) cell is a closed-loop window (``draftline.loadgen.measure_window``,
+as the profiler measures): the eval-split prompts are cycled with per-request seeds so that C
+requests stay in flight for the whole window; the server's ``vllm:num_requests_running`` gauge
+is sampled during it and a row whose mean stays below 0.9 x C is marked ``underloaded``.
+TTFT, TPOT and ITL are those of ``vllm bench serve`` (``draftline.loadgen.RequestResult``).
+Acceptance comes from the server's spec-decode Prometheus counters, differenced over each
+window and pooled (DESIGN.md). Step costs at the lowest level (``step_costs``) explain the
+speed-up. A configuration that fails mid-run leaves the rows measured before it in
+``.partial/rows.json``.
 
 ``results.json`` schema (version 1)::
 
     {"schema": "draftline.bench/1",
      "configs": [{"name", "num_speculative_tokens" (null for baseline)}],
      "levels": [int], "temperatures": [float], "repetitions": int, "num_prompts": int,
+     "warmup_s", "measure_s",
      "rows": [{"config", "temperature", "concurrency", "repetition", "output_tok_s",
-               "requests_s", "ttft_ms", "tpot_ms", "itl_ms", "e2e_s" (percentile dicts),
-               "errors", "acceptance_length", "acceptance_rate", "accepted_per_position",
-               "counters"}],
+               "requests_s", "requests_completed", "window_s", "ttft_ms", "tpot_ms", "itl_ms",
+               "e2e_s" (percentile dicts), "errors", "running_mean", "underloaded",
+               "acceptance_length", "acceptance_rate", "accepted_per_position", "counters"}],
      "summary": [{"config", "temperature", "concurrency", "output_tok_s": {median,min,max},
-                  "tpot_ms_p50": {median,min,max}, "acceptance_length": {...},
-                  "acceptance_rate", "accepted_per_position", "speedup_throughput",
-                  "speedup_tpot"}],
+                  "tpot_ms_p50", "ttft_ms_p50", "itl_ms_p50", "running_mean" ({...}),
+                  "underloaded", "acceptance_length": {...}, "acceptance_rate",
+                  "accepted_per_position", "speedup_throughput", "speedup_tpot",
+                  "predicted_speedup"}],
+     "step_costs": {"temperature", "concurrency", "target_step_ms",
+                    "configs": {name: {"num_speculative_tokens", "acceptance_length",
+                                       "round_ms", "draft_step_ms",
+                                       "break_even_acceptance_length", "max_speedup"}}},
      "train_serve_gap": [{"config", "simulated", "serving", "gap_pct", "warning"}],
      "best": {"num_speculative_tokens", "speedup_throughput"}}
 """
@@ -28,10 +41,11 @@ from __future__ import annotations
 
 import json
 import statistics
+from functools import partial
 from pathlib import Path
 
 from draftline.atomic import write_json
-from draftline.loadgen import Prompt, SamplingSpec, acceptance_length, run_requests
+from draftline.loadgen import Prompt, SamplingSpec, acceptance_length, measure_window
 from draftline.profile import resolve_concurrency
 from draftline.server import Endpoint, endpoints_for
 
@@ -98,29 +112,49 @@ def acceptance_fields(counters: dict) -> dict:
     }
 
 
-def measure_config(endpoint: Endpoint, config: dict, prompts: list[Prompt], levels: list[int],
+LOADED_FRACTION = 0.9  # a row whose server-side mean running requests is below 0.9 x C
+
+
+def measure_level(endpoint: Endpoint, prompts: list[Prompt], spec: SamplingSpec, level: int,
+                  warmup_s: float, measure_s: float) -> dict:
+    """One closed-loop window at ``level``: the eval prompts cycled (per-request seeds), so that
+    ``level`` requests stay in flight for the whole window; the server's running-requests gauge
+    is sampled during it."""
+    window = measure_window(endpoint, prompts, spec, level, warmup_s, measure_s,
+                            warmup_turnover=1.0, max_warmup_s=max(60.0, 10 * warmup_s),
+                            running_every_s=0.5)
+    running = window.server.get("num_requests_running_mean")
+    return {**{k: window.stats[k] for k in ("output_tok_s", "requests_s", "requests_completed",
+                                            "ttft_ms", "tpot_ms", "itl_ms", "e2e_s", "errors",
+                                            "window_s")},
+            "running_mean": running,
+            "underloaded": running is not None and running < LOADED_FRACTION * level,
+            "counters": window.server.get("counters", {})}
+
+
+def measure_config(endpoint: Endpoint, *, config: dict, prompts: list[Prompt], levels: list[int],
                    temperatures: list[float], repetitions: int, sampling: dict,
-                   log=print) -> list[dict]:
+                   windows: dict, log=print) -> list[dict]:
+    """Every (temperature, level) window ``repetitions`` times; repetitions are the outer loop,
+    so drift of a shared host spreads over all levels instead of biasing one."""
     rows = []
     for temperature in temperatures:
         spec = SamplingSpec(max_tokens=sampling["max_tokens"], temperature=temperature,
                             top_p=sampling["top_p"] if temperature > 0 else 1.0,
                             seed=sampling["seed"],
                             chat_template_kwargs=dict(sampling["chat_template_kwargs"]))
-        for level in levels:
-            # Warm-up: one pass at this level, not recorded (caches, graph capture, batching).
-            run_requests(endpoint, prompts[: max(level, 2)], spec, level)
-            for rep in range(repetitions):
-                result = run_requests(endpoint, prompts, spec, level)
-                counters = result.server.get("counters", {})
+        for rep in range(repetitions):
+            for level in levels:
+                measured = measure_level(endpoint, prompts, spec, level, windows["warmup_s"],
+                                         windows["measure_s"])
+                counters = measured.pop("counters")
                 row = {"config": config["name"], "temperature": temperature,
-                       "concurrency": level, "repetition": rep,
-                       **{k: result.stats[k] for k in ("output_tok_s", "requests_s", "ttft_ms",
-                                                       "tpot_ms", "itl_ms", "e2e_s", "errors")},
+                       "concurrency": level, "repetition": rep, **measured,
                        **acceptance_fields(counters), "counters": counters}
                 rows.append(row)
                 log(f"{config['name']} T={temperature} C={level} rep {rep}: "
-                    f"{row['output_tok_s']} tok/s, acceptance {row['acceptance_length']}")
+                    f"{row['output_tok_s']} tok/s, TPOT p50 {(row['tpot_ms'] or {}).get('p50')}"
+                    f" ms, running {row['running_mean']}, acceptance {row['acceptance_length']}")
     return rows
 
 
@@ -162,6 +196,9 @@ def summarise(rows: list[dict]) -> list[dict]:
             "output_tok_s": _spread([r["output_tok_s"] for r in group]),
             "tpot_ms_p50": _spread([(r["tpot_ms"] or {}).get("p50") for r in group]),
             "ttft_ms_p50": _spread([(r["ttft_ms"] or {}).get("p50") for r in group]),
+            "itl_ms_p50": _spread([(r["itl_ms"] or {}).get("p50") for r in group]),
+            "running_mean": _spread([r.get("running_mean") for r in group]),
+            "underloaded": any(r.get("underloaded") for r in group),
             "acceptance_length_runs": _spread([r["acceptance_length"] for r in group]),
             **pooled,
         })
@@ -184,15 +221,13 @@ def add_speedups(summary: list[dict]) -> None:
 
 
 def simulated_acceptance(eval_json: dict, num_speculative_tokens: int) -> float | None:
-    """1 + sum_k prod_{j<=k} acc_j over the first n unrolled steps of training evaluation."""
-    acc = eval_json.get("accuracy") or eval_json.get("step_accuracy")
-    if isinstance(acc, list) and acc:
-        length, prod = 1.0, 1.0
-        for a in acc[:num_speculative_tokens]:
-            prod *= a
-            length += prod
-        return round(length, 4)
-    return eval_json.get("simulated_acceptance_length")
+    """The training evaluation's simulated acceptance length at ``num_speculative_tokens``
+    drafts (``draftline.model.metrics_from_counts``: along the target's greedy path, so a T=0
+    figure). None when training unrolled fewer steps than the server drafts."""
+    by_drafts = eval_json.get("simulated_acceptance_length_by_num_drafts") or []
+    if len(by_drafts) < num_speculative_tokens:
+        return None
+    return round(by_drafts[num_speculative_tokens - 1], 4)
 
 
 def train_serve_gap(summary: list[dict], configs: list[dict], eval_json: dict | None,
@@ -219,6 +254,78 @@ def train_serve_gap(summary: list[dict], configs: list[dict], eval_json: dict | 
     return gaps
 
 
+def _cell_of(summary: list[dict], config: str, temperature: float) -> dict | None:
+    """The summary cell at the lowest measured concurrency (C=1 when measured)."""
+    cells = [s for s in summary if s["config"] == config and s["temperature"] == temperature
+             and s["tpot_ms_p50"]]
+    return min(cells, key=lambda s: s["concurrency"]) if cells else None
+
+
+def step_costs(summary: list[dict], configs: list[dict]) -> dict | None:
+    """Per-step costs at the lowest concurrency and greedy sampling, and what they predict.
+
+    target step = the baseline's median TPOT (one token per decode step). A speculative round
+    (k draft steps, then one verification of k+1 tokens) yields the acceptance length AL in
+    tokens, so round = the EAGLE-3 median TPOT x AL, and the draft step is derived as
+    (round - target step) / k: verification counted as one target step, the rest as drafting.
+    The predicted speed-up of a row is AL x target step / round; break-even is AL = round /
+    target step, and with every draft accepted (AL = k+1) the speed-up is at most
+    (k+1) x target step / round.
+    """
+    temperature = 0.0 if any(s["temperature"] == 0 for s in summary) else min(
+        (s["temperature"] for s in summary), default=None)
+    base = _cell_of(summary, "baseline", temperature)
+    if base is None:
+        return None
+    target_ms = base["tpot_ms_p50"]["median"]
+    out = {"temperature": temperature, "concurrency": base["concurrency"],
+           "target_step_ms": round(target_ms, 4), "configs": {}}
+    for cfg in configs:
+        k = cfg["num_speculative_tokens"]
+        spec = _cell_of(summary, cfg["name"], temperature) if k else None
+        if spec is None or not spec["acceptance_length"]:
+            continue
+        round_ms = spec["tpot_ms_p50"]["median"] * spec["acceptance_length"]
+        out["configs"][cfg["name"]] = {
+            "num_speculative_tokens": k, "acceptance_length": spec["acceptance_length"],
+            "round_ms": round(round_ms, 4),
+            "draft_step_ms": round(max(0.0, (round_ms - target_ms) / k), 4),
+            "break_even_acceptance_length": round(round_ms / target_ms, 3),
+            "max_speedup": round((k + 1) * target_ms / round_ms, 3)}
+    for s in summary:
+        costs = out["configs"].get(s["config"])
+        s["predicted_speedup"] = (round(s["acceptance_length"] * target_ms / costs["round_ms"],
+                                        3) if costs and s["acceptance_length"] else None)
+    return out
+
+
+def explain_speedup(costs: dict | None) -> list[str]:
+    """Markdown lines: the measured step costs, and one line when no speed-up is possible."""
+    if not costs or not costs["configs"]:
+        return []
+    lines = ["", f"## Why this speed-up (step costs at C={costs['concurrency']}, "
+             f"T={costs['temperature']:g})", "",
+             f"Target step (baseline median TPOT): {costs['target_step_ms']:.3f} ms. A drafting "
+             "round is k draft steps plus one verification; round = EAGLE-3 median TPOT x "
+             "acceptance length; draft step = (round - target step) / k. `predicted` in the "
+             "table = acceptance length x target step / round.", "",
+             "| config | k | draft step ms | round ms | acceptance length | break-even "
+             "acceptance | max speedup (all accepted) |", "|---|---|---|---|---|---|---|"]
+    for name, c in costs["configs"].items():
+        lines.append(f"| {name} | {c['num_speculative_tokens']} | {c['draft_step_ms']:.3f} | "
+                     f"{c['round_ms']:.3f} | {c['acceptance_length']} | "
+                     f"{c['break_even_acceptance_length']} | {c['max_speedup']} |")
+    for name, c in costs["configs"].items():
+        if c["max_speedup"] <= 1.0:
+            lines += ["", f"**No speed-up is possible on this host for {name}:** a draft step "
+                      f"costs {c['draft_step_ms']:.2f} ms against a target step of "
+                      f"{costs['target_step_ms']:.2f} ms, so even with all "
+                      f"{c['num_speculative_tokens']} draft tokens accepted a round is slower "
+                      "than plain decoding (fixed per-step cost dominates: a tiny target, "
+                      "or a CPU)."]
+    return lines
+
+
 def best_config(summary: list[dict]) -> dict | None:
     """The speculative depth with the highest median throughput speedup over all cells."""
     by_config: dict[str, list[float]] = {}
@@ -235,23 +342,43 @@ def best_config(summary: list[dict]) -> dict | None:
 # ---------------------------------------------------------------- outputs
 
 
+def _cell(spread: dict | None, fmt: str = ".2f", with_range: bool = False) -> str:
+    if not spread:
+        return "-"
+    text = format(spread["median"], fmt)
+    if with_range:
+        text += f" ({format(spread['min'], fmt)}-{format(spread['max'], fmt)})"
+    return text
+
+
 def summary_markdown(result: dict) -> str:
+    windows = (f"closed-loop windows of {result['measure_s']:g} s (after a warm-up), the "
+               f"{result['num_prompts']} eval-split prompts cycled with per-request seeds"
+               if "measure_s" in result else f"{result['num_prompts']} eval-split prompts")
     lines = ["# Deployment benchmark: baseline vs EAGLE-3", "",
-             f"{result['num_prompts']} eval-split prompts per run, {result['repetitions']} "
-             "repetitions; medians (min-max).", "",
-             "| config | T | C | output tok/s | TPOT p50 ms | acceptance length | "
-             "speedup (tok/s) | speedup (TPOT) |", "|---|---|---|---|---|---|---|---|"]
+             f"{windows}; {result['repetitions']} repetitions, medians (min-max). TTFT, TPOT "
+             "as `vllm bench serve` defines them. `running` is the server's mean "
+             "`vllm:num_requests_running` during the window; `*` marks a cell where a window "
+             f"stayed below {LOADED_FRACTION:g} x C (the level was not fully loaded).", "",
+             "| config | T | C | output tok/s | TTFT p50 ms | TPOT p50 ms | running | "
+             "acceptance length | speedup (tok/s) | speedup (TPOT) | predicted |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
     for s in sorted(result["summary"], key=lambda s: (s["temperature"], s["concurrency"],
                                                        s["config"])):
-        tps, tpot = s["output_tok_s"], s["tpot_ms_p50"]
-        tpot_text = f"{tpot['median']:.2f}" if tpot else "-"
+        running = _cell(s.get("running_mean"), ".1f") + (" *" if s.get("underloaded") else "")
         lines.append(
             f"| {s['config']} | {s['temperature']:g} | {s['concurrency']} | "
-            f"{tps['median']:.1f} ({tps['min']:.1f}-{tps['max']:.1f}) | {tpot_text} | "
+            f"{_cell(s['output_tok_s'], '.1f', True)} | {_cell(s.get('ttft_ms_p50'))} | "
+            f"{_cell(s['tpot_ms_p50'])} | {running} | "
             f"{s['acceptance_length'] or '-'} | {s['speedup_throughput'] or '-'} | "
-            f"{s['speedup_tpot'] or '-'} |")
+            f"{s['speedup_tpot'] or '-'} | {s.get('predicted_speedup') or '-'} |")
+    lines += explain_speedup(result.get("step_costs"))
     if result["train_serve_gap"]:
         lines += ["", "## Train-serve gap (temperature 0)", "",
+                  "Simulated: the training evaluation's acceptance length along the target's "
+                  "greedy path (a T=0 figure; at T > 0 vLLM accepts a greedy draft token with "
+                  "the target's probability of it, so acceptance is lower and not simulated). "
+                  "Serving: vLLM's spec-decode counters at T=0, pooled over levels.", "",
                   "| config | simulated | serving | gap % |", "|---|---|---|---|"]
         for g in result["train_serve_gap"]:
             flag = " (over 10%)" if g["warning"] else ""
@@ -315,13 +442,65 @@ def concurrency_levels(bench_cfg: dict, generate_cfg: dict, profile_json: str | 
     return default_levels(resolve_concurrency(generate_cfg["concurrency"], profile_json))
 
 
+class BenchError(RuntimeError):
+    """A configuration cannot be benchmarked (refused up front, or it failed mid-run)."""
+
+
+MLA_MODEL_TYPES = {"deepseek_v2", "deepseek_v3", "kimi_k2", "deepseek_mtp"}
+
+
+def target_architecture(model: str) -> dict | None:
+    """The target's config.json (its ``text_config`` for multimodal wrappers), if local."""
+    path = Path(model) / "config.json"
+    if not path.is_file():
+        return None
+    cfg = json.loads(path.read_text())
+    return cfg.get("text_config") or cfg
+
+
+def uses_mla(target_cfg: dict) -> bool:
+    return "kv_lora_rank" in target_cfg or target_cfg.get("model_type") in MLA_MODEL_TYPES
+
+
+def check_configurations(configs: list[dict], model: str, external: dict,
+                         on_gpu: bool) -> None:
+    """Refuse, before anything is measured, pairs that are known not to start."""
+    target_cfg = target_architecture(model)
+    managed_spec = [c["name"] for c in configs
+                    if c["num_speculative_tokens"] is not None and c["name"] not in external]
+    if managed_spec and target_cfg is not None and uses_mla(target_cfg) and not on_gpu:
+        raise BenchError(
+            f"bench: cannot run {', '.join(managed_spec)} on this host: the target "
+            f"(target.model = {model}, model_type {target_cfg.get('model_type')!r}) uses MLA "
+            "attention, and EAGLE-3 beside an MLA target does not start on vLLM's CPU build "
+            "(no common KV-cache block size: CPU MLA needs 16, the draft's CPU attention "
+            "multiples of 32; see DESIGN.md). Benchmark on a GPU host, give the speculative "
+            "configurations external servers (bench.endpoints), or use a Llama-architecture "
+            "target for the CPU benchmark. Nothing was measured.")
+
+
+def measuring_order(configs: list[dict]) -> list[dict]:
+    """Speculative configurations first: the server most likely to fail starts before any
+    baseline time is spent."""
+    return sorted(configs, key=lambda c: c["num_speculative_tokens"] is None)
+
+
+def _partial_path(out: Path) -> Path:
+    return out / ".partial" / "rows.json"
+
+
 def run_stage(response_files: list[str], draft_dir: str, eval_json: str | None,
               profile_json: str | None, out_dir: str, *, bench_cfg: dict, generate_cfg: dict,
               eval_fraction: float, server_cfg: dict, model: str, state_dir: str,
               trust_remote_code: bool = False, log=print) -> dict:
     """Benchmark every configuration and write results.json, summary.md and the plots."""
+    from draftline.server import has_gpu
+
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
+    configs = configurations(bench_cfg["num_speculative_tokens"])
+    external_urls = bench_cfg.get("endpoints") or {}
+    check_configurations(configs, model, external_urls, has_gpu())
     prompts = eval_prompts([Path(p) for p in response_files], eval_fraction,
                            bench_cfg["num_prompts"])
     levels = concurrency_levels(bench_cfg, generate_cfg, profile_json)
@@ -329,32 +508,49 @@ def run_stage(response_files: list[str], draft_dir: str, eval_json: str | None,
     sampling = {"max_tokens": bench_cfg["max_tokens"], "top_p": generate_cfg["top_p"],
                 "seed": generate_cfg["seed"],
                 "chat_template_kwargs": generate_cfg["chat_template_kwargs"]}
-    configs = configurations(bench_cfg["num_speculative_tokens"])
+    windows = {"warmup_s": bench_cfg["warmup_s"], "measure_s": bench_cfg["measure_s"]}
     rows: list[dict] = []
-    for cfg in configs:
-        external = (bench_cfg.get("endpoints") or {}).get(cfg["name"])
-        if external:
-            endpoint = Endpoint(base_url=external.rstrip("/").removesuffix("/v1") + "/v1",
-                                model=bench_cfg.get("served_name") or server_cfg["served_name"])
-            rows += measure_config(endpoint, cfg, prompts, levels, temperatures,
-                                   bench_cfg["repetitions"], sampling, log)
-            continue
-        managed = dict(server_cfg, mode="managed")
-        spec_cfg = speculative_config(draft_dir, cfg["num_speculative_tokens"])
-        with endpoints_for(managed, model, Path(state_dir), trust_remote_code, spec_cfg,
-                           log=log) as (endpoint,):
-            rows += measure_config(endpoint, cfg, prompts, levels, temperatures,
-                                   bench_cfg["repetitions"], sampling, log)
+    for cfg in measuring_order(configs):
+        try:
+            rows += _measure_one(cfg, external_urls.get(cfg["name"]), prompts, levels,
+                                 temperatures, sampling, windows, bench_cfg, server_cfg, model,
+                                 draft_dir, state_dir, trust_remote_code, log)
+        except Exception as exc:
+            partial = _partial_path(out)
+            _write_json(partial, {"schema": SCHEMA, "failed_config": cfg["name"], "rows": rows})
+            raise BenchError(f"bench: configuration {cfg['name']} failed "
+                             f"(bench.num_speculative_tokens = "
+                             f"{bench_cfg['num_speculative_tokens']}): {exc}. The {len(rows)} "
+                             f"rows measured before are kept in {partial}") from exc
     summary = summarise(rows)
     train_eval = json.loads(Path(eval_json).read_text()) if eval_json else None
     result = {"schema": SCHEMA, "configs": configs, "levels": levels,
               "temperatures": temperatures, "repetitions": bench_cfg["repetitions"],
-              "num_prompts": len(prompts), "max_tokens": bench_cfg["max_tokens"],
+              "num_prompts": len(prompts), "max_tokens": bench_cfg["max_tokens"], **windows,
               "rows": rows, "summary": summary,
+              "step_costs": step_costs(summary, configs),
               "train_serve_gap": train_serve_gap(summary, configs, train_eval, log),
               "best": best_config(summary)}
     _write_json(out / "results.json", result)
     (out / "summary.md").write_text(summary_markdown(result))
     plot(result, out / "throughput.png", out / "acceptance.png")
+    _partial_path(out).unlink(missing_ok=True)
     log(summary_markdown(result))
     return result
+
+
+def _measure_one(cfg: dict, external: str | None, prompts, levels, temperatures, sampling,
+                 windows, bench_cfg, server_cfg, model, draft_dir, state_dir,
+                 trust_remote_code, log) -> list[dict]:
+    """Start (or reach) the configuration's server and measure it."""
+    measure = partial(measure_config, config=cfg, prompts=prompts, levels=levels,
+                      temperatures=temperatures, repetitions=bench_cfg["repetitions"],
+                      sampling=sampling, windows=windows, log=log)
+    if external:
+        return measure(Endpoint(base_url=external.rstrip("/").removesuffix("/v1") + "/v1",
+                                model=bench_cfg.get("served_name") or server_cfg["served_name"]))
+    managed = dict(server_cfg, mode="managed")
+    spec_cfg = speculative_config(draft_dir, cfg["num_speculative_tokens"])
+    with endpoints_for(managed, model, Path(state_dir), trust_remote_code, spec_cfg,
+                       log=log) as (endpoint,):
+        return measure(endpoint)

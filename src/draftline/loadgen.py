@@ -353,6 +353,14 @@ class DynamicLimit:
             self._changed.notify_all()
 
 
+def _cycled(prompts: Sequence[Prompt]):
+    """The prompts over and over; from the second pass on each request gets its own id (and so
+    its own seed, ``request_seed``): a closed loop never repeats a sampled request."""
+    for n in itertools.count():
+        for p in prompts:
+            yield p if n == 0 else Prompt(id=f"{p.id}#{n}", messages=p.messages)
+
+
 class _Loop:
     """Shared state of one closed-loop run: the gate, the prompt cursor, every request."""
 
@@ -364,7 +372,7 @@ class _Loop:
         self.spec = spec
         self.client = ChatStreamer(endpoint, pool_size, timeout_s)
         self.gate = DynamicLimit(concurrency)
-        self._prompts = itertools.cycle(prompts) if cycle else iter(prompts)
+        self._prompts = _cycled(prompts) if cycle else iter(prompts)
         self.keep_text = keep_text
         self.results: list[RequestResult] = []
         self.tokens = 0  # output tokens received so far (all requests)
@@ -646,6 +654,7 @@ async def measure_window_async(endpoint: Endpoint, prompts: Sequence[Prompt], sp
                                warmup_turnover: float = 0.0, max_warmup_s: float | None = None,
                                limiter=None, limiter_tick_s: float = 1.0,
                                server_metrics: bool = True, timeout_s: float = 600.0,
+                               running_every_s: float = 1.0,
                                progress: Callable[[int], None] | None = None) -> WindowResult:
     """Closed loop at ``concurrency``; warm up, then measure ``measure_s`` seconds.
 
@@ -676,7 +685,7 @@ async def measure_window_async(endpoint: Endpoint, prompts: Sequence[Prompt], sp
             t0, cpu0 = time.perf_counter(), time.process_time()
             if server_metrics:
                 helpers.append(asyncio.create_task(_poll_running(http, endpoint.root_url,
-                                                                 running)))
+                                                                 running, running_every_s)))
             await asyncio.sleep(measure_s)
             t1, cpu1 = time.perf_counter(), time.process_time()
             after = await fetch_metrics_async(http, endpoint.root_url) if server_metrics else None
