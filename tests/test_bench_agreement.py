@@ -1,0 +1,26 @@
+"""The deployment benchmark's load generator against ``vllm bench serve`` on one real server."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+
+
+@pytest.mark.vllm
+@pytest.mark.slow
+def test_bench_measurement_agrees_with_vllm_bench_serve(vllm_server, tmp_path):
+    """Two levels, 3 interleaved runs of each tool: output tok/s, median TPOT and median TTFT
+    (medians over the runs) agree within 10%."""
+    from latency_agreement import METRICS, agreement, bench_spec
+
+    report = agreement(vllm_server.endpoint, vllm_server.spec.model, levels=[1, 8], repeats=3,
+                       spec=bench_spec(max_tokens=64, temperature=0.0), prompts_per_slot=12,
+                       warmup_s=2.0, measure_s=8.0, workdir=tmp_path)
+    for level, row in report.items():
+        for metric in METRICS:
+            assert row["ratio"][metric] == pytest.approx(1.0, abs=0.10), (level, metric, row)
+        assert row["medians"]["draftline"]["median_tpot_ms"] > 0.5  # a real decode step
