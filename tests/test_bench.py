@@ -87,7 +87,7 @@ def test_speedups_come_from_the_same_measured_rows():
              for r, tok in enumerate([180, 200, 220])]
     summary = summarise(rows)
     eagle = next(s for s in summary if s["config"] == "eagle3-k3")
-    assert eagle["output_tok_s"] == {"median": 200, "min": 180, "max": 220}
+    assert eagle["output_tok_s"] == {"median": 200, "min": 180, "max": 220, "spread": 0.2}
     assert eagle["speedup_throughput"] == pytest.approx(200 / 100)
     assert eagle["speedup_tpot"] == pytest.approx(10.0 / 5.0)
     assert best_config(summary) == {"config": "eagle3-k3", "num_speculative_tokens": 3,
@@ -150,12 +150,18 @@ def test_underloaded_cells_are_marked_in_the_summary():
     summary = summarise(rows)
     cells = {s["concurrency"]: s for s in summary}
     assert cells[8]["underloaded"] and not cells[1]["underloaded"]
-    assert cells[8]["running_mean"] == {"median": 7.8, "min": 6.5, "max": 7.9}
+    assert cells[8]["running_mean"] == {"median": 7.8, "min": 6.5, "max": 7.9,
+                                        "spread": pytest.approx(1.4 / 7.8, abs=1e-4)}
     text = summary_markdown({"summary": summary, "num_prompts": 8, "repetitions": 3,
                              "measure_s": 8.0, "train_serve_gap": []})
     line8 = next(line for line in text.splitlines() if line.startswith("| baseline | 0 | 8 |"))
     line1 = next(line for line in text.splitlines() if line.startswith("| baseline | 0 | 1 |"))
     assert "7.8 *" in line8 and "*" not in line1
+    assert "~" not in line8  # 100 tok/s every time
+    noisy = summarise([_row("baseline", 2, r, tok, 5.0) for r, tok in enumerate([80, 100, 110])])
+    text = summary_markdown({"summary": noisy, "num_prompts": 8, "repetitions": 3,
+                             "train_serve_gap": []})
+    assert "100.0 (80.0-110.0) ~" in text  # spread 30%
 
 
 def _mla_target(tmp_path):

@@ -113,6 +113,7 @@ def acceptance_fields(counters: dict) -> dict:
 
 
 LOADED_FRACTION = 0.9  # a row whose server-side mean running requests is below 0.9 x C
+MAX_SPREAD = 0.2  # (max - min) / median of a cell's output tok/s above this: a noisy cell
 
 
 def measure_level(endpoint: Endpoint, prompts: list[Prompt], spec: SamplingSpec, level: int,
@@ -165,8 +166,10 @@ def _spread(values: list[float]) -> dict | None:
     values = [v for v in values if v is not None]
     if not values:
         return None
-    return {"median": round(statistics.median(values), 4), "min": round(min(values), 4),
-            "max": round(max(values), 4)}
+    median = statistics.median(values)
+    return {"median": round(median, 4), "min": round(min(values), 4),
+            "max": round(max(values), 4),
+            "spread": round((max(values) - min(values)) / median, 4) if median else None}
 
 
 def pooled_acceptance(rows: list[dict]) -> dict:
@@ -359,16 +362,20 @@ def summary_markdown(result: dict) -> str:
              f"{windows}; {result['repetitions']} repetitions, medians (min-max). TTFT, TPOT "
              "as `vllm bench serve` defines them. `running` is the server's mean "
              "`vllm:num_requests_running` during the window; `*` marks a cell where a window "
-             f"stayed below {LOADED_FRACTION:g} x C (the level was not fully loaded).", "",
+             f"stayed below {LOADED_FRACTION:g} x C (the level was not fully loaded); `~` "
+             f"marks output tok/s whose spread (max-min)/median exceeds {MAX_SPREAD:.0%} (a "
+             "busy host: rerun on a quiet one).", "",
              "| config | T | C | output tok/s | TTFT p50 ms | TPOT p50 ms | running | "
              "acceptance length | speedup (tok/s) | speedup (TPOT) | predicted |",
              "|---|---|---|---|---|---|---|---|---|---|---|"]
     for s in sorted(result["summary"], key=lambda s: (s["temperature"], s["concurrency"],
                                                        s["config"])):
         running = _cell(s.get("running_mean"), ".1f") + (" *" if s.get("underloaded") else "")
+        noisy = (s["output_tok_s"].get("spread") or 0.0) > MAX_SPREAD
         lines.append(
             f"| {s['config']} | {s['temperature']:g} | {s['concurrency']} | "
-            f"{_cell(s['output_tok_s'], '.1f', True)} | {_cell(s.get('ttft_ms_p50'))} | "
+            f"{_cell(s['output_tok_s'], '.1f', True)}{' ~' if noisy else ''} | "
+            f"{_cell(s.get('ttft_ms_p50'))} | "
             f"{_cell(s['tpot_ms_p50'])} | {running} | "
             f"{s['acceptance_length'] or '-'} | {s['speedup_throughput'] or '-'} | "
             f"{s['speedup_tpot'] or '-'} | {s.get('predicted_speedup') or '-'} |")
