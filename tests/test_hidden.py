@@ -9,6 +9,7 @@ pre-hooks, batched with padding; or vLLM's extract_hidden_states method with our
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import signal
 import subprocess
@@ -508,8 +509,11 @@ def test_bad_dataset_record_is_named(tiny_target, tmp_path):
 
 
 VLLM_CFG = {"backend": "vllm", "samples_per_file": 4, "batch_tokens": 256}
+# server.env and server.extra_args reach the hidden-state engine as they reach every vLLM
+ENV_PROBE = "DRAFTLINE_HIDDEN_ENV_PROBE"
 VLLM_SERVER_CFG = {"enforce_eager": True, "max_model_len": 512, "dtype": "bfloat16",
-                   "cpu_kvcache_space_gib": 1}
+                   "cpu_kvcache_space_gib": 1, "env": {ENV_PROBE: "engine"},
+                   "extra_args": ["--language-model-only", "--enable-prefix-caching"]}
 
 
 @pytest.fixture(scope="module")
@@ -538,6 +542,7 @@ def test_vllm_states_equal_direct_forward_pass(vllm_run, vllm_dataset, toy_targe
     """vLLM (CPU build, our connector) and hf both match the reference on the toy target;
     states of prompts prefilled in chunks come out whole and in order."""
     index = read_index(vllm_run)
+    assert os.environ[ENV_PROBE] == "engine"  # the engine ran in this process with server.env
     assert index["backend"] == "vllm" and index["rejected"] == []
     assert len(index["files"]) == 4
     assert not (vllm_run / ".spool").exists()
@@ -588,3 +593,24 @@ def test_vllm_resume_after_interrupt_gives_identical_files(vllm_run, vllm_datase
     for rel in expected:
         assert (out / rel).read_bytes() == (vllm_run / rel).read_bytes(), rel
     assert (out / "index.json").read_bytes() == (vllm_run / "index.json").read_bytes()
+
+
+@requires_vllm
+def test_server_extra_args_reach_the_hidden_state_engine(tmp_path):
+    """A multimodal target served text-only (Kimi-K2.5: --language-model-only) must be loaded
+    the same way by the hidden-state engine; the backend's own settings keep their values and
+    API-server options stay with the server."""
+    from draftline.hidden.vllm_backend import engine_kwargs
+
+    server_cfg = {"extra_args": ["--language-model-only", "--mm-encoder-tp-mode", "data",
+                                 "--enable-prefix-caching", "--enable-auto-tool-choice"]}
+    kwargs = engine_kwargs(Path("/models/kimi"), [2, 30, 58, 61], tmp_path, 100,
+                           {"batch_tokens": 4096}, server_cfg)
+    assert kwargs["language_model_only"] is True
+    assert kwargs["mm_encoder_tp_mode"] == "data"
+    assert kwargs["enable_prefix_caching"] is False  # a cache hit would skip the forward pass
+    assert "enable_auto_tool_choice" not in kwargs
+    assert engine_kwargs(Path("/m"), [2, 4, 5, 8], tmp_path, 100, {}, {}).keys() == {
+        "model", "skip_tokenizer_init", "tensor_parallel_size", "max_model_len",
+        "enforce_eager", "enable_prefix_caching", "max_num_batched_tokens",
+        "speculative_config", "kv_transfer_config", "seed"}

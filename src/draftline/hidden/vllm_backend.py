@@ -22,6 +22,7 @@ returns them in ascending order, whatever order the config lists them in.
 
 from __future__ import annotations
 
+import logging
 import os
 import shutil
 import time
@@ -30,6 +31,8 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from draftline.hidden.vllm_connector import NAME_KEY, error_file, spool_file
+
+log = logging.getLogger(__name__)
 
 CONNECTOR_CLASS = "DraftlineHiddenStatesConnector"
 CONNECTOR_MODULE = "draftline.hidden.vllm_connector"
@@ -87,7 +90,27 @@ def engine_kwargs(target_dir: Path, capture_ids: Sequence[int], spool_dir: Path,
         kwargs["gpu_memory_utilization"] = server_cfg["gpu_memory_utilization"]
     if hidden_cfg.get("trust_remote_code"):
         kwargs["trust_remote_code"] = True
+    overrides, _ = extra_engine_args(server_cfg.get("extra_args") or ())
+    kwargs.update({k: v for k, v in overrides.items() if k not in kwargs})
     return kwargs
+
+
+def extra_engine_args(extra_args: Sequence[str]) -> tuple[dict, list[str]]:
+    """``server.extra_args`` as ``vllm.LLM`` keywords, read with vLLM's own engine parser.
+
+    Every vLLM the run starts gets them (``--language-model-only`` for a multimodal target,
+    ``--mm-encoder-tp-mode``, ...). Settings this backend needs keep its values (see
+    ``engine_kwargs``); API-server options the engine does not know are returned apart.
+    """
+    if not extra_args:
+        return {}, []
+    from vllm.engine.arg_utils import EngineArgs
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    parser = EngineArgs.add_cli_args(FlexibleArgumentParser())
+    defaults = vars(parser.parse_args([]))
+    parsed, server_only = parser.parse_known_args(list(extra_args))
+    return {k: v for k, v in vars(parsed).items() if v != defaults[k]}, server_only
 
 
 class VLLMBackend:
@@ -99,6 +122,8 @@ class VLLMBackend:
                  spool_dir: Path, hidden_cfg: dict, server_cfg: dict | None,
                  wait_timeout_s: float = 600.0):
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+        # server.env applies to every vLLM of the run (e.g. NCCL settings for TP over PCIe)
+        os.environ.update((server_cfg or {}).get("env") or {})
         from vllm import LLM
 
         if sorted(set(capture_ids)) != list(capture_ids):
@@ -110,6 +135,10 @@ class VLLMBackend:
         self.wait_timeout_s = wait_timeout_s
         kwargs = engine_kwargs(target_dir, capture_ids, self.spool_dir, max_len,
                                hidden_cfg, server_cfg or {})
+        _, server_only = extra_engine_args((server_cfg or {}).get("extra_args") or ())
+        if server_only:
+            log.info("server.extra_args %s are API-server options: not for the hidden-state "
+                     "engine", server_only)
         if _on_cpu():
             # On CPU the KV cache size comes from this variable; the flag is a host-memory share.
             space = (server_cfg or {}).get("cpu_kvcache_space_gib", 1)
