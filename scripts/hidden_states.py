@@ -10,4 +10,5 @@ with logged(snakemake.log[0]):
         Path(snakemake.output.index).parent,
         snakemake.params.hidden,
         server_cfg=snakemake.params.server["server"],
+        server_state_dir=snakemake.params.state_dir,
     )

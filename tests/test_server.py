@@ -94,3 +94,52 @@ def test_shared_server_serves_reasoning_and_stops_when_idle(tmp_path, toy_target
         time.sleep(0.2)  # the supervisor exits right after its server
     assert not _pid_alive(state["supervisor_pid"])
     assert stop_all(state_dir) == 0
+
+
+class _SpawnProbe(Exception):
+    """Raised by the spy in place of starting a second server (its start is not under test)."""
+
+
+@requires_vllm
+@pytest.mark.vllm
+def test_a_server_for_another_spec_starts_only_after_the_idle_one_is_gone(
+        tmp_path, toy_target, config, monkeypatch):
+    """Generation's shared server idles for server.idle_timeout_s after its last job; the next
+    stage's server (another spec: hidden states, the benchmark's EAGLE-3 server) must not start
+    beside it, and must wait while a job still uses it."""
+    import threading
+
+    import draftline.server as server
+
+    state_dir = tmp_path / "servers"
+    first = spec_from_config(config["server"], str(toy_target))
+    second = spec_from_config(dict(config["server"], max_num_seqs=8), str(toy_target))
+    with shared_server(first, state_dir, idle_timeout_s=600):
+        pass
+    state = json.loads((state_dir / f"{first.fingerprint()}.json").read_text())
+    assert group_alive(state["server_pgid"])  # idle, lease-free, still holding its memory
+
+    released = threading.Event()
+
+    def last_job_of_the_first_spec():
+        with shared_server(first, state_dir, idle_timeout_s=600):
+            time.sleep(4)
+        released.set()
+
+    seen = {}
+
+    def spawn_spy(spec, paths, idle_timeout_s):
+        seen.update(first_alive=group_alive(state["server_pgid"]) or _pid_alive(
+            state["supervisor_pid"]), lease_released=released.is_set(), spec=spec)
+        raise _SpawnProbe
+
+    job = threading.Thread(target=last_job_of_the_first_spec)
+    job.start()
+    time.sleep(1)  # the job holds its lease now
+    monkeypatch.setattr(server, "_spawn_supervisor", spawn_spy)
+    with pytest.raises(_SpawnProbe), shared_server(second, state_dir, idle_timeout_s=600):
+        pass
+    job.join()
+    assert seen == {"first_alive": False, "lease_released": True, "spec": second}
+    assert not (state_dir / f"{first.fingerprint()}.json").exists()
+    assert stop_all(state_dir) == 0

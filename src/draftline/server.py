@@ -390,8 +390,13 @@ def _read_state(path: Path) -> dict | None:
 @contextlib.contextmanager
 def shared_server(spec: ServerSpec, state_dir: Path, idle_timeout_s: float = 120.0,
                   log=print) -> Iterator[Endpoint]:
-    """Yield an endpoint of the one server for ``spec`` in this run, starting it if needed."""
+    """Yield an endpoint of the one server for ``spec`` in this run, starting it if needed.
+
+    The run's servers for other specs are stopped first (once no job uses them): each takes
+    the accelerators' memory (``gpu_memory_utilization``) and keeps it until its idle timeout.
+    """
     paths = _Paths(state_dir, spec.fingerprint())
+    release_other_servers(state_dir, keep=spec.fingerprint(), log=log)
     with _flock(paths.startup, fcntl.LOCK_EX):
         state = _read_state(paths.state)
         if state and state.get("status") == "ready" and _pid_alive(state["supervisor_pid"]):
@@ -494,6 +499,68 @@ def _retire(paths: _Paths) -> bool:
         os.close(startup_fd)
 
 
+def release_other_servers(state_dir: Path, keep: str | None = None, wait_s: float = 3600.0,
+                          log=print) -> int:
+    """Stop the run's shared servers other than ``keep`` (a spec fingerprint) before another
+    vLLM starts, and return how many were stopped.
+
+    A server still leased by a job is waited for (up to ``wait_s``): two vLLM instances on the
+    same accelerators do not fit. The server's startup and lease locks are held while it stops,
+    so no job can start using it meanwhile.
+    """
+    stopped = 0
+    for state_path in sorted(Path(state_dir).glob("*.json")):
+        fingerprint = state_path.stem
+        state = _read_state(state_path)
+        if fingerprint == keep or not state or "supervisor_pid" not in state:
+            continue
+        if not _pid_alive(state["supervisor_pid"]):
+            continue
+        paths = _Paths(Path(state_dir), fingerprint)
+        deadline = time.monotonic() + wait_s
+        with _wait_flock(paths.startup, deadline, log), _wait_flock(paths.lease, deadline, log):
+            log(f"stopping the idle vLLM server {state.get('url')} before another starts")
+            _stop_supervised(state)
+            paths.state.unlink(missing_ok=True)
+            stopped += 1
+    return stopped
+
+
+@contextlib.contextmanager
+def _wait_flock(path: Path, deadline: float, log) -> Iterator[None]:
+    """An exclusive lock on ``path``, polled until ``deadline`` (never a blocking deadlock)."""
+    announced = False
+    while (fd := _try_flock(path, fcntl.LOCK_EX)) is None:
+        if time.monotonic() > deadline:
+            raise ServerError(f"{path}: another job still uses this server; two vLLM servers "
+                              "cannot share the accelerators")
+        if not announced:
+            log(f"waiting for the jobs using {path.stem} to finish before stopping it")
+            announced = True
+        time.sleep(0.5)
+    try:
+        yield
+    finally:
+        os.close(fd)
+
+
+def _stop_supervised(state: dict, wait_s: float = 60.0) -> None:
+    """SIGTERM a supervisor, wait for it, and make sure its server (process or container) is
+    gone even if the supervisor was not the one to stop it."""
+    with contextlib.suppress(ProcessLookupError):
+        os.kill(state["supervisor_pid"], signal.SIGTERM)
+    deadline = time.monotonic() + wait_s
+    while _pid_alive(state["supervisor_pid"]) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    if state.get("server_pgid"):
+        stop_process_group(state["server_pgid"], grace_s=5)
+    if state.get("container_id"):  # launcher docker: the supervisor died before removing it
+        from draftline.docker_launcher import remove_container
+
+        with contextlib.suppress(ServerError):
+            remove_container(state["container_id"])
+
+
 def stop_all(state_dir: Path) -> int:
     """Stop every shared server recorded in ``state_dir``; return how many were stopped."""
     stopped = 0
@@ -501,19 +568,8 @@ def stop_all(state_dir: Path) -> int:
         state = _read_state(state_path)
         if not state or "supervisor_pid" not in state:
             continue
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(state["supervisor_pid"], signal.SIGTERM)
-            stopped += 1
-        deadline = time.monotonic() + 60
-        while _pid_alive(state["supervisor_pid"]) and time.monotonic() < deadline:
-            time.sleep(0.2)
-        if state.get("server_pgid"):
-            stop_process_group(state["server_pgid"], grace_s=5)
-        if state.get("container_id"):  # launcher docker: the supervisor died before removing it
-            from draftline.docker_launcher import remove_container
-
-            with contextlib.suppress(ServerError):
-                remove_container(state["container_id"])
+        stopped += _pid_alive(state["supervisor_pid"])
+        _stop_supervised(state)
     return stopped
 
 

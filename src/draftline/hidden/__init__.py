@@ -46,6 +46,7 @@ from draftline.hidden.store import (
     verify_index,
     write_safetensors,
 )
+from draftline.server import release_other_servers
 from draftline.teacher import check_teacher_head
 
 log = logging.getLogger(__name__)
@@ -271,13 +272,16 @@ def _disk_need(parts: list[PartSpec], splits: dict[str, SplitData], per_token: i
 
 
 def extract(dataset_dir: str | Path, target_dir: str | Path, out_dir: str | Path,
-            hidden_cfg: dict, server_cfg: dict | None = None) -> dict:
+            hidden_cfg: dict, server_cfg: dict | None = None,
+            server_state_dir: str | Path | None = None) -> dict:
     """Extract hidden states for every sample of the dataset; return the index.
 
     ``hidden_cfg`` is the config's ``hidden`` section (missing keys take the schema defaults;
     ``trust_remote_code`` may be added from ``target.trust_remote_code``); ``server_cfg`` the
-    ``server`` section, used by the vllm backend. Parts already complete from an earlier,
-    interrupted run with the same target, layers, dtype, backend and tokens are kept.
+    ``server`` section, used by the vllm backend, which first stops the run's idle shared
+    servers recorded in ``server_state_dir`` (they would hold the accelerators' memory).
+    Parts already complete from an earlier, interrupted run with the same target, layers,
+    dtype, backend, tokens and loss masks are kept.
     Raises DiskSpaceError before writing anything when the disk is too small.
     """
     from tqdm import tqdm
@@ -318,6 +322,8 @@ def extract(dataset_dir: str | Path, target_dir: str | Path, out_dir: str | Path
     started = time.monotonic()
     if todo:
         max_len = max(max(s.lengths, default=1) for s in splits.values())
+        if cfg["backend"] == "vllm" and server_state_dir:
+            release_other_servers(Path(server_state_dir), log=log.info)
         backend = _make_backend(cfg["backend"], target_dir, captured, info, cfg, server_cfg,
                                 out_dir, max_len)
         ctx = {"dtype": info["dtype"], "layer_ids": layer_ids, "captured": captured,
