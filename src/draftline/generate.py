@@ -617,18 +617,20 @@ def resume_shard(partial: Path, partial_errors: Path,
 
 def generate_shard(prompt_file: Path, out_file: Path, errors_file: Path, summary_file: Path,
                    endpoints: list[Endpoint], settings: GenerateSettings, slot_dir: Path,
-                   tokenizer_dir: str | None = None, target: dict | None = None,
+                   target_dir: str | None = None, target: dict | None = None,
                    job_start: float | None = None) -> dict:
     """Answer every prompt of a shard once; resume from valid kept results; write the summary.
 
-    ``target`` identifies the served target (``target_identity``); by default the tokenizer
-    directory's identity, which is the target's for managed servers. ``job_start`` (wall
-    clock) is when the job began, for the start-up time in the summary (default: now).
+    ``target`` identifies the served target (``target_identity``); by default that of
+    ``target_dir``, the target's directory. (The render check of the answers runs in the
+    stage summary, ``draftline.generation_report``: off the shard jobs' critical path.)
+    ``job_start`` (wall clock) is when the job began, for the start-up time in the summary
+    (default: now).
     """
     job_start = time.time() if job_start is None else job_start
     prompts = load_prompts(prompt_file)
     if target is None:
-        target = target_identity(tokenizer_dir) if tokenizer_dir else {}
+        target = target_identity(target_dir) if target_dir else {}
     fingerprints = prompt_fingerprints(prompts, settings, endpoints, target)
     partial, partial_errors = partial_paths(out_file)
     kept = resume_shard(partial, partial_errors, fingerprints)
@@ -652,22 +654,15 @@ def generate_shard(prompt_file: Path, out_file: Path, errors_file: Path, summary
     timing = {"job_start": job_start, "server_rows": server_rows}
     return finish_shard(prompts, fingerprints, kept, partial, partial_errors, out_file,
                         errors_file, summary_file, stats, settings, sent_by_endpoint,
-                        tokenizer_dir, timing)
+                        timing)
 
 
 def finish_shard(prompts, fingerprints, kept, partial, partial_errors, out_file, errors_file,
-                 summary_file, stats, settings, sent_by_endpoint, tokenizer_dir,
-                 timing) -> dict:
+                 summary_file, stats, settings, sent_by_endpoint, timing) -> dict:
     order = {p["id"]: i for i, p in enumerate(prompts)}
     done = _valid(read_jsonl_ids(partial), fingerprints)
     errors = {k: v for k, v in _valid(read_jsonl_ids(partial_errors), fingerprints).items()
               if k not in done}
-    mismatches = None
-    if tokenizer_dir:
-        from draftline.dataset import count_render_mismatches
-
-        mismatches = count_render_mismatches(list(done.values()), tokenizer_dir,
-                                             settings.chat_template_kwargs)
     write_jsonl_atomic(out_file, sorted(done.values(), key=lambda r: order[r["id"]]))
     write_jsonl_atomic(errors_file, sorted(errors.values(), key=lambda r: order[r["id"]]))
     fill = stats.fill_seconds
@@ -694,7 +689,6 @@ def finish_shard(prompts, fingerprints, kept, partial, partial_errors, out_file,
         "latency_s": _quantiles(stats.latencies),
         "requests_by_endpoint": sent_by_endpoint,
         "finish_reasons": _count(r["finish_reason"] for r in done.values()),
-        "render_mismatches": mismatches,
         "timing": {"job_start": round(timing["job_start"], 3),
                    "first_request": _round(stats.t_first_request, 3),
                    "fill_end": _round(stats.t_fill_end, 3), "end": _round(stats.t_end, 3),
@@ -755,5 +749,5 @@ def run_stage(prompt_file: Path, out_file: Path, errors_file: Path, summary_file
     with endpoints_for(server_cfg, model, Path(state_dir), trust_remote_code) as endpoints:
         return generate_shard(Path(prompt_file), Path(out_file), Path(errors_file),
                               Path(summary_file), endpoints, settings, Path(slot_dir),
-                              tokenizer_dir=model, target=target_identity(model, revision),
+                              target_dir=model, target=target_identity(model, revision),
                               job_start=job_start)

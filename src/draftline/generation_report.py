@@ -257,11 +257,32 @@ def plot_running(summaries: list[dict], stage: dict, out_png: Path | str) -> Non
     plt.close(fig)
 
 
-def run_stage(summary_files: list[Path | str], out_json: Path | str,
-              out_png: Path | str) -> dict:
-    """The stage summary rule: merge the shard summaries, write the JSON and the plot."""
+def render_mismatches(response_files: list[Path | str], target_dir: str,
+                      chat_template_kwargs: dict | None = None,
+                      trust_remote_code: bool = False) -> dict:
+    """How many answers per shard the chat template does not render to their own token ids
+    (the dataset build's check, run early: drift shows before training)."""
+    from draftline.dataset import count_render_mismatches
+
+    per_shard = []
+    for path in map(Path, response_files):
+        with open(path, encoding="utf-8") as fh:
+            records = [json.loads(line) for line in fh if line.strip()]
+        per_shard.append(count_render_mismatches(records, target_dir, chat_template_kwargs,
+                                                 trust_remote_code))
+    return {"total": sum(per_shard), "per_shard": per_shard}
+
+
+def run_stage(summary_files: list[Path | str], out_json: Path | str, out_png: Path | str,
+              response_files: list[Path | str] = (), target_dir: str | None = None,
+              chat_template_kwargs: dict | None = None, trust_remote_code: bool = False) -> dict:
+    """The stage summary rule: merge the shard summaries, check how the answers render (when
+    ``target_dir`` is given), write the JSON and the plot."""
     summaries = load_summaries(summary_files)
     stage = stage_summary(summaries)
+    if target_dir is not None:
+        stage["render_mismatches"] = render_mismatches(response_files, target_dir,
+                                                       chat_template_kwargs, trust_remote_code)
     write_json(out_json, stage, indent=2)
     plot_running(summaries, stage, out_png)
     print(json.dumps(stage))
