@@ -63,18 +63,18 @@ async def raw_run(endpoint, prompts: list[dict], settings: GenerateSettings) -> 
     """All prompts through one aiohttp session at C in flight (no retries: a reference)."""
     done = 0
     sampler = ServerSampler([endpoint], lambda: done)
-    await sampler.sample()
+    sampler.start()
     url = f"{endpoint.base_url}/chat/completions"
     gate = asyncio.Semaphore(settings.concurrency)
     tokens, latencies = 0, []
-    fill_end = None
+    queue_empty = None
     queue = iter(prompts)
     connector = aiohttp.TCPConnector(limit=settings.concurrency)
     timeout = aiohttp.ClientTimeout(total=settings.request_timeout_s)
     async with aiohttp.ClientSession(connector=connector, timeout=timeout) as http:
 
         async def worker():
-            nonlocal tokens, done, fill_end
+            nonlocal tokens, done, queue_empty
             for p in queue:
                 kwargs = request_kwargs(p["messages"], settings, p["id"], endpoint.model)
                 body = {**{k: v for k, v in kwargs.items() if k != "extra_body"},
@@ -87,22 +87,19 @@ async def raw_run(endpoint, prompts: list[dict], settings: GenerateSettings) -> 
                     latencies.append(time.monotonic() - t)
                 tokens += answer["usage"]["completion_tokens"]
                 done += 1
-            fill_end = fill_end or time.time()
+            queue_empty = queue_empty or time.time()
 
-        task = asyncio.create_task(sampler.run())
         t0 = time.time()
         await asyncio.gather(*(worker() for _ in range(settings.concurrency)))
         t1 = time.time()
-        task.cancel()
-        await asyncio.gather(task, return_exceptions=True)
-        await sampler.close()
-    server = server_view(sampler.rows, settings.concurrency, t0, fill_end, t1)
+        sampler.stop()
+    server = server_view(sampler.rows, settings.concurrency, t0, t1)
     median_latency = statistics.median(latencies)
     summary = {"prompts": len(prompts), "responses": done, "errors": 0, "resumed": 0,
                "output_tokens": tokens, "concurrency": settings.concurrency,
                "capacity": settings.concurrency, "client_slot_utilization": None,
                "latency_s": {"p50": median_latency},
-               "timing": {"job_start": t0, "first_request": t0, "fill_end": fill_end,
+               "timing": {"job_start": t0, "first_request": t0, "queue_empty": queue_empty,
                           "end": t1, "startup_s": 0.0},
                "server": server}
     return stage_summary([summary])

@@ -309,10 +309,10 @@ def test_changed_shard_count_resumes_without_crash_and_loses_nothing(tmp_path, v
 
 @requires_vllm
 @pytest.mark.vllm
-def test_summaries_report_what_the_server_ran(tmp_path, vllm_server):
+def test_summaries_report_what_the_server_ran(tmp_path, vllm_server, toy_target):
     """Two shard jobs side by side: each summary and the stage summary say what the server's
     own metrics showed (running requests against C, generated tokens), not client slots."""
-    from draftline.generation_report import stage_summary
+    from draftline.generation_report import run_stage
 
     prompts = _lines(_prompts(tmp_path, 48))
     files = []
@@ -332,8 +332,9 @@ def test_summaries_report_what_the_server_ran(tmp_path, vllm_server):
         t.join(600)
     for s in summaries:
         timing, server = s["timing"], s["server"]
-        assert timing["job_start"] <= timing["first_request"] <= timing["fill_end"]
-        assert timing["fill_end"] <= timing["end"] and timing["startup_s"] >= 0
+        assert timing["job_start"] <= timing["first_request"] <= timing["queue_empty"]
+        assert timing["queue_empty"] <= timing["end"] and timing["startup_s"] >= 0
+        assert timing["first_request"] < server["fill_end"] < timing["end"]
         assert "inflight_utilization" not in s and 0 < s["client_slot_utilization"] <= 1
         assert server["samples"] >= 3
         assert server["timeline"]["columns"] == ["t", "running", "waiting",
@@ -342,7 +343,13 @@ def test_summaries_report_what_the_server_ran(tmp_path, vllm_server):
         # the server never ran more than the shared C=4 (both shards together)
         assert max(row[1] for row in server["timeline"]["rows"]) <= 4
         assert 0 < server["utilization_fill"] <= 1.0
-    stage = stage_summary(summaries)
+    out = tmp_path / "out"
+    stage = run_stage([out / f"shard-{i}.summary.json" for i in range(2)], out / "summary.json",
+                      out / "running.png", [out / f"shard-{i}.jsonl" for i in range(2)],
+                      str(toy_target))
+    assert (out / "running.png").stat().st_size > 10_000
+    mismatches = stage["render_mismatches"]
+    assert len(mismatches["per_shard"]) == 2 and 0 <= mismatches["total"] < 48 / 2
     # the server's counter saw exactly the tokens the clients received
     assert stage["server"]["output_tokens"] == sum(s["output_tokens"] for s in summaries)
     assert stage["new_requests"] == 48 and stage["capacity"] == 4

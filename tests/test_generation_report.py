@@ -28,6 +28,8 @@ def test_counter_increase_spans_the_window_and_survives_a_restart():
     # from the sample at 0 (last before 0.5) to the one at 3 (first after 2.5); 20 -> 5 is a
     # restart: it counts 5
     assert counter_increase(times, counts, 0.5, 2.5) == 10 + 5 + 10
+    # two jobs' samples interleaved: one scraped earlier but stamped later steps back a little
+    assert counter_increase([0.0, 1.0, 1.1, 2.0], [10.0, 20.0, 19.0, 25.0], 0.0, 2.0) == 15
 
 
 def test_compact_timeline_averages_gauges_and_keeps_counters():
@@ -38,16 +40,16 @@ def test_compact_timeline_averages_gauges_and_keeps_counters():
     assert out[-1][3:] == [90, 9]
 
 
-def shard(job_start, first, fill_end, end, rows, responses=10, resumed=0, p50=1.0,
+def shard(job_start, first, queue_empty, end, rows, responses=10, resumed=0, p50=1.0,
           capacity=4, tokens=100):
     summary = {"prompts": responses, "responses": responses, "errors": 0,
                "resumed": resumed, "discarded_stale": 0, "output_tokens": tokens,
                "concurrency": capacity, "capacity": capacity,
                "client_slot_utilization": 1.0, "latency_s": {"p50": p50},
                "timing": {"job_start": job_start, "first_request": first,
-                          "fill_end": fill_end, "end": end,
+                          "queue_empty": queue_empty, "end": end,
                           "startup_s": first - job_start}}
-    summary["server"] = server_view(rows, capacity, first, fill_end, end)
+    summary["server"] = server_view(rows, capacity, first, end)
     return summary
 
 
@@ -60,7 +62,10 @@ def test_stage_summary_puts_every_shard_on_one_time_axis(tmp_path):
     b = shard(101.0, 103.0, 107.0, 111.0, [
         [103.0, 4, 2, 10, 0], [107.0, 4, 0, 100, 9], [109.0, 2, 0, 140, 10],
         [111.0, 0, 0, 150, 10]])
+    assert a["server"]["fill_end"] == 106.0  # 8 of A's 10 done: fewer than C=4 left
+    assert a["server"]["utilization_fill"] == 1.0
     stage = stage_summary([a, b])
+    # fill: from the first request until fewer than C=4 of the 20 were left (17 done at 107)
     assert stage["wall_s"] == 11.0 and stage["fill_s"] == 5.0  # 102 .. 107
     assert stage["startup_s"]["first_job_to_first_request"] == 2.0
     assert stage["startup_s"]["per_shard"] == [2.0, 2.0]
@@ -89,3 +94,10 @@ def test_an_old_shard_summary_is_named(tmp_path):
     path.write_text(json.dumps({"prompts": 1}))
     with pytest.raises(ValueError, match="shard-0.summary.json.*rerun the generate rule"):
         load_summaries([path])
+
+
+def test_no_fill_phase_when_there_are_fewer_requests_than_slots():
+    rows = [[0.0, 0, 0, 0, 0], [1.0, 3, 0, 30, 0], [2.0, 0, 0, 60, 3]]
+    view = server_view(rows, capacity=8, first_request=0.0, end=2.0)
+    assert view["fill_end"] is None and view["utilization_fill"] is None
+    assert view["mean_running"] == 1.5 and view["output_tokens"] == 60

@@ -35,6 +35,7 @@ import hashlib
 import json
 import os
 import random
+import threading
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
@@ -329,17 +330,23 @@ class ShardStats:
     fill_seconds: float = 0.0
     latencies: list = field(default_factory=list)  # seconds, answered requests of this run
     t_first_request: float | None = None  # wall clock (time.time())
-    t_fill_end: float | None = None  # this shard's queue ran empty
+    t_queue_empty: float | None = None  # the last prompt of this shard was handed out
     t_end: float | None = None
 
 
 SERVER_SAMPLE_EVERY_S = 0.25
+SERVER_SERIES = ("vllm:num_requests_running", "vllm:num_requests_waiting",
+                 "vllm:generation_tokens")
 
 
 class ServerSampler:
     """The servers' own view, sampled from ``/metrics``: requests running and waiting (gauges,
     summed over endpoints and engines) and generated tokens (counter), with this job's count
-    of completed requests, stamped with wall-clock time so shard jobs line up."""
+    of completed requests, stamped with wall-clock time so shard jobs line up.
+
+    It samples from its own thread: an event loop busy with a burst of answers would otherwise
+    leave gaps in exactly the moments worth seeing.
+    """
 
     def __init__(self, endpoints: list[Endpoint], completed: Callable[[], int],
                  every_s: float = SERVER_SAMPLE_EVERY_S):
@@ -348,35 +355,48 @@ class ServerSampler:
         self.every_s = every_s
         self.rows: list[list[float]] = []
         self.failures = 0
-        self.http = httpx.AsyncClient(timeout=5.0)
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
 
-    async def _scrape(self, ep: Endpoint):
+    def _scrape(self, http: httpx.Client, ep: Endpoint):
         try:
-            resp = await self.http.get(f"{ep.root_url}/metrics",
-                                       headers={"Authorization": f"Bearer {ep.api_key}"})
+            resp = http.get(f"{ep.root_url}/metrics",
+                            headers={"Authorization": f"Bearer {ep.api_key}"})
             resp.raise_for_status()
         except httpx.HTTPError:
             return None  # the servers' view is a report, never a reason to stop generating
         return parse_metrics(resp.text)
 
-    async def sample(self) -> None:
-        scraped = await asyncio.gather(*(self._scrape(ep) for ep in self.endpoints))
+    def sample(self, http: httpx.Client) -> None:
+        sent = time.time()
+        scraped = [self._scrape(http, ep) for ep in self.endpoints]
         if any(m is None or not m.has("vllm:num_requests_running") for m in scraped):
             self.failures += 1
             return
-        self.rows.append([time.time(), *(sum(m.total(name) for m in scraped) for name in (
-            "vllm:num_requests_running", "vllm:num_requests_waiting",
-            "vllm:generation_tokens")), self.completed()])
+        gauges = [sum(m.total(name) for m in scraped) for name in SERVER_SERIES]
+        # stamped halfway between asking and parsing: the server answered about then
+        self.rows.append([(sent + time.time()) / 2, *gauges, self.completed()])
 
-    async def run(self) -> None:
-        while True:
-            await self.sample()
-            await asyncio.sleep(self.every_s)
+    def _loop(self, http: httpx.Client) -> None:
+        try:
+            while not self._stop.wait(self.every_s):
+                self.sample(http)
+            self.sample(http)  # the state at the end
+        finally:
+            http.close()
 
-    async def close(self) -> None:
-        with contextlib.suppress(Exception):
-            await self.sample()  # the state at the end
-        await self.http.aclose()
+    def start(self) -> None:
+        """One sample now (before the first request), then every ``every_s`` in a thread."""
+        http = httpx.Client(timeout=5.0)
+        self.sample(http)
+        self._thread = threading.Thread(target=self._loop, args=(http,), daemon=True,
+                                        name="server-sampler")
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(15.0)
 
 
 class ShardRun:
@@ -399,9 +419,8 @@ class ShardRun:
         self.bar = tqdm(total=total, desc="generate", unit="req", dynamic_ncols=True,
                         mininterval=1.0)
         self.server = ServerSampler(self.pool.endpoints, lambda: self.stats.done)
-        await self.server.sample()  # before the first request
-        samplers = [asyncio.create_task(self._sample_slots()),
-                    asyncio.create_task(self.server.run())]
+        self.server.start()
+        samplers = [asyncio.create_task(self._sample_slots())]
         t0 = time.monotonic()
         workers = [asyncio.create_task(self._worker()) for _ in range(self.slots.size)]
         try:
@@ -411,7 +430,7 @@ class ShardRun:
                 task.cancel()
             await asyncio.gather(*samplers, *workers, return_exceptions=True)
             self.stats.t_end = time.time()
-            await self.server.close()
+            self.server.stop()
             await self.pool.close()
             self.bar.close()
         self.stats.duration_s = time.monotonic() - t0
@@ -434,7 +453,7 @@ class ShardRun:
             await self._answer(item)
         if not self.queue_empty:
             self.queue_empty = True
-            self.stats.t_fill_end = time.time()
+            self.stats.t_queue_empty = time.time()
 
     async def _answer(self, item: dict) -> None:
         messages = item["messages"]
@@ -691,11 +710,12 @@ def finish_shard(prompts, fingerprints, kept, partial, partial_errors, out_file,
         "finish_reasons": _count(r["finish_reason"] for r in done.values()),
         "timing": {"job_start": round(timing["job_start"], 3),
                    "first_request": _round(stats.t_first_request, 3),
-                   "fill_end": _round(stats.t_fill_end, 3), "end": _round(stats.t_end, 3),
+                   "queue_empty": _round(stats.t_queue_empty, 3),
+                   "end": _round(stats.t_end, 3),
                    "startup_s": _round(stats.t_first_request and
                                        stats.t_first_request - timing["job_start"], 3)},
         "server": server_view(timing["server_rows"], slots_total(settings, sent_by_endpoint),
-                              stats.t_first_request, stats.t_fill_end, stats.t_end),
+                              stats.t_first_request, stats.t_end),
     }
     write_json(summary_file, summary, indent=2)
     print(json.dumps(summary))

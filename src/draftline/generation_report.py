@@ -4,7 +4,8 @@ Every shard summary carries its job's timing (job start, first request, end of i
 end) and a timeline sampled from the servers' ``/metrics`` (requests running and waiting,
 generated tokens, this job's completed requests). ``stage_summary`` merges them: the stage runs
 from the first job's start to the last job's end; its fill phase from the first request to
-the moment the last shard ran out of prompts to send. Before the first sample nothing of this
+the moment fewer requests than the capacity were left (from then on the servers cannot be
+full). Before the first sample nothing of this
 stage runs on the server (no job had sent a request), so it counts as 0 running.
 """
 
@@ -46,19 +47,40 @@ def step_mean(times: list[float], values: list[float], start: float, end: float,
 def counter_increase(times: list[float], counts: list[float], start: float,
                      end: float) -> float:
     """How much a counter rose over [start, end]: from the last sample at or before ``start``
-    to the first at or after ``end`` (a server restart resets it to 0)."""
+    to the first at or after ``end``. Samples of several jobs interleave, and one scraped a
+    moment earlier may carry a later stamp, so a small step back is jitter; a drop below half
+    the highest value seen is a server restart (its counter starts again from 0)."""
     first = max([i for i, t in enumerate(times) if t <= start], default=0)
     last = min([i for i, t in enumerate(times) if t >= end], default=len(times) - 1)
-    total = 0.0
-    for before, after in zip(counts[first:last], counts[first + 1:last + 1], strict=True):
-        total += after - before if after >= before else after
+    total, high = 0.0, None
+    for count in counts[first:last + 1]:
+        if high is None:
+            high = count
+        elif count < high / 2:
+            total += count
+            high = count
+        elif count > high:
+            total += count - high
+            high = count
     return total
 
 
+def fill_end_at(times: list[float], completed: list[float], total: int,
+                capacity: int) -> float | None:
+    """When fewer requests than the capacity were left: from then on the servers cannot be
+    full. None when there never were more requests than the capacity."""
+    if total <= capacity:
+        return None
+    return next((t for t, n in zip(times, completed, strict=True) if n >= total - capacity),
+                None)
+
+
 def server_view(rows: list[list[float]], capacity: int, first_request: float | None,
-                fill_end: float | None, end: float | None) -> dict:
-    """Mean requests running on the servers (over the run from the first request, and over
-    the fill phase) against the capacity, server-side output tok/s, and a compact timeline."""
+                end: float | None) -> dict:
+    """What the servers ran while this job sent requests: mean running requests over the run
+    (first request to the end) and over its fill phase (until fewer requests than the
+    capacity were left, ``fill_end_at``), against the capacity; the server-side output tok/s
+    (all clients of the servers); a compact timeline."""
     view: dict = {"samples": len(rows), "timeline": {"columns": TIMELINE_COLUMNS,
                                                      "rows": compact_timeline(rows)}}
     if len(rows) < 2 or first_request is None or end is None:
@@ -66,17 +88,19 @@ def server_view(rows: list[list[float]], capacity: int, first_request: float | N
     times = [r[0] for r in rows]
     running = [r[1] for r in rows]
     waiting = [r[2] for r in rows]
-    fill_end = fill_end or end
+    fill_end = fill_end_at(times, [r[4] for r in rows], int(rows[-1][4]), capacity)
     over_run = step_mean(times, running, first_request, end, running[0])
-    over_fill = step_mean(times, running, first_request, fill_end, running[0])
+    over_fill = (step_mean(times, running, first_request, fill_end, running[0])
+                 if fill_end else None)
     tokens = counter_increase(times, [r[3] for r in rows], first_request, end)
     view.update({
+        "fill_end": _round(fill_end, 3),
         "mean_running": _round(over_run, 3),
         "mean_running_fill": _round(over_fill, 3),
         "utilization": _round(over_run and over_run / capacity, 4),
         "utilization_fill": _round(over_fill and over_fill / capacity, 4),
         "mean_waiting_fill": _round(step_mean(times, waiting, first_request, fill_end,
-                                              waiting[0]), 3),
+                                              waiting[0]) if fill_end else None, 3),
         "output_tokens": round(tokens),
         "output_tok_s": round(tokens / max(end - first_request, 1e-9), 2),
     })
@@ -149,7 +173,6 @@ def stage_summary(summaries: list[dict]) -> dict:
     starts = [s["timing"]["job_start"] for s in summaries]
     ends = [s["timing"]["end"] or s["timing"]["job_start"] for s in summaries]
     firsts = [s["timing"]["first_request"] for s in summaries if s["timing"]["first_request"]]
-    fill_ends = [s["timing"]["fill_end"] for s in summaries if s["timing"]["fill_end"]]
     t0, t1 = min(starts), max(ends)
     wall = t1 - t0
     capacity = max(s["capacity"] for s in summaries)
@@ -158,7 +181,10 @@ def stage_summary(summaries: list[dict]) -> dict:
     tokens = counter_increase(times, [r[3] for r in rows], t0, t1)
     client_tokens = sum(s["output_tokens"] for s in summaries)
     new_requests = sum(s["responses"] - s["resumed"] for s in summaries)
-    fill = (min(firsts), max(fill_ends)) if firsts and fill_ends else None
+    completed = _completed_at(summaries)
+    fill_end = fill_end_at([c[0] for c in completed], [c[1] for c in completed],
+                           new_requests, capacity)
+    fill = (min(firsts), fill_end) if firsts and fill_end else None
     over_wall = step_mean(times, running, t0, t1) if rows else None
     over_fill = step_mean(times, running, *fill) if rows and fill else None
     weights = [(s["latency_s"]["p50"], s["responses"] - s["resumed"]) for s in summaries
