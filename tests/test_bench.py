@@ -156,7 +156,7 @@ def test_underloaded_cells_are_marked_in_the_summary():
                              "measure_s": 8.0, "train_serve_gap": []})
     line8 = next(line for line in text.splitlines() if line.startswith("| baseline | 0 | 8 |"))
     line1 = next(line for line in text.splitlines() if line.startswith("| baseline | 0 | 1 |"))
-    assert "7.8 *" in line8 and "*" not in line1
+    assert "7.80 *" in line8 and "*" not in line1
     assert "~" not in line8  # 100 tok/s every time
     noisy = summarise([_row("baseline", 2, r, tok, 5.0) for r, tok in enumerate([80, 100, 110])])
     text = summary_markdown({"summary": noisy, "num_prompts": 8, "repetitions": 3,
@@ -251,6 +251,12 @@ def test_step_costs_predict_the_speedup_and_say_when_none_is_possible():
     assert cells[("eagle3-k3", 4)]["predicted_speedup"] == pytest.approx(2.5 * 5 / 8, abs=1e-3)
     text = "\n".join(explain_speedup(costs))
     assert "5.000 ms" in text and "No speed-up is possible" not in text
+    assert "slower than the baseline" not in text  # 2.0 > break-even 1.6
+    # acceptance 1.5 with a 9.6 ms round (TPOT 6.4): break-even 1.92, so slower
+    rows[3:] = []
+    rows[2] = _row("eagle3-k3", 1, 0, 150, 6.4, drafts=100, accepted=50)
+    text = "\n".join(explain_speedup(step_costs(summarise(rows), configs)))
+    assert "eagle3-k3 is slower than the baseline here" in text and "1.92" in text
     # a tiny target on a CPU: a draft step costs as much as a target step
     slow = [_row("baseline", 1, 0, 200, 5.0),
             _row("eagle3-k3", 1, 0, 100, 10.0, drafts=100, accepted=120)]

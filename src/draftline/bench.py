@@ -319,6 +319,11 @@ def explain_speedup(costs: dict | None) -> list[str]:
                      f"{c['round_ms']:.3f} | {c['acceptance_length']} | "
                      f"{c['break_even_acceptance_length']} | {c['max_speedup']} |")
     for name, c in costs["configs"].items():
+        if 1.0 < c["max_speedup"] and c["acceptance_length"] < c["break_even_acceptance_length"]:
+            lines += ["", f"**{name} is slower than the baseline here:** its acceptance length "
+                      f"{c['acceptance_length']} is below the {c['break_even_acceptance_length']} "
+                      f"needed to pay for a round ({c['round_ms']:.2f} ms against a target step "
+                      f"of {costs['target_step_ms']:.2f} ms)."]
         if c["max_speedup"] <= 1.0:
             lines += ["", f"**No speed-up is possible on this host for {name}:** a draft step "
                       f"costs {c['draft_step_ms']:.2f} ms against a target step of "
@@ -370,7 +375,7 @@ def summary_markdown(result: dict) -> str:
              "|---|---|---|---|---|---|---|---|---|---|---|"]
     for s in sorted(result["summary"], key=lambda s: (s["temperature"], s["concurrency"],
                                                        s["config"])):
-        running = _cell(s.get("running_mean"), ".1f") + (" *" if s.get("underloaded") else "")
+        running = _cell(s.get("running_mean")) + (" *" if s.get("underloaded") else "")
         noisy = (s["output_tok_s"].get("spread") or 0.0) > MAX_SPREAD
         lines.append(
             f"| {s['config']} | {s['temperature']:g} | {s['concurrency']} | "
