@@ -234,6 +234,13 @@ def served_acceptance(target: Path, draft: Path, server_cfg: dict, prompts: list
             "completion_tokens": tokens, "startup_s": round(startup_s, 1)}
 
 
+# The trained draft's own sizes (train.draft), none of them the target's: grouped-query
+# attention, a wider head, another MLP width and YaRN rotary, which vLLM must serve as trained.
+DRAFT_ARCHITECTURE = {"intermediate_size": 512, "num_key_value_heads": 2, "head_dim": 64,
+                      "rope_scaling": {"rope_type": "yarn", "factor": 2.0,
+                                       "original_max_position_embeddings": 256}}
+
+
 @pytest.mark.vllm
 @pytest.mark.slow
 @requires_vllm
@@ -251,13 +258,20 @@ def test_trained_draft_serves_and_beats_an_untrained_one(toy_target, config, tmp
         vocab_map = tmp_path / "vocab" / "vocab_map.safetensors"
         data_s = time.monotonic() - started
         record = train(tmp_path / "hidden", vocab_map, toy_target, tmp_path / "draft",
-                       {**config["train"], "eval_every": 20, "checkpoint_every": 100})
+                       {**config["train"], "eval_every": 20, "checkpoint_every": 100,
+                        "draft": DRAFT_ARCHITECTURE})
         train_s = time.monotonic() - started - data_s
     finally:
         torch.set_num_threads(threads)
     assert record["layer_ids"] == index["layer_ids"]
     trained = export_draft(tmp_path / "draft" / "best", toy_target, vocab_map,
                            record["layer_ids"], tmp_path / "trained")
+    served_config = json.loads((trained / "config.json").read_text())
+    assert (served_config["head_dim"], served_config["num_key_value_heads"],
+            served_config["intermediate_size"]) == (64, 2, 512)
+    assert served_config["rope_parameters"] == {
+        "rope_type": "yarn", "factor": 2.0, "original_max_position_embeddings": 256,
+        "rope_theta": 10000.0}
     # The baseline predicts the whole target vocab (draft vocab = target vocab, an identity
     # map): the case vLLM loads without a draft_id_to_target_id table.
     write_vocab(dataset, 2048, 2048, tmp_path / "vocab-identity")

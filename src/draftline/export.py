@@ -130,9 +130,12 @@ def draft_config_json(draft_cfg, target_cfg: dict, layer_ids: list[int], dtype: 
         "head_dim": draft_cfg.head_dim,
         "hidden_act": "silu",
         "rms_norm_eps": draft_cfg.rms_norm_eps,
-        # Both spellings: transformers >= 5 reads rope_parameters, older readers rope_theta.
+        # Both spellings: transformers >= 5 reads rope_parameters, older readers rope_theta
+        # and rope_scaling.
         "rope_theta": draft_cfg.rope_theta,
-        "rope_parameters": {"rope_type": "default", "rope_theta": draft_cfg.rope_theta},
+        "rope_parameters": {"rope_type": "default", **(draft_cfg.rope_scaling or {}),
+                            "rope_theta": draft_cfg.rope_theta},
+        "rope_scaling": draft_cfg.rope_scaling,
         "max_position_embeddings": draft_cfg.max_position_embeddings,
         "vocab_size": draft_cfg.vocab_size,
         "draft_vocab_size": draft_cfg.draft_vocab_size,

@@ -57,26 +57,41 @@ class DraftConfig:
     draft_vocab_size: int
     max_position_embeddings: int
     num_aux_hidden_states: int = 3
+    rope_scaling: dict | None = None  # None, or {"rope_type": "yarn", "factor", ...} as vLLM's
+
+    # The draft layer's own sizes, settable in config (train.draft); null keeps the target's.
+    ARCHITECTURE_KEYS = ("intermediate_size", "num_attention_heads", "num_key_value_heads",
+                         "head_dim", "rope_theta", "rope_scaling")
 
     @classmethod
-    def from_target(cls, target_config: dict, draft_vocab_size: int) -> DraftConfig:
-        """Draft dimensions from the target's config.json (``text_config`` for multimodal)."""
+    def from_target(cls, target_config: dict, draft_vocab_size: int,
+                    architecture: dict | None = None) -> DraftConfig:
+        """Draft dimensions from the target's config.json (``text_config`` for multimodal),
+        with the ``train.draft`` settings (``architecture``) where they are not null."""
         cfg = text_config(target_config)
         hidden = int(cfg["hidden_size"])
         heads = int(cfg["num_attention_heads"])
+        sizes = {
+            "num_attention_heads": heads,
+            "num_key_value_heads": int(cfg.get("num_key_value_heads") or heads),
+            # MLA targets (DeepSeek-V3 family) have no plain head_dim: use H / heads.
+            "head_dim": int(cfg.get("head_dim") or hidden // heads),
+            "intermediate_size": int(cfg["intermediate_size"]),
+            "rope_theta": rope_theta_of(cfg),
+            "rope_scaling": None,
+        }
+        sizes.update({k: v for k, v in (architecture or {}).items() if v is not None})
+        check_architecture(sizes)
         return cls(
             hidden_size=hidden,
             target_hidden_size=hidden,
-            num_attention_heads=heads,
-            num_key_value_heads=int(cfg.get("num_key_value_heads") or heads),
-            # MLA targets (DeepSeek-V3 family) have no plain head_dim: use H / heads.
-            head_dim=int(cfg.get("head_dim") or hidden // heads),
-            intermediate_size=int(cfg["intermediate_size"]),
             rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
-            rope_theta=rope_theta_of(cfg),
             vocab_size=int(cfg["vocab_size"]),
             draft_vocab_size=int(draft_vocab_size),
             max_position_embeddings=int(cfg.get("max_position_embeddings", 4096)),
+            **{k: sizes[k] for k in ("num_attention_heads", "num_key_value_heads", "head_dim",
+                                     "intermediate_size", "rope_scaling")},
+            rope_theta=float(sizes["rope_theta"]),
         )
 
     def to_dict(self) -> dict:
@@ -85,6 +100,33 @@ class DraftConfig:
     @classmethod
     def from_dict(cls, data: dict) -> DraftConfig:
         return cls(**data)
+
+
+YARN_KEYS = frozenset({"rope_type", "factor", "original_max_position_embeddings", "beta_fast",
+                       "beta_slow", "attention_factor", "truncate"})
+
+
+def check_architecture(sizes: dict) -> None:
+    """Refuse draft sizes that vLLM's Llama EAGLE-3 layer cannot take (keys of train.draft)."""
+    heads, kv_heads = sizes["num_attention_heads"], sizes["num_key_value_heads"]
+    if heads % kv_heads:
+        raise ValueError(f"config key 'train.draft.num_key_value_heads': {kv_heads} does not "
+                         f"divide num_attention_heads {heads}")
+    if sizes["head_dim"] % 2:
+        raise ValueError(f"config key 'train.draft.head_dim': {sizes['head_dim']} must be even "
+                         "(rotary embedding)")
+    scaling = sizes["rope_scaling"]
+    if scaling is not None and scaling.get("rope_type") != "yarn":
+        raise ValueError("config key 'train.draft.rope_scaling': only rope_type 'yarn' is "
+                         f"supported, got {scaling!r}")
+    if scaling is not None and not {"factor", "original_max_position_embeddings"} <= set(
+            scaling):
+        raise ValueError("config key 'train.draft.rope_scaling': yarn needs 'factor' and "
+                         "'original_max_position_embeddings'")
+    unknown = set(scaling or {}) - YARN_KEYS
+    if unknown:
+        raise ValueError(f"config key 'train.draft.rope_scaling': unsupported keys "
+                         f"{sorted(unknown)} (supported: {sorted(YARN_KEYS)})")
 
 
 def text_config(target_config: dict) -> dict:
@@ -115,14 +157,44 @@ class RMSNorm(nn.Module):
         return self.weight * x32.to(x.dtype)
 
 
-def rotary_tables(positions: torch.Tensor, head_dim: int, theta: float):
-    """cos, sin ``[T, hd]`` for neox-style rotary (vLLM's Llama default)."""
-    inv_freq = 1.0 / theta ** (
-        torch.arange(0, head_dim, 2, device=positions.device, dtype=torch.float32) / head_dim
-    )  # [hd/2]
+def rotary_tables(positions: torch.Tensor, head_dim: int, theta: float,
+                  scaling: dict | None = None):
+    """cos, sin ``[T, hd]`` for neox-style rotary: vLLM's Llama default, or its YaRN."""
+    exponents = torch.arange(0, head_dim, 2, device=positions.device,
+                             dtype=torch.float32) / head_dim  # [hd/2]
+    inv_freq = 1.0 / theta ** exponents  # [hd/2]
+    magnitude = 1.0
+    if scaling is not None:  # rope_type yarn (check_architecture)
+        inv_freq, magnitude = yarn_frequencies(inv_freq, head_dim, theta, scaling)
     freqs = positions.float()[:, None] * inv_freq[None, :]  # [T, hd/2]
     angles = torch.cat([freqs, freqs], dim=-1)  # [T, hd]
-    return angles.cos(), angles.sin()
+    return angles.cos() * magnitude, angles.sin() * magnitude
+
+
+def yarn_frequencies(inv_freq: torch.Tensor, head_dim: int, theta: float,
+                     scaling: dict) -> tuple[torch.Tensor, float]:
+    """YaRN (Peng et al.) as vLLM computes it: dimensions that turn fewer than ``beta_slow``
+    times over the original context are interpolated by ``factor``, those that turn more than
+    ``beta_fast`` times are kept, a linear ramp in between; cos and sin are scaled by
+    ``0.1 ln(factor) + 1`` (or ``attention_factor``)."""
+    factor = float(scaling["factor"])
+    original = float(scaling["original_max_position_embeddings"])
+    beta_fast, beta_slow = scaling.get("beta_fast", 32), scaling.get("beta_slow", 1)
+
+    def dim_of(rotations: float) -> float:  # the dimension that turns `rotations` times
+        return head_dim * math.log(original / (rotations * 2 * math.pi)) / (2 * math.log(theta))
+
+    low, high = dim_of(beta_fast), dim_of(beta_slow)
+    if scaling.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, head_dim - 1)
+    high = high + 0.001 if low == high else high
+    ramp = ((torch.arange(head_dim // 2, device=inv_freq.device, dtype=torch.float32) - low)
+            / (high - low)).clamp(0, 1)  # [hd/2]: 0 keeps, 1 interpolates
+    inv_freq = inv_freq / factor * ramp + inv_freq * (1 - ramp)
+    magnitude = scaling.get("attention_factor") or (
+        0.1 * math.log(factor) + 1.0 if factor > 1 else 1.0)
+    return inv_freq, float(magnitude)
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -390,7 +462,8 @@ class Eagle3Draft(nn.Module):
         """aux ``[B, T, A]``, input_ids ``[B, T]`` -> K logits ``[B, T, D]`` (see module doc)."""
         length = input_ids.shape[1]
         positions = torch.arange(length + ttt_steps, device=input_ids.device)  # [T+K]
-        cos_all, sin_all = rotary_tables(positions, self.cfg.head_dim, self.cfg.rope_theta)
+        cos_all, sin_all = rotary_tables(positions, self.cfg.head_dim, self.cfg.rope_theta,
+                                         self.cfg.rope_scaling)
         hidden = self.fc(aux)  # [B, T, H]
         cache = TTTCache()
         logits = []

@@ -129,13 +129,16 @@ def free_disk(config: dict) -> tuple[int | None, str]:
 # ----------------------------------------------------------------------------- sizing
 
 
-def draft_params(dims: dict, draft_vocab: int) -> int:
-    """Trainable parameters of the one-layer EAGLE-3 draft (embedding shared, not counted)."""
-    h, heads = dims["hidden_size"], dims.get("num_heads", 1)
-    head_dim = h // heads
-    kv = dims.get("num_kv_heads", heads)
+def draft_params(dims: dict, draft_vocab: int, architecture: dict | None = None) -> int:
+    """Trainable parameters of the one-layer EAGLE-3 draft (embedding shared, not counted);
+    ``architecture`` is ``train.draft`` (null entries keep the target's sizes)."""
+    arch = {k: v for k, v in (architecture or {}).items() if v is not None}
+    h = dims["hidden_size"]
+    heads = arch.get("num_attention_heads", dims.get("num_heads", 1))
+    head_dim = arch.get("head_dim", h // dims.get("num_heads", 1))
+    kv = arch.get("num_key_value_heads", dims.get("num_kv_heads", heads))
     attention = 2 * h * heads * head_dim + 2 * (2 * h * kv * head_dim) + heads * head_dim * h
-    mlp = 3 * h * dims.get("intermediate_size", 4 * h)
+    mlp = 3 * h * arch.get("intermediate_size", dims.get("intermediate_size", 4 * h))
     return 3 * h * h + attention + mlp + draft_vocab * h + 4 * h  # fc, attn, mlp, lm_head, norms
 
 
@@ -261,7 +264,7 @@ def _train_rows(config: dict, measured: dict, dims: dict | None, kind: str,
     if not dims:
         return [_row("train", None, None, "target dimensions unknown")]
     train = config["train"]
-    params = draft_params(dims, draft_vocab_size(config, dims))
+    params = draft_params(dims, draft_vocab_size(config, dims), train.get("draft"))
     checkpoint = params * 2  # bf16 export
     state = params * 16  # fp32 weights + 2 Adam moments + fp32 gradients, one state kept
     rate = measured.get("train_tok_s")

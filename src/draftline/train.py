@@ -743,8 +743,10 @@ def train(hidden_dir, vocab_map, target_dir, out_dir, train_cfg: dict | None = N
             dist.destroy_process_group()
 
 
-def build_draft(target_dir: Path, vocab_map: Path, seed: int, device=None):
-    """(untrained draft, target head, DraftConfig) from the target and the vocab map.
+def build_draft(target_dir: Path, vocab_map: Path, seed: int, device=None,
+                architecture: dict | None = None):
+    """(untrained draft, target head, DraftConfig) from the target, the vocab map and the
+    ``train.draft`` sizes (``architecture``; null entries keep the target's).
 
     The draft's lm_head starts from the target's lm_head rows of the draft tokens; the
     embedding is the target's, frozen. Tensors stay in bf16 on GPU, fp32 on CPU.
@@ -757,7 +759,8 @@ def build_draft(target_dir: Path, vocab_map: Path, seed: int, device=None):
     device = device or torch.device("cpu")
     vocab = load_file(str(vocab_map))
     d2t, t2d = vocab["d2t"], vocab["t2d"]  # [D] int64, [V] bool
-    draft_cfg = DraftConfig.from_target(read_target_config(target_dir), d2t.shape[0])
+    draft_cfg = DraftConfig.from_target(read_target_config(target_dir), d2t.shape[0],
+                                        architecture)
     target = load_target_tensors(target_dir)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     draft_ids = torch.arange(d2t.shape[0]) + d2t  # [D]
@@ -769,9 +772,10 @@ def build_draft(target_dir: Path, vocab_map: Path, seed: int, device=None):
     return model.to(device), head.to(device), draft_cfg
 
 
-def save_untrained(target_dir: Path, vocab_map: Path, out_dir: Path, seed: int = 0) -> Path:
+def save_untrained(target_dir: Path, vocab_map: Path, out_dir: Path, seed: int = 0,
+                   architecture: dict | None = None) -> Path:
     """Write the untrained draft in the ``best/`` layout (a baseline for export and serving)."""
-    model, _, draft_cfg = build_draft(target_dir, vocab_map, seed)
+    model, _, draft_cfg = build_draft(target_dir, vocab_map, seed, architecture=architecture)
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     save_weights(model.trainable_state_dict(), out_dir)
@@ -799,8 +803,9 @@ def _train(rt: Runtime, hidden_dir: Path, vocab_map: Path, target_dir: Path, out
     random.seed(cfg["seed"])
     out_dir.mkdir(parents=True, exist_ok=True)
     store = HiddenStates(hidden_dir)
-    check_inputs(store, hidden_dir, vocab_map, target_dir)  # before reading the big tensors
-    model, head, draft_cfg = build_draft(target_dir, vocab_map, cfg["seed"], rt.device)
+    check_inputs(store, hidden_dir, vocab_map, target_dir, cfg["draft"])  # before big reads
+    model, head, draft_cfg = build_draft(target_dir, vocab_map, cfg["seed"], rt.device,
+                                         cfg["draft"])
     wrapped = wrap_model(model, cfg["strategy"], rt)
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=cfg["lr"], weight_decay=cfg["weight_decay"],
@@ -934,7 +939,7 @@ def train_record(step, epoch, scheduler, totals, counts, grad_norm, elapsed, rt)
 
 
 def check_inputs(store: HiddenStates, hidden_dir: Path, vocab_map: Path,
-                 target_dir: Path) -> None:
+                 target_dir: Path, architecture: dict | None = None) -> None:
     """Hidden states, vocab map and target agree on widths, layer count and vocab size."""
     from safetensors import safe_open
 
@@ -947,7 +952,7 @@ def check_inputs(store: HiddenStates, hidden_dir: Path, vocab_map: Path,
         draft_vocab = f.get_slice("d2t").get_shape()[0]
         t2d_size = f.get_slice("t2d").get_shape()[0]
     target_cfg = read_teacher_config(target_dir)
-    draft_cfg = DraftConfig.from_target(target_cfg, draft_vocab)
+    draft_cfg = DraftConfig.from_target(target_cfg, draft_vocab, architecture)
     if store.hidden_size != draft_cfg.target_hidden_size:
         raise ValueError(f"{hidden_dir / 'index.json'}: hidden_size {store.hidden_size} != "
                          f"target hidden_size {draft_cfg.target_hidden_size}")
