@@ -68,7 +68,7 @@ class SamplingSpec:
     temperature: float = 0.7
     top_p: float = 0.95
     seed: int | None = 0  # base seed; each prompt gets its own (request_seed), None = unseeded
-    chat_template_kwargs: dict = field(default_factory=dict)  # e.g. {"enable_thinking": False}
+    chat_template_kwargs: dict = field(default_factory=dict)  # e.g. {"thinking": False} (Kimi-K2.5)
     return_token_ids: bool = False
     ignore_eos: bool = False
     # vLLM's per-chunk cumulative usage: exact token counts per chunk. Not needed (and not sent)
