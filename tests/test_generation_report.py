@@ -12,6 +12,7 @@ from draftline.generation_report import (
     server_view,
     stage_summary,
     step_mean,
+    truncation,
 )
 
 
@@ -101,3 +102,14 @@ def test_no_fill_phase_when_there_are_fewer_requests_than_slots():
     view = server_view(rows, capacity=8, first_request=0.0, end=2.0)
     assert view["fill_end"] is None and view["utilization_fill"] is None
     assert view["mean_running"] == 1.5 and view["output_tokens"] == 60
+
+
+def test_answers_cut_at_max_tokens_are_counted_per_shard_and_warned_about():
+    shards = [{"finish_reasons": {"stop": 6, "length": 4}}, {"finish_reasons": {"stop": 10}},
+              {"finish_reasons": {}}]
+    report = truncation(shards, warn_share=0.1)
+    assert report["per_shard"] == [0.4, 0.0, None]
+    assert report["share"] == 0.2  # 4 of 20 answers, pooled
+    assert "20% of the answers stopped at generate.max_tokens (shard 0: 40%)" in \
+        report["warning"]
+    assert truncation(shards, warn_share=0.25)["warning"] is None

@@ -18,6 +18,9 @@ from pathlib import Path
 from draftline.atomic import write_json
 
 TAIL_FRACTION = 0.05  # the tail: the last 5% of the stage's requests
+# Above this share of answers cut at generate.max_tokens the stage warns: the draft would
+# mostly learn unfinished reasoning and rarely see an answer.
+TRUNCATED_WARN_SHARE = 0.1
 TIMELINE_ROWS = 720  # a shard summary keeps at most this many timeline rows (bucket means)
 TIMELINE_COLUMNS = ["t", "running", "waiting", "generation_tokens", "completed"]
 
@@ -223,7 +226,32 @@ def stage_summary(summaries: list[dict]) -> dict:
         "tail_s": _round(tail),
         "tail_over_median_latency": _round(tail / median_latency if tail is not None
                                            and median_latency else None),
+        "truncated": truncation(summaries),
     }
+
+
+def truncation(summaries: list[dict], warn_share: float = TRUNCATED_WARN_SHARE) -> dict:
+    """Share of answers that stopped at ``generate.max_tokens`` (finish reason ``length``),
+    per shard and over the stage, with a warning above ``warn_share``."""
+    def share(counts: dict) -> float | None:
+        total = sum(counts.values())
+        return round(counts.get("length", 0) / total, 4) if total else None
+
+    per_shard = [share(s.get("finish_reasons") or {}) for s in summaries]
+    pooled: dict = {}
+    for s in summaries:
+        for reason, n in (s.get("finish_reasons") or {}).items():
+            pooled[reason] = pooled.get(reason, 0) + n
+    overall = share(pooled)
+    warning = None
+    if overall is not None and overall > warn_share:
+        worst = max(range(len(per_shard)), key=lambda i: per_shard[i] or 0)
+        warning = (f"{overall:.0%} of the answers stopped at generate.max_tokens (shard "
+                   f"{worst}: {per_shard[worst]:.0%}): the draft learns unfinished answers; "
+                   "raise generate.max_tokens (and server.max_model_len) or lower the thinking "
+                   "budget")
+    return {"share": overall, "per_shard": per_shard, "warn_above": warn_share,
+            "warning": warning}
 
 
 def _round(value: float | None, digits: int = 3) -> float | None:
@@ -306,6 +334,8 @@ def run_stage(summary_files: list[Path | str], out_json: Path | str, out_png: Pa
     ``target_dir`` is given), write the JSON and the plot."""
     summaries = load_summaries(summary_files)
     stage = stage_summary(summaries)
+    if stage["truncated"]["warning"]:
+        print(f"WARNING: {stage['truncated']['warning']}")
     if target_dir is not None:
         stage["render_mismatches"] = render_mismatches(response_files, target_dir,
                                                        chat_template_kwargs, trust_remote_code)
