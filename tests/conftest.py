@@ -16,6 +16,8 @@ import pytest
 
 from draftline.config import load_config
 
+pytest_plugins = ["strict_skips"]
+
 
 def _interrupt_on_sigterm(signum, frame):
     # A test run stopped with SIGTERM (CI timeout, kill) still runs fixture teardown, so the

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 
+from draftline import toy
 from draftline.dataset import RecordError, build_dataset, is_eval, split_of
 
 SPECIALS = ["<|pad|>", "<|system|>", "<|user|>", "<|assistant|>", "<|end|>", "<think>", "</think>"]
@@ -246,7 +247,6 @@ def test_split_is_stable_when_samples_are_added(tmp_path, targets):
 
 
 def test_real_toy_tokenizer(tmp_path):
-    toy = pytest.importorskip("draftline.toy", reason="draftline.toy is not available yet")
     from transformers import AutoTokenizer
 
     target = toy.build_toy_target(tmp_path / "target", {"train_steps": 0})
