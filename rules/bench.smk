@@ -34,6 +34,7 @@ rule bench:
         generate=config["generate"],
         eval_fraction=config["dataset"]["eval_fraction"],
         server=server_params(),
+        revision=config["target"]["revision"],
         model=target_path,
         state_dir=SERVER_STATE,
         code=code_hash("bench.py"),

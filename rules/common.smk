@@ -16,6 +16,14 @@ def _check_config(cfg):
             raise ValueError(
                 f"config key 'prompts.sources[{i}].path': file not found: {path}"
             )
+    model, revision = cfg["target"]["model"], cfg["target"]["revision"]
+    if revision is not None and (model == "toy" or Path(model).exists()):
+        # the same rule as draftline.hub.hub_revision, which the stages apply again
+        raise ValueError(
+            f"config key 'target.revision' is {revision!r}, but target.model ({model}) is a "
+            "local directory, which has no revisions: set target.revision to null, or "
+            "target.model to the hub id the revision belongs to"
+        )
     toy = cfg["target"]["toy"]
     if toy["hidden_size"] % toy["num_heads"]:
         raise ValueError(

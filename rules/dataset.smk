@@ -13,6 +13,7 @@ rule dataset:
         eval_fraction=config["dataset"]["eval_fraction"],
         max_length=config["dataset"]["max_length"],
         trust_remote_code=config["target"]["trust_remote_code"],
+        revision=config["target"]["revision"],
         chat_template_kwargs=config["generate"]["chat_template_kwargs"],
         code=code_hash("dataset.py"),
     script:

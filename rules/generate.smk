@@ -45,6 +45,7 @@ rule generation_summary:
         model=target_path,
         chat_template_kwargs=config["generate"]["chat_template_kwargs"],
         trust_remote_code=config["target"]["trust_remote_code"],
+        revision=config["target"]["revision"],
         code=code_hash("generation_summary.py"),
     script:
         "../scripts/generation_summary.py"

@@ -19,6 +19,7 @@ rule concurrency_profile:
         profile=config["profile"],
         sampling=sampling_params(),
         server=server_params(),
+        revision=config["target"]["revision"],
         model=target_path,
         state_dir=SERVER_STATE,
         code=code_hash("concurrency_profile.py"),

@@ -17,4 +17,5 @@ with logged(snakemake.log[0]):
         model=snakemake.params.model,
         state_dir=snakemake.params.state_dir,
         trust_remote_code=snakemake.params.server["trust_remote_code"],
+        revision=snakemake.params.revision,
     )

@@ -10,4 +10,5 @@ with logged(snakemake.log[0]):
         max_length=snakemake.params.max_length,
         trust_remote_code=snakemake.params.trust_remote_code,
         chat_template_kwargs=snakemake.params.chat_template_kwargs,
+        revision=snakemake.params.revision,
     )

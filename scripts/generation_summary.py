@@ -10,4 +10,5 @@ with logged(snakemake.log[0]):
         target_dir=snakemake.params.model,
         chat_template_kwargs=snakemake.params.chat_template_kwargs,
         trust_remote_code=snakemake.params.trust_remote_code,
+        revision=snakemake.params.revision,
     )

@@ -504,7 +504,7 @@ def _partial_path(out: Path) -> Path:
 def run_stage(response_files: list[str], draft_dir: str, eval_json: str | None,
               profile_json: str | None, out_dir: str, *, bench_cfg: dict, generate_cfg: dict,
               eval_fraction: float, server_cfg: dict, model: str, state_dir: str,
-              trust_remote_code: bool = False, log=print) -> dict:
+              trust_remote_code: bool = False, log=print, revision: str | None = None) -> dict:
     """Benchmark every configuration and write results.json, summary.md and the plots."""
     from draftline.server import has_gpu
 
@@ -526,7 +526,7 @@ def run_stage(response_files: list[str], draft_dir: str, eval_json: str | None,
         try:
             rows += _measure_one(cfg, external_urls.get(cfg["name"]), prompts, levels,
                                  temperatures, sampling, windows, bench_cfg, server_cfg, model,
-                                 draft_dir, state_dir, trust_remote_code, log)
+                                 draft_dir, state_dir, trust_remote_code, log, revision=revision)
         except Exception as exc:
             partial = _partial_path(out)
             _write_json(partial, {"schema": SCHEMA, "failed_config": cfg["name"], "rows": rows})
@@ -553,7 +553,7 @@ def run_stage(response_files: list[str], draft_dir: str, eval_json: str | None,
 
 def _measure_one(cfg: dict, external: str | None, prompts, levels, temperatures, sampling,
                  windows, bench_cfg, server_cfg, model, draft_dir, state_dir,
-                 trust_remote_code, log) -> list[dict]:
+                 trust_remote_code, log, revision: str | None = None) -> list[dict]:
     """Start (or reach) the configuration's server and measure it."""
     measure = partial(measure_config, config=cfg, prompts=prompts, levels=levels,
                       temperatures=temperatures, repetitions=bench_cfg["repetitions"],
@@ -564,5 +564,5 @@ def _measure_one(cfg: dict, external: str | None, prompts, levels, temperatures,
     managed = dict(server_cfg, mode="managed")
     spec_cfg = speculative_config(draft_dir, cfg["num_speculative_tokens"])
     with endpoints_for(managed, model, Path(state_dir), trust_remote_code, spec_cfg,
-                       log=log) as (endpoint,):
+                       log=log, revision=revision) as (endpoint,):
         return measure(endpoint)

@@ -74,7 +74,8 @@ def cmd_profile(cfg: dict, lay: Layout, args) -> None:
     lay.profile_json.parent.mkdir(parents=True, exist_ok=True)
     run_stage(lay.shards(), lay.profile_json, lay.profile_png, profile_cfg=cfg["profile"],
               sampling=cfg["generate"], server_cfg=cfg["server"], model=lay.model,
-              state_dir=lay.servers, trust_remote_code=cfg["target"]["trust_remote_code"])
+              state_dir=lay.servers, trust_remote_code=cfg["target"]["trust_remote_code"],
+              revision=cfg["target"]["revision"])
 
 
 def cmd_generate(cfg: dict, lay: Layout, args) -> None:
@@ -99,7 +100,8 @@ def cmd_dataset(cfg: dict, lay: Layout, args) -> None:
     build_dataset(files, lay.model, lay.dataset, eval_fraction=cfg["dataset"]["eval_fraction"],
                   max_length=cfg["dataset"]["max_length"],
                   trust_remote_code=cfg["target"]["trust_remote_code"],
-                  chat_template_kwargs=cfg["generate"]["chat_template_kwargs"])
+                  chat_template_kwargs=cfg["generate"]["chat_template_kwargs"],
+                  revision=cfg["target"]["revision"])
 
 
 def cmd_vocab(cfg: dict, lay: Layout, args) -> None:
@@ -138,7 +140,8 @@ def cmd_bench(cfg: dict, lay: Layout, args) -> None:
               lay.root / "bench", bench_cfg=cfg["bench"], generate_cfg=cfg["generate"],
               eval_fraction=cfg["dataset"]["eval_fraction"], server_cfg=cfg["server"],
               model=lay.model, state_dir=lay.servers,
-              trust_remote_code=cfg["target"]["trust_remote_code"])
+              trust_remote_code=cfg["target"]["trust_remote_code"],
+              revision=cfg["target"]["revision"])
 
 
 def cmd_plan(cfg: dict, lay: Layout, args) -> None:

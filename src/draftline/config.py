@@ -15,6 +15,7 @@ from typing import Any
 import jsonschema
 import yaml
 
+from draftline.hub import RevisionError, hub_revision
 from draftline.teacher import UnsupportedTargetHead, check_teacher_head
 
 SCHEMA_PATH = Path(str(resources.files("draftline") / "schemas" / "config.schema.yaml"))
@@ -81,6 +82,12 @@ def check_semantics(config: dict[str, Any], base: Path | None = None) -> None:
     if target != "toy" and target.startswith(("/", ".")) and not (base / target).exists():
         raise ConfigError(f"config key 'target.model': model directory not found: {target}")
     check_local_target_head(base / target if target != "toy" else None)
+    if config["target"]["revision"] is not None:
+        try:
+            hub_revision(target if target == "toy" else base / target,
+                         config["target"]["revision"])
+        except RevisionError as exc:
+            raise ConfigError(str(exc)) from exc
     toy = config["target"]["toy"]
     if toy["hidden_size"] % toy["num_heads"]:
         raise ConfigError("config key 'target.toy.num_heads': must divide target.toy.hidden_size")

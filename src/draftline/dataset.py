@@ -52,6 +52,8 @@ from typing import Any
 
 import numpy as np
 
+from draftline.hub import hub_revision, pretrained_kwargs
+
 log = logging.getLogger(__name__)
 
 SPLITS = ("train", "eval")
@@ -440,10 +442,12 @@ def _replace_dir(new: Path, dest: Path, scratch: Path) -> None:
 # ----------------------------------------------------------------------------- build
 
 
-def load_tokenizer(target_dir: Path, trust_remote_code: bool = False):
+def load_tokenizer(target_dir: Path | str, trust_remote_code: bool = False,
+                   revision: str | None = None):
+    """The target's tokenizer: a local directory, or a hub id at ``target.revision``."""
     from transformers import AutoTokenizer
 
-    kwargs = {"trust_remote_code": True} if trust_remote_code else {}
+    kwargs = pretrained_kwargs(target_dir, revision, trust_remote_code)
     return AutoTokenizer.from_pretrained(str(target_dir), **kwargs)
 
 
@@ -479,6 +483,7 @@ def build_dataset(
     trust_remote_code: bool = False,
     chat_template_kwargs: dict | None = None,
     batch_size: int = 256,
+    revision: str | None = None,
 ) -> dict:
     """Tokenize response shards into a train/eval DatasetDict at ``out_dir``; return stats.
 
@@ -491,6 +496,7 @@ def build_dataset(
 
     if not 0 <= eval_fraction < 1:
         raise ValueError(f"eval_fraction must be in [0, 1), got {eval_fraction}")
+    hub_revision(target_dir, revision)  # refused for a local directory, before any work
     if max_length < 1:
         raise ValueError(f"max_length must be positive, got {max_length}")
     response_files = [Path(p) for p in response_files]
@@ -500,7 +506,7 @@ def build_dataset(
     out_dir = Path(out_dir)
     out_dir.parent.mkdir(parents=True, exist_ok=True)
 
-    tokenizer = load_tokenizer(target_dir, trust_remote_code)
+    tokenizer = load_tokenizer(target_dir, trust_remote_code, revision)
     eot_ids = end_of_turn_ids(tokenizer, Path(target_dir))
     stats = Stats(eval_fraction=eval_fraction, max_length=max_length)
     work = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.tmp-", dir=out_dir.parent))
@@ -614,13 +620,13 @@ __all__ = [
 
 def count_render_mismatches(records: list[dict], target_dir: Path,
                             chat_template_kwargs: dict | None = None,
-                            trust_remote_code: bool = False) -> int:
+                            trust_remote_code: bool = False, revision: str | None = None) -> int:
     """How many response records the chat template does not render to their own token ids.
 
     The same check the dataset build applies; generation reports it per shard so drift between
     the stored text and the target's token stream is visible before training.
     """
-    tokenizer = load_tokenizer(target_dir, trust_remote_code)
+    tokenizer = load_tokenizer(target_dir, trust_remote_code, revision)
     eot_ids = end_of_turn_ids(tokenizer, Path(target_dir))
     stats = Stats(eval_fraction=0.0, max_length=1)
     responses = [parse_response(r, f"record {i}") for i, r in enumerate(records)]

@@ -47,6 +47,7 @@ from tqdm import tqdm
 
 from draftline.atomic import atomic_open, disk_full_names, write_json
 from draftline.generation_report import server_view
+from draftline.hub import hub_revision
 from draftline.loadgen import parse_metrics, request_seed
 from draftline.profile import resolve_concurrency
 from draftline.server import Endpoint
@@ -764,9 +765,11 @@ def run_stage(prompt_file: Path, out_file: Path, errors_file: Path, summary_file
     from draftline.server import endpoints_for
 
     job_start = process_start_time()
+    revision = hub_revision(model, revision)  # refused for a local directory, before any work
     concurrency = resolve_concurrency(gen_cfg["concurrency"], profile_json)
     settings = GenerateSettings.from_config(gen_cfg, concurrency)
-    with endpoints_for(server_cfg, model, Path(state_dir), trust_remote_code) as endpoints:
+    with endpoints_for(server_cfg, model, Path(state_dir), trust_remote_code,
+                       revision=revision) as endpoints:
         return generate_shard(Path(prompt_file), Path(out_file), Path(errors_file),
                               Path(summary_file), endpoints, settings, Path(slot_dir),
                               target_dir=model, target=target_identity(model, revision),

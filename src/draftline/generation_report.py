@@ -313,7 +313,7 @@ def plot_running(summaries: list[dict], stage: dict, out_png: Path | str) -> Non
 
 def render_mismatches(response_files: list[Path | str], target_dir: str,
                       chat_template_kwargs: dict | None = None,
-                      trust_remote_code: bool = False) -> dict:
+                      trust_remote_code: bool = False, revision: str | None = None) -> dict:
     """How many answers per shard the chat template does not render to their own token ids
     (the dataset build's check, run early: drift shows before training)."""
     from draftline.dataset import count_render_mismatches
@@ -323,13 +323,14 @@ def render_mismatches(response_files: list[Path | str], target_dir: str,
         with open(path, encoding="utf-8") as fh:
             records = [json.loads(line) for line in fh if line.strip()]
         per_shard.append(count_render_mismatches(records, target_dir, chat_template_kwargs,
-                                                 trust_remote_code))
+                                                 trust_remote_code, revision))
     return {"total": sum(per_shard), "per_shard": per_shard}
 
 
 def run_stage(summary_files: list[Path | str], out_json: Path | str, out_png: Path | str,
               response_files: list[Path | str] = (), target_dir: str | None = None,
-              chat_template_kwargs: dict | None = None, trust_remote_code: bool = False) -> dict:
+              chat_template_kwargs: dict | None = None, trust_remote_code: bool = False,
+              revision: str | None = None) -> dict:
     """The stage summary rule: merge the shard summaries, check how the answers render (when
     ``target_dir`` is given), write the JSON and the plot."""
     summaries = load_summaries(summary_files)
@@ -338,7 +339,8 @@ def run_stage(summary_files: list[Path | str], out_json: Path | str, out_png: Pa
         print(f"WARNING: {stage['truncated']['warning']}")
     if target_dir is not None:
         stage["render_mismatches"] = render_mismatches(response_files, target_dir,
-                                                       chat_template_kwargs, trust_remote_code)
+                                                       chat_template_kwargs, trust_remote_code,
+                                                       revision)
     write_json(out_json, stage, indent=2)
     plot_running(summaries, stage, out_png)
     print(json.dumps(stage))

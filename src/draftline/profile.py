@@ -192,6 +192,8 @@ def server_info_from_config(config: dict, model: str,
     info = {k: v for k, v in config["server"].items() if k not in _NOT_WORKLOAD}
     info.update(model=str(model), trust_remote_code=config["target"]["trust_remote_code"],
                 speculative_config=speculative_config)
+    if config["target"].get("revision"):  # another commit of a hub id is another workload
+        info["revision"] = config["target"]["revision"]
     return info
 
 
@@ -604,12 +606,15 @@ class AdaptiveLimiter:
 
 def run_stage(prompt_files: Sequence[Path | str], out_json: Path | str, out_png: Path | str, *,
               profile_cfg: dict, sampling: dict, server_cfg: dict, model: str,
-              state_dir: Path | str, trust_remote_code: bool = False) -> dict:
+              state_dir: Path | str, trust_remote_code: bool = False,
+              revision: str | None = None) -> dict:
     """The profile stage: get the run's server (shared or external) and sweep it."""
     from draftline.server import endpoints_for
 
-    config = {"server": server_cfg, "target": {"trust_remote_code": trust_remote_code}}
+    config = {"server": server_cfg,
+              "target": {"trust_remote_code": trust_remote_code, "revision": revision}}
     server_info = server_info_from_config(config, model)
-    with endpoints_for(server_cfg, model, Path(state_dir), trust_remote_code) as endpoints:
+    with endpoints_for(server_cfg, model, Path(state_dir), trust_remote_code,
+                       revision=revision) as endpoints:
         return run_profile(prompt_files, endpoints, profile_cfg, sampling, server_info,
                            out_json, out_png)

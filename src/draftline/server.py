@@ -33,6 +33,8 @@ from pathlib import Path
 
 import httpx
 
+from draftline.hub import hub_revision
+
 API_SERVER_MODULE = "vllm.entrypoints.openai.api_server"
 
 
@@ -76,6 +78,7 @@ class ServerSpec:
     image: str | None = None  # serving image of launcher docker, pinned by digest
     docker: dict | None = None  # the server.docker config section (launcher docker)
     api_key_env: str | None = None  # NAME of the env variable holding the key the server requires
+    revision: str | None = None  # target.revision of a hub id (draftline.hub)
 
     def command(self, port: int) -> list[str]:
         return [sys.executable, "-m", API_SERVER_MODULE, *self.server_args(port)]
@@ -92,6 +95,9 @@ class ServerSpec:
             "--max-num-seqs", str(self.max_num_seqs),
             "--dtype", self.dtype,
         ]  # fmt: skip
+        if self.revision:
+            # the weights and the tokenizer (chat template) from the same commit
+            cmd += ["--revision", self.revision, "--tokenizer-revision", self.revision]
         if self.reasoning_parser:
             cmd += ["--reasoning-parser", self.reasoning_parser]
         if self.enforce_eager:
@@ -146,10 +152,13 @@ class ServerSpec:
 
 
 def spec_from_config(server_cfg: dict, model: str, trust_remote_code: bool = False,
-                     speculative_config: dict | None = None) -> ServerSpec:
-    """Build a ServerSpec from the ``server`` config section and a model path."""
+                     speculative_config: dict | None = None,
+                     revision: str | None = None) -> ServerSpec:
+    """Build a ServerSpec from the ``server`` config section, a model path or hub id and
+    ``target.revision`` (refused for a local directory)."""
     return ServerSpec(
         model=str(model),
+        revision=hub_revision(model, revision),
         served_name=server_cfg["served_name"],
         host=server_cfg["host"],
         port=server_cfg["port"],
@@ -596,12 +605,13 @@ def _with_v1(url: str) -> str:
 
 @contextlib.contextmanager
 def endpoints_for(server_cfg: dict, model: str, state_dir: Path, trust_remote_code: bool = False,
-                  speculative_config: dict | None = None, log=print) -> Iterator[list[Endpoint]]:
+                  speculative_config: dict | None = None, log=print,
+                  revision: str | None = None) -> Iterator[list[Endpoint]]:
     """The endpoints a stage should use: external ones, or the run's shared managed server."""
     if server_cfg["mode"] == "external" and speculative_config is None:
         yield external_endpoints(server_cfg)
         return
-    spec = spec_from_config(server_cfg, model, trust_remote_code, speculative_config)
+    spec = spec_from_config(server_cfg, model, trust_remote_code, speculative_config, revision)
     with shared_server(spec, state_dir, server_cfg["idle_timeout_s"], log=log) as endpoint:
         yield [endpoint]
 
