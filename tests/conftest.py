@@ -45,6 +45,11 @@ def copy_workflow(workdir: Path) -> None:
             shutil.copy2(src, workdir / name)
 
 
+def sha256_of(path: Path) -> str:
+    """SHA-256 of a file, computed here with hashlib: the oracle for the library's checksums."""
+    return hashlib.sha256(Path(path).read_bytes()).hexdigest()
+
+
 def default_config(**overrides) -> dict:
     return load_config(REPO / "config.yaml", overrides)
 

@@ -22,7 +22,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import yaml
-from conftest import REPO, default_config, requires_vllm
+from conftest import REPO, default_config, requires_vllm, sha256_of
 from safetensors.numpy import save_file
 
 from draftline import bundle as B
@@ -158,7 +158,7 @@ def test_bundle_layout_is_a_loadable_model_folder_with_all_evidence(results):
                      ("bench/throughput.png", "bench/throughput.png")]:
         assert (root / rel).read_bytes() == (results / src).read_bytes()
     for entry in manifest["files"]:
-        assert entry["sha256"] == B.sha256_file(root / entry["path"])
+        assert entry["sha256"] == sha256_of(root / entry["path"])
         assert entry["size"] == (root / entry["path"]).stat().st_size
     assert json.loads((root / "manifest.json").read_text()) == manifest
 
@@ -191,7 +191,7 @@ def test_manifest_provenance(results, monkeypatch):
 
     target = prov["target"]
     assert target["source"] == "local" and target["model"] == str(results / "target")
-    assert target["files"]["config.json"] == B.sha256_file(results / "target" / "config.json")
+    assert target["files"]["config.json"] == sha256_of(results / "target" / "config.json")
     assert set(target["files"]) == {"config.json", "tokenizer.json", "tokenizer_config.json",
                                     "special_tokens_map.json", "generation_config.json"}
     assert target["weight_files"] == {
@@ -201,7 +201,7 @@ def test_manifest_provenance(results, monkeypatch):
 
     (source,) = prov["prompt_sources"]
     assert source["path"] == "bundled"
-    assert source["sha256"] == B.sha256_file(bundled_prompts_path())
+    assert source["sha256"] == sha256_of(bundled_prompts_path())
 
     versions = prov["software"]["versions"]
     assert versions["python"] == ".".join(map(str, sys.version_info[:3]))
@@ -440,7 +440,7 @@ def test_cli_bundle_publishes_to_a_local_folder(tmp_path, capsys):
     pub = tmp_path / "published"
     assert (pub / "bundle.tar").read_bytes() == (results / "bundle.tar").read_bytes()
     assert (pub / "bundle.tar.sha256").read_text() == (
-        f"{B.sha256_file(pub / 'bundle.tar')}  bundle.tar\n")
+        f"{sha256_of(pub / 'bundle.tar')}  bundle.tar\n")
     assert cli_main(["verify", str(pub / "bundle.tar")]) == 0
 
 
@@ -500,5 +500,5 @@ def test_hub_push_needs_a_token(results, monkeypatch):
 def test_hub_push(results):
     build(results)
     pushed = B.push_to_hub(results / "bundle", os.environ["DRAFTLINE_TEST_HF_REPO"])
-    assert pushed["commit"] and pushed["manifest_sha256"] == B.sha256_file(
+    assert pushed["commit"] and pushed["manifest_sha256"] == sha256_of(
         results / "bundle" / "manifest.json")

@@ -17,7 +17,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import requires_vllm, vllm_available
+from conftest import requires_vllm, sha256_of, vllm_available
 
 from draftline.atomic import DiskFullError
 from draftline.hidden import (
@@ -32,7 +32,7 @@ from draftline.hidden import (
     verify_index,
 )
 from draftline.hidden.hf_backend import token_budget_batches
-from draftline.hidden.store import plan_parts, sha256_file, write_safetensors
+from draftline.hidden.store import plan_parts, write_safetensors
 
 LAYERS, HIDDEN, VOCAB = 8, 128, 2048
 HF_CFG = {"backend": "hf", "samples_per_file": 4, "batch_tokens": 300}
@@ -269,7 +269,7 @@ def test_write_safetensors_is_deterministic_and_readable(tmp_path):
     size_a, sha_a = write_safetensors(tmp_path / "a.safetensors", tensors, metadata)
     size_b, sha_b = write_safetensors(tmp_path / "b.safetensors", tensors, dict(metadata))
     assert (size_a, sha_a) == (size_b, sha_b)
-    assert sha_a == sha256_file(tmp_path / "a.safetensors")
+    assert sha_a == sha256_of(tmp_path / "a.safetensors")
     assert size_a == (tmp_path / "a.safetensors").stat().st_size
     loaded = load_file(str(tmp_path / "a.safetensors"))
     assert all(torch.equal(loaded[k], v) for k, v in tensors.items())
