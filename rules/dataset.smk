@@ -33,6 +33,7 @@ rule vocab_map:
         "../envs/draftline.yaml"
     params:
         model=target_path,
+        revision=config["target"]["revision"],
         draft_vocab_size=config["vocab"]["draft_vocab_size"],
         code=code_hash("vocab_map.py"),
     script:

@@ -15,6 +15,7 @@ rule train_draft:
     params:
         train=config["train"],
         model=target_path,
+        revision=config["target"]["revision"],
         out_dir=lambda wildcards, output: os.path.dirname(output.eval),
         code=code_hash("train_draft.py"),
     script:
@@ -36,6 +37,7 @@ rule export_draft:
         "../envs/draftline.yaml"
     params:
         model=target_path,
+        revision=config["target"]["revision"],
         code=code_hash("export_draft.py"),
     script:
         "../scripts/export_draft.py"

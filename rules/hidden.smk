@@ -18,6 +18,7 @@ rule hidden_states:
         },
         server=server_params(),
         model=target_path,
+        revision=config["target"]["revision"],
         state_dir=SERVER_STATE,
         code=code_hash("hidden_states.py"),
     script:

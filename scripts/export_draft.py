@@ -2,13 +2,14 @@ import json
 from pathlib import Path
 
 from draftline.export import export_draft
+from draftline.hub import local_dir
 from draftline.runlog import logged
 
 with logged(snakemake.log[0]):
     layer_ids = json.loads(Path(snakemake.input.hidden).read_text())["layer_ids"]
     export_draft(
         snakemake.input.best,
-        snakemake.params.model,
+        local_dir(snakemake.params.model, snakemake.params.revision),
         snakemake.input.vocab_map,
         layer_ids,
         Path(snakemake.output.config).parent,

@@ -1,12 +1,13 @@
 from pathlib import Path
 
 from draftline.hidden import extract
+from draftline.hub import local_dir
 from draftline.runlog import logged
 
 with logged(snakemake.log[0]):
     extract(
         snakemake.input.dataset,
-        snakemake.params.model,
+        local_dir(snakemake.params.model, snakemake.params.revision),
         Path(snakemake.output.index).parent,
         snakemake.params.hidden,
         server_cfg=snakemake.params.server["server"],

@@ -1,5 +1,6 @@
 from pathlib import Path
 
+from draftline.hub import local_dir
 from draftline.runlog import logged
 from draftline.train import train
 
@@ -7,7 +8,7 @@ with logged(snakemake.log[0]):
     train(
         Path(snakemake.input.hidden).parent,
         snakemake.input.vocab_map,
-        snakemake.params.model,
+        local_dir(snakemake.params.model, snakemake.params.revision),
         snakemake.params.out_dir,
         snakemake.params.train,
     )

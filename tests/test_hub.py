@@ -181,6 +181,37 @@ def test_tokenizer_loads_receive_the_revision(tmp_path, toy_target):
     assert loaded["mismatches"]["per_shard"] == [loaded["mismatches"]["total"]]
 
 
+def test_stages_that_read_target_files_find_a_hub_target_in_the_cache(tmp_path, toy_target):
+    """Vocab, hidden states, training and export read config.json and the weights from disk:
+    for a hub id, from its snapshot at the pinned revision in the local cache; a target the
+    cache lacks is named with the command that fetches it (nothing is downloaded)."""
+    cache = offline_hub_cache(tmp_path / "hub", toy_target)
+    code = textwrap.dedent(f"""
+        import json
+        from draftline.hub import local_dir
+        from draftline.vocab import target_vocab_size
+        try:
+            local_dir("draftline-test/absent", "v9")
+        except FileNotFoundError as exc:
+            missing = str(exc)
+        print(json.dumps({{
+            "main": str(local_dir({HUB_ID!r})), "v2": str(local_dir({HUB_ID!r}, "v2")),
+            "vocab": target_vocab_size(local_dir({HUB_ID!r}, "v2")), "missing": missing,
+            "local": str(local_dir({str(toy_target)!r}))}}))
+    """)
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                            env=offline_env(cache), timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    found = json.loads(result.stdout.strip().splitlines()[-1])
+    snapshots = cache / ("models--" + HUB_ID.replace("/", "--")) / "snapshots"
+    assert found["main"] == str(snapshots / COMMIT_MAIN)
+    assert found["v2"] == str(snapshots / COMMIT_V2)
+    assert found["vocab"] == json.loads((toy_target / "config.json").read_text())["vocab_size"]
+    assert found["local"] == str(toy_target)
+    assert "config key 'target.model': draftline-test/absent at revision v9" in found["missing"]
+    assert "huggingface-cli download draftline-test/absent --revision v9" in found["missing"]
+
+
 @requires_vllm
 @pytest.mark.vllm
 def test_vllm_serves_the_tokenizer_of_the_revision(tmp_path, toy_target, config):

@@ -44,3 +44,28 @@ def pretrained_kwargs(model: str | Path, revision: str | None = None,
     if trust_remote_code:
         kwargs["trust_remote_code"] = True
     return kwargs
+
+
+def local_dir(model: str | Path, revision: str | None = None) -> Path:
+    """The directory holding the target's files, for the stages that read them (vocab, hidden
+    states, training, export, bundle): ``model`` itself, or the snapshot of a hub id (at
+    ``revision``) in the local Hugging Face cache.
+
+    Nothing is downloaded here: a production target is hundreds of GB, fetched once on purpose
+    (the servers read the same cache).
+    """
+    if is_local(model):
+        return Path(model)
+    from huggingface_hub import snapshot_download
+    from huggingface_hub.constants import HF_HUB_CACHE
+    from huggingface_hub.errors import LocalEntryNotFoundError
+
+    pinned = f" at revision {revision}" if revision else ""
+    try:
+        return Path(snapshot_download(str(model), revision=revision, local_files_only=True))
+    except LocalEntryNotFoundError as exc:
+        raise FileNotFoundError(
+            f"config key 'target.model': {model}{pinned} is neither a local directory nor in "
+            f"the Hugging Face cache ({HF_HUB_CACHE}); download it first, e.g. "
+            f"`huggingface-cli download {model}" + (f" --revision {revision}" if revision
+                                                     else "") + "`") from exc
