@@ -99,7 +99,8 @@ def make_results(root: Path, bench: bool = True) -> Path:
     (root / "profile" / "concurrency.png").write_bytes(tiny_png())
     if bench:
         write_json(root / "bench" / "results.json", {"baseline": {"output_tok_s": 900.0},
-                                                     "eagle3": {"output_tok_s": 1500.0}})
+                                                     "eagle3": {"output_tok_s": 1500.0},
+                                                     "vllm_versions": ["0.32.0"]})
         (root / "bench" / "summary.md").write_text(
             "# Deployment benchmark\n\n| mode | tok/s |\n|---|---|\n| baseline | 900 |\n"
             "| eagle3 | 1500 |\n")
@@ -395,6 +396,7 @@ def test_model_card(results):
     assert spec == {"method": "eagle3", "model": "org/eagle3-draft", "num_speculative_tokens": 3}
     assert "--speculative-draft-model-path org/eagle3-draft" in readme
     assert "--speculative-num-steps 3" in readme and "--speculative-num-draft-tokens 4" in readme
+    assert "served this draft with vLLM 0.32.0 (bench/results.json)" in readme
     html = (results / "report" / "card.html").read_text()
     assert "<table>" in html and "data:image/png;base64," in html
 

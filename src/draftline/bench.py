@@ -41,13 +41,12 @@ from __future__ import annotations
 
 import json
 import statistics
-from functools import partial
 from pathlib import Path
 
 from draftline.atomic import write_json
 from draftline.loadgen import Prompt, SamplingSpec, acceptance_length, measure_window
 from draftline.profile import resolve_concurrency
-from draftline.server import Endpoint, endpoints_for
+from draftline.server import Endpoint, endpoints_for, served_version
 
 SCHEMA = "draftline.bench/1"
 PER_POS = "vllm:spec_decode_num_accepted_tokens_per_pos"
@@ -539,6 +538,7 @@ def run_stage(response_files: list[str], draft_dir: str, eval_json: str | None,
     result = {"schema": SCHEMA, "configs": configs, "levels": levels,
               "temperatures": temperatures, "repetitions": bench_cfg["repetitions"],
               "num_prompts": len(prompts), "max_tokens": bench_cfg["max_tokens"], **windows,
+              "vllm_versions": sorted({r["vllm_version"] for r in rows if r["vllm_version"]}),
               "rows": rows, "summary": summary,
               "step_costs": step_costs(summary, configs),
               "train_serve_gap": train_serve_gap(summary, configs, train_eval, log),
@@ -555,9 +555,13 @@ def _measure_one(cfg: dict, external: str | None, prompts, levels, temperatures,
                  windows, bench_cfg, server_cfg, model, draft_dir, state_dir,
                  trust_remote_code, log, revision: str | None = None) -> list[dict]:
     """Start (or reach) the configuration's server and measure it."""
-    measure = partial(measure_config, config=cfg, prompts=prompts, levels=levels,
-                      temperatures=temperatures, repetitions=bench_cfg["repetitions"],
-                      sampling=sampling, windows=windows, log=log)
+    def measure(endpoint: Endpoint) -> list[dict]:
+        rows = measure_config(endpoint, config=cfg, prompts=prompts, levels=levels,
+                              temperatures=temperatures, repetitions=bench_cfg["repetitions"],
+                              sampling=sampling, windows=windows, log=log)
+        version = served_version(endpoint)  # the model card says which vLLM served the draft
+        return [{**row, "vllm_version": version} for row in rows]
+
     if external:
         return measure(Endpoint(base_url=external.rstrip("/").removesuffix("/v1") + "/v1",
                                 model=bench_cfg.get("served_name") or server_cfg["served_name"]))

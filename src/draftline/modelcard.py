@@ -264,6 +264,10 @@ def _serving(card: Card, facts: dict) -> None:
                   "`python -m vllm.entrypoints.openai.api_server --model <target>` and the "
                   "same options."),
              Heading(3, "SGLang"), Code("bash", sglang_command(*args)))
+    versions = (facts.get("bench_results") or {}).get("vllm_versions")
+    if versions:
+        card.add(Para(f"The deployment benchmark served this draft with vLLM "
+                      f"{', '.join(versions)} (bench/results.json)."))
 
 
 def _data(card: Card, facts: dict) -> None:

@@ -585,6 +585,16 @@ def stop_all(state_dir: Path) -> int:
 # ---------------------------------------------------------------- endpoints from config
 
 
+def served_version(endpoint: Endpoint, timeout_s: float = 10.0) -> str | None:
+    """The vLLM release behind ``endpoint``, from its own ``/version`` (None if it says none)."""
+    try:
+        reply = httpx.get(f"{endpoint.root_url}/version", timeout=timeout_s,
+                          headers={"Authorization": f"Bearer {endpoint.api_key}"})
+        return reply.json().get("version") if reply.status_code == 200 else None
+    except (httpx.HTTPError, ValueError):
+        return None
+
+
 def external_endpoints(server_cfg: dict) -> list[Endpoint]:
     """Endpoints of already running servers; the key is read from the named env variable."""
     ext = server_cfg["external"]
