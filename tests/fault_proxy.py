@@ -10,9 +10,11 @@ always gets a 503. Faults:
   dropped;
 - ``truncate``: the server's real response, with its full Content-Length, cut off halfway.
 
-Requests without a fault are forwarded and answered whole (``passed``). ``counts`` says how
-many of each happened. The proxy speaks just enough HTTP/1.1 (keep-alive, Content-Length
-bodies) for the OpenAI client's non-streaming requests; it runs its own event loop in a thread.
+Requests without a fault are forwarded and answered whole (``passed``); requests outside
+``/v1/`` (the generation job's ``/metrics`` samples) always are, and are not counted.
+``counts`` says how many of each happened. The proxy speaks just enough HTTP/1.1 (keep-alive,
+Content-Length bodies) for the OpenAI client's non-streaming requests; it runs its own event
+loop in a thread.
 """
 
 from __future__ import annotations
@@ -111,6 +113,12 @@ class FaultProxy:
 
     async def _answer(self, request: tuple[str, str, dict, bytes], writer) -> bool:
         """Serve one request; False when the connection is to be dropped."""
+        if not request[1].startswith("/v1/"):
+            # monitoring (/metrics, /health): passed through, neither faulted nor counted
+            status, content_type, body = await self._forward(request)
+            writer.write(_response(status, content_type, body, len(body)))
+            await writer.drain()
+            return True
         self.authorizations[request[2].get("authorization", "")] += 1
         fault = self._next_fault(request[3])
         self.counts[fault or "passed"] += 1
