@@ -215,25 +215,42 @@ def backoff_delay(attempt: int, settings: GenerateSettings, rng: random.Random) 
 
 
 class EndpointPool:
-    """Least-in-flight balancing; an endpoint that fails to connect is set aside for a while."""
+    """Least-in-flight balancing; an endpoint that fails to connect is set aside for a while.
+
+    Each endpoint gets several clients of at most ``CONNECTIONS_PER_CLIENT`` connections, and a
+    request goes to its endpoint's least busy one: httpx's connection pool scans every
+    connection on every request event, so one pool of C connections costs O(C) per event;
+    measured at C=64 on 2 busy cores it took 20 ms of client CPU per request (the server sat
+    idle waiting for the client) against under 5 ms with pools of 8.
+    """
 
     COOLDOWN_S = 5.0
+    CONNECTIONS_PER_CLIENT = 8
 
     def __init__(self, endpoints: list[Endpoint], timeout_s: float, max_connections: int):
-        limits = httpx.Limits(max_connections=max_connections,
-                              max_keepalive_connections=max_connections)
+        per_endpoint = -(-max_connections // self.CONNECTIONS_PER_CLIENT)
+        size = -(-max_connections // per_endpoint)
+        limits = httpx.Limits(max_connections=size, max_keepalive_connections=size)
         self.endpoints = endpoints
         self.clients = [
-            openai.AsyncOpenAI(base_url=ep.base_url, api_key=ep.api_key, max_retries=0,
-                               timeout=timeout_s,
-                               http_client=httpx.AsyncClient(limits=limits, timeout=timeout_s))
+            [openai.AsyncOpenAI(base_url=ep.base_url, api_key=ep.api_key, max_retries=0,
+                                timeout=timeout_s,
+                                http_client=httpx.AsyncClient(limits=limits, timeout=timeout_s))
+             for _ in range(per_endpoint)]
             for ep in endpoints
         ]
+        self.client_in_flight = [[0] * per_endpoint for _ in endpoints]
         self.in_flight = [0] * len(endpoints)
         self.down_until = [0.0] * len(endpoints)
         self.sent = [0] * len(endpoints)
         # Since when no request has succeeded while connections kept failing (None: healthy).
         self.failing_since: float | None = None
+
+    def client(self, index: int) -> int:
+        """The endpoint's least busy client (never over its connection limit: the slots
+        keep the endpoint's total at most C, and the least busy has at most C / clients)."""
+        loads = self.client_in_flight[index]
+        return loads.index(min(loads))
 
     def pick(self) -> int | None:
         now = time.monotonic()
@@ -257,8 +274,9 @@ class EndpointPool:
         return 0.0 if self.failing_since is None else time.monotonic() - self.failing_since
 
     async def close(self) -> None:
-        for client in self.clients:
-            await client.close()
+        for clients in self.clients:
+            for client in clients:
+                await client.close()
 
 
 # ---------------------------------------------------------------- durable results
@@ -517,18 +535,22 @@ class ShardRun:
             endpoint = self.pool.endpoints[index]
             kwargs = request_kwargs(messages, self.settings, prompt_id, endpoint.model)
             async with self.slots.slot():
+                client = self.pool.client(index)
+                self.pool.client_in_flight[index][client] += 1
                 self.pool.in_flight[index] += 1
                 self.pool.sent[index] += 1
                 t0 = time.monotonic()
                 self.stats.t_first_request = self.stats.t_first_request or time.time()
                 try:
-                    resp = await self.pool.clients[index].chat.completions.create(**kwargs)
+                    resp = await self.pool.clients[index][client].chat.completions.create(
+                        **kwargs)
                     self.pool.succeeded()
                     return parse_completion(resp), time.monotonic() - t0, endpoint.base_url
                 except Exception as exc:  # classified below; nothing is swallowed silently
                     error = exc
                 finally:
                     self.pool.in_flight[index] -= 1
+                    self.pool.client_in_flight[index][client] -= 1
             kind = failure_kind(error)
             if kind == "refused":
                 self.pool.set_aside(index)
