@@ -93,6 +93,10 @@ def make_results(root: Path, bench: bool = True) -> Path:
         "num_shards": 2, "shard_sizes": [120, 120], "max_samples": 240, "seed": 0,
         "sources": [{"path": "bundled", "read": 250, "accepted": 240, "duplicates": 4,
                      "rejected": 6}]})
+    # the generation stage's summary (a target of the run beside the bundle)
+    write_json(root / "responses" / "summary.json", {"shards": 2, "responses": 240})
+    (root / "responses" / "server_running.png").parent.mkdir(parents=True, exist_ok=True)
+    (root / "responses" / "server_running.png").write_bytes(tiny_png())
     write_json(root / "profile" / "concurrency.json", {
         "chosen_concurrency": 16,
         "levels": [{"concurrency": c, "output_tok_s": 300.0 * c ** 0.7} for c in (1, 4, 16)]})
