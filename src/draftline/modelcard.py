@@ -201,7 +201,7 @@ def _html_block(block: Any, root: Path) -> str:
 
 
 def build_card(facts: dict[str, Any]) -> Card:
-    """The model card from the bundle's facts (see ``draftline.bundle.collect_card_facts``)."""
+    """The model card from the bundle's facts (see ``draftline.bundle.card.collect_card_facts``)."""
     target = facts["target"]
     draft_cfg = facts["draft_config"]
     card = Card(_front_matter(target))
