@@ -7,9 +7,11 @@ import math
 import pytest
 import torch
 
+import draftline.model as model_module
 from draftline.model import (
     DraftConfig,
     Eagle3Draft,
+    FusedTTTAttention,
     TargetHead,
     apply_rotary,
     fused_attention_ok,
@@ -73,6 +75,27 @@ def test_ttt_attention_equals_dense_masked_reference(attention, step, length):
 
 def test_fused_path_is_used_on_cpu():
     assert fused_attention_ok(torch.zeros(1, 1, 4, 8))  # so the tests above cover it
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_fused_path_passes_its_check_in_half_precision(dtype):
+    """Training on CUDA runs attention in bf16 (autocast): the check must accept the fused
+    kernel there. Compared with the bf16 reference, whose rounding differs by as much as the
+    kernel's own, a correct kernel was refused and training fell back to eager attention."""
+    assert model_module._check_fused(torch.device("cpu"), dtype, 128)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fused_check_refuses_a_kernel_with_a_wrong_gradient(dtype, monkeypatch):
+    """A diagonal-key gradient off by a factor of two is far outside the bf16 tolerance."""
+    backward = FusedTTTAttention.backward
+
+    def wrong_backward(ctx, grad_out):
+        dq, dk_ctx, dv_ctx, dk_diag, dv_diag = backward(ctx, grad_out)
+        return dq, dk_ctx, dv_ctx, dk_diag * 0.5, dv_diag
+
+    monkeypatch.setattr(FusedTTTAttention, "backward", staticmethod(wrong_backward))
+    assert not model_module._check_fused(torch.device("cpu"), dtype, 128)
 
 
 def test_rotary_matches_transformers_llama():

@@ -335,21 +335,47 @@ def fused_attention_ok(q: torch.Tensor) -> bool:
 def _check_fused(device, dtype, head_dim: int) -> bool:
     gen = torch.Generator().manual_seed(0)
     shape = (1, 2, 37, head_dim)
-    tol = 1e-4 if dtype == torch.float32 else 3e-2
     try:
         with torch.enable_grad(), torch.autocast(device.type, enabled=False):
             tensors = [torch.randn(shape, generator=gen).to(device, dtype).requires_grad_()
                        for _ in range(7)]  # q, k0, v0, k1, v1, k2, v2
-            q, k0, v0, k1, v1, k2, v2 = tensors
-            ref = ttt_attention_reference(q, k0, v0, [k1, k2], [v1, v2])
-            got = FusedTTTAttention.apply(q, k0, v0, torch.stack([k1, k2], -2),
-                                          torch.stack([v1, v2], -2))
-            ref_grads = torch.autograd.grad(ref.float().square().sum(), tensors)
-            got_grads = torch.autograd.grad(got.float().square().sum(), tensors)
-        pairs = [(got, ref), *zip(got_grads, ref_grads, strict=True)]
-        return all(torch.allclose(a.float(), b.float(), atol=tol, rtol=tol) for a, b in pairs)
+            got, *got_grads = _attention_and_grads(True, tensors)
+            # The truth: the reference in fp32 from the same (rounded) inputs. In bf16 the
+            # reference has the same rounding error as the fused path (each rounds its
+            # [T, k] and [T, T] intermediates differently), so comparing the two against
+            # each other would refuse a correct kernel.
+            truth, *true_grads = _attention_and_grads(
+                False, [t.detach().float().requires_grad_() for t in tensors])
+        pairs = [(got, truth), *zip(got_grads, true_grads, strict=True)]
+        return all(fused_error(a, b) <= fused_tolerance(dtype) for a, b in pairs)
     except (RuntimeError, NotImplementedError, AttributeError):
         return False
+
+
+def _attention_and_grads(fused: bool, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    """TTT attention of step 2 (q, k0, v0, k1, v1, k2, v2) and the gradients of
+    ``sum(out^2)`` with respect to all seven inputs."""
+    q, k0, v0, k1, v1, k2, v2 = tensors
+    if fused:
+        out = FusedTTTAttention.apply(q, k0, v0, torch.stack([k1, k2], -2),
+                                      torch.stack([v1, v2], -2))
+    else:
+        out = ttt_attention_reference(q, k0, v0, [k1, k2], [v1, v2])
+    return [out, *torch.autograd.grad(out.float().square().sum(), tensors)]
+
+
+def fused_error(got: torch.Tensor, truth: torch.Tensor) -> float:
+    """Largest difference relative to the largest magnitude of the true tensor."""
+    got, truth = got.detach().float(), truth.detach().float()
+    return float((got - truth).abs().max() / truth.abs().max())
+
+
+def fused_tolerance(dtype: torch.dtype) -> float:
+    """What ``fused_error`` may reach: a few units of the dtype's rounding (bf16 rounds to
+    2^-8 relative; its sums of up to 39 terms lose a few of those). A kernel that drops or
+    misweights a term is off by O(1) on the early rows, where the diagonal holds most of
+    the probability."""
+    return 1e-5 if dtype == torch.float32 else 3e-2
 
 
 class TTTCache:
