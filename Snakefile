@@ -5,7 +5,7 @@ from snakemake.utils import min_version, validate
 min_version("9.0")
 
 
-configfile: "config.yaml"
+configfile: "config/config.yaml"
 
 
 validate(config, "src/draftline/schemas/config.schema.yaml")

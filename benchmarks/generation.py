@@ -149,7 +149,7 @@ def main() -> None:
     args = parser.parse_args()
     concurrency = args.concurrency or json.loads(args.profile.read_text())["chosen_concurrency"]
 
-    config = load_config(REPO / "config.yaml")
+    config = load_config(REPO / "config" / "config.yaml")
     work = Path(tempfile.mkdtemp(prefix="draftline-genbench-"))
     target = args.target or build_toy_target(work / "target", config["target"]["toy"])
     spec = spec_from_config(config["server"], str(target))

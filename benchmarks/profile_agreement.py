@@ -254,7 +254,7 @@ def main(argv: list[str] | None = None) -> int:
     from draftline.loadgen import SamplingSpec
     from draftline.server import ManagedServer, spec_from_config
 
-    config = load_config(REPO / "config.yaml", {})
+    config = load_config(REPO / "config" / "config.yaml", {})
     model_dir = args.model
     if model_dir is None:
         sys.path.insert(0, str(REPO / "tests"))

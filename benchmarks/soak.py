@@ -447,7 +447,7 @@ def main(argv: list[str] | None = None) -> int:
     from draftline.generate import GenerateSettings
     from draftline.server import ManagedServer, spec_from_config
 
-    config = load_config(REPO / "config.yaml")
+    config = load_config(REPO / "config" / "config.yaml")
     concurrency = chosen_concurrency(args)
     gen_cfg = dict(config["generate"], max_tokens=args.max_tokens)
     settings = GenerateSettings.from_config(gen_cfg, concurrency)

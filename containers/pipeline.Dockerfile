@@ -27,7 +27,7 @@ RUN pip install --no-cache-dir --no-deps /opt/draftline \
  && snakemake --version
 
 # The workflow itself, so `snakemake` also runs from the image (remote nodes, CI).
-COPY Snakefile config.yaml /opt/draftline/
+COPY Snakefile /opt/draftline/
 COPY rules /opt/draftline/rules
 COPY scripts /opt/draftline/scripts
 COPY report /opt/draftline/report

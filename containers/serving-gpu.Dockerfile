@@ -23,7 +23,7 @@ RUN python3 -m pip install --no-cache-dir --no-deps /opt/draftline \
  && python3 -c "import vllm, draftline.server, datasets; print('vllm', vllm.__version__)" \
  && { command -v python >/dev/null || ln -s "$(command -v python3)" /usr/local/bin/python; }
 
-COPY Snakefile config.yaml /opt/draftline/
+COPY Snakefile /opt/draftline/
 COPY rules /opt/draftline/rules
 COPY scripts /opt/draftline/scripts
 COPY report /opt/draftline/report

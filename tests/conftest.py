@@ -13,6 +13,7 @@ import subprocess
 from pathlib import Path
 
 import pytest
+import yaml
 
 from draftline.config import load_config
 
@@ -29,6 +30,7 @@ signal.signal(signal.SIGTERM, _interrupt_on_sigterm)
 
 REPO = Path(__file__).resolve().parents[1]
 CACHE = REPO / ".pytest_cache" / "draftline"
+CONFIG = REPO / "config" / "config.yaml"  # the default config
 
 
 WORKFLOW_FILES = ["Snakefile", "rules", "scripts", "report", "envs", "src/draftline"]
@@ -51,7 +53,15 @@ def sha256_of(path: Path) -> str:
 
 
 def default_config(**overrides) -> dict:
-    return load_config(REPO / "config.yaml", overrides)
+    return load_config(CONFIG, overrides)
+
+
+def write_workflow_config(workdir: Path, config: dict) -> Path:
+    """``config`` as the default config (``config/config.yaml``) of the workflow in ``workdir``."""
+    path = workdir / "config" / "config.yaml"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(yaml.safe_dump(config, sort_keys=False))
+    return path
 
 
 def vllm_available() -> bool:

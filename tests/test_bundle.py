@@ -22,7 +22,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import yaml
-from conftest import REPO, default_config, requires_vllm, sha256_of
+from conftest import REPO, default_config, requires_vllm, sha256_of, write_workflow_config
 from safetensors.numpy import save_file
 
 from draftline import bundle as B
@@ -438,7 +438,7 @@ def test_vllm_command_parses_with_vllm(results):
 
 def test_cli_bundle_publishes_to_a_local_folder(tmp_path, capsys):
     results = make_results(tmp_path / "results")
-    cfg = yaml.safe_load((REPO / "config.yaml").read_text())
+    cfg = yaml.safe_load((REPO / "config" / "config.yaml").read_text())
     cfg["results"] = str(results)
     cfg["bundle"] = {"publish_to": str(tmp_path / "published")}
     (tmp_path / "config.yaml").write_text(yaml.safe_dump(cfg))
@@ -469,9 +469,9 @@ def test_snakemake_bundles_publishes_locally_and_reports(tmp_path):
     rules are not allowed to run, so their outputs count as given), then --report."""
     work = tmp_path / "work"
     make_results(work / "results")
-    cfg = yaml.safe_load((REPO / "config.yaml").read_text())
+    cfg = yaml.safe_load((REPO / "config" / "config.yaml").read_text())
     cfg["bundle"] = {"publish_to": "published"}
-    (work / "config.yaml").write_text(yaml.safe_dump(cfg))
+    write_workflow_config(work, cfg)
     snakemake = [sys.executable, "-m", "snakemake", "-s", str(REPO / "Snakefile"),
                  "--directory", str(work), "--cores", "1", "--allowed-rules", "bundle",
                  "publish_bundle"]

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from conftest import REPO, copy_workflow
+from conftest import CONFIG, REPO, copy_workflow, write_workflow_config
 
 from draftline.codehash import (
     ImportCache,
@@ -200,9 +200,9 @@ def completed_workflow(tmp_path_factory):
     output exists and carries the provenance (params, code hash) a real run records."""
     workdir = tmp_path_factory.mktemp("wf")
     copy_workflow(workdir)
-    cfg = yaml.safe_load((REPO / "config.yaml").read_text())
+    cfg = yaml.safe_load((REPO / "config" / "config.yaml").read_text())
     cfg["generate"]["concurrency"] = 4  # no concurrency profile in the DAG
-    (workdir / "config.yaml").write_text(yaml.safe_dump(cfg))
+    write_workflow_config(workdir, cfg)
     summary = snakemake(workdir, "--summary")
     assert summary.returncode == 0, summary.stderr[-3000:]
     for line in summary.stdout.splitlines()[1:]:
@@ -269,7 +269,7 @@ main()
 def test_workflow_parses_without_importing_the_library(tmp_path):
     """Code hashes are read from the source: a dry run needs Snakemake only."""
     copy_workflow(tmp_path)
-    (tmp_path / "config.yaml").write_text((REPO / "config.yaml").read_text())
+    write_workflow_config(tmp_path, yaml.safe_load(CONFIG.read_text()))
     result = subprocess.run([sys.executable, "-c", BLOCK_IMPORTS, "--snakefile",
                              str(tmp_path / "Snakefile"), "--directory", str(tmp_path),
                              "--cores", "1", "-n", "--quiet", "rules"],

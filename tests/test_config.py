@@ -53,7 +53,7 @@ def test_defaults_are_filled():
 
 
 def test_shipped_config_is_valid():
-    config = load_config(REPO / "config.yaml")
+    config = load_config(REPO / "config" / "config.yaml")
     assert config["target"]["model"] == "toy"
     assert config["server"]["mode"] == "managed"
 
@@ -112,7 +112,7 @@ def test_snakemake_stops_bad_config_before_any_job(tmp_path, bad, key):
 
 def test_snakemake_dry_run_lists_the_pipeline(tmp_path):
     config_path = tmp_path / "config.yaml"
-    config_path.write_text((REPO / "config.yaml").read_text())
+    config_path.write_text((REPO / "config" / "config.yaml").read_text())
     result = _snakemake_dry_run(config_path, tmp_path)
     assert result.returncode == 0, result.stderr[-2000:]
     for rule in ("toy_target", "prompt_shards", "concurrency_profile", "generate", "dataset",

@@ -25,6 +25,7 @@ from pathlib import Path
 
 import pytest
 import yaml
+from conftest import CONFIG, write_workflow_config
 
 from draftline import docker_launcher as D
 from draftline.config import ConfigError, load_config
@@ -42,7 +43,7 @@ FAKE_IMAGE = "sha256:" + "ab" * 32
 def docker_config(**server) -> dict:
     overrides = {"server.launcher": "docker", "server.image": FAKE_IMAGE}
     overrides.update({f"server.{k}": v for k, v in server.items()})
-    return load_config(REPO / "config.yaml", overrides)
+    return load_config(REPO / "config" / "config.yaml", overrides)
 
 
 # ------------------------------------------------------------------------------ unit tests
@@ -129,9 +130,9 @@ def test_owner_of_a_dead_process_is_recognised():
 
 def test_launcher_config_is_checked():
     with pytest.raises(ConfigError, match="'server.image'"):
-        load_config(REPO / "config.yaml", {"server.launcher": "docker"})
+        load_config(REPO / "config" / "config.yaml", {"server.launcher": "docker"})
     with pytest.raises(ConfigError, match="'server.image'"):  # a tag is not a pin
-        load_config(REPO / "config.yaml", {"server.launcher": "docker",
+        load_config(REPO / "config" / "config.yaml", {"server.launcher": "docker",
                                            "server.image": "vllm/vllm-openai:latest"})
     with pytest.raises(ServerError, match="server.image"):
         D.DockerServer(ServerSpec(model="m", launcher="docker"), Path("x.log"))
@@ -143,8 +144,8 @@ def test_spec_round_trip_and_process_fingerprint():
     assert ServerSpec.from_json(spec.to_json()) == spec
     assert spec.launcher == "docker" and spec.docker["gpus"] == [0, 1]
     # docker options do not touch a process-launched server's identity
-    plain = load_config(REPO / "config.yaml", {})
-    other = load_config(REPO / "config.yaml", {"server.docker.gpus": "all"})
+    plain = load_config(REPO / "config" / "config.yaml", {})
+    other = load_config(REPO / "config" / "config.yaml", {"server.docker.gpus": "all"})
     assert (spec_from_config(plain["server"], "/m").fingerprint()
             == spec_from_config(other["server"], "/m").fingerprint())
 
@@ -309,13 +310,13 @@ def test_pipeline_generates_through_docker_launcher(docker_client, serving_cpu_i
     work = tmp_path / "work"
     work.mkdir()
     key = "k-" + secrets.token_hex(16)
-    cfg = yaml.safe_load((REPO / "config.yaml").read_text())
+    cfg = yaml.safe_load((REPO / "config" / "config.yaml").read_text())
     cfg["target"]["model"] = str(toy_target)
     cfg["server"].update(launcher="docker", image=serving_cpu_image, startup_timeout_s=600,
                          docker={"api_key_env": "DRAFTLINE_TEST_API_KEY"})
     cfg["prompts"].update(max_samples=12, num_shards=2)
     cfg["generate"] = {"concurrency": 4, "max_tokens": 48, "temperature": 0.7}
-    (work / "config.yaml").write_text(yaml.safe_dump(cfg))
+    write_workflow_config(work, cfg)
     targets = [f"results/responses/shard-{i}.jsonl" for i in (0, 1)]
     env = dict(os.environ, DRAFTLINE_TEST_API_KEY=key)
     auth, stop = {}, threading.Event()
@@ -388,7 +389,7 @@ def test_ctrl_c_during_start_up_removes_the_container(docker_client, serving_cpu
                                                       toy_target, tmp_path):
     log = tmp_path / "server.log"
     proc = subprocess.Popen(
-        [sys.executable, "-c", INTERRUPTED_SERVER, str(REPO / "config.yaml"), serving_cpu_image,
+        [sys.executable, "-c", INTERRUPTED_SERVER, str(CONFIG), serving_cpu_image,
          str(toy_target), str(log)], stderr=subprocess.PIPE, text=True)
     try:
         deadline = time.monotonic() + 120

@@ -47,7 +47,7 @@ def test_revision_reaches_the_server_arguments(config, monkeypatch):
 
 def test_revision_reaches_the_docker_launcher(monkeypatch):
     monkeypatch.setattr(D, "has_gpu", lambda: False)
-    cfg = load_config(REPO / "config.yaml", {"server.launcher": "docker",
+    cfg = load_config(REPO / "config" / "config.yaml", {"server.launcher": "docker",
                                              "server.image": "sha256:" + "ab" * 32})
     spec = spec_from_config(cfg["server"], HUB_ID, revision=COMMIT_V2)
     cmd = D.container_config(spec, 8123, D.owner_label())["command"]

@@ -16,7 +16,13 @@ from pathlib import Path
 
 import pytest
 import yaml
-from conftest import REPO, copy_workflow, default_config, requires_vllm
+from conftest import (
+    CONFIG,
+    copy_workflow,
+    default_config,
+    requires_vllm,
+    write_workflow_config,
+)
 
 pytestmark = [requires_vllm, pytest.mark.vllm, pytest.mark.slow]
 
@@ -63,7 +69,7 @@ def jobs_to_run(workdir: Path, config: dict | None = None) -> set[str]:
 
 
 def write_config(workdir: Path, config: dict) -> None:
-    (workdir / "config.yaml").write_text(yaml.safe_dump(config, sort_keys=False))
+    write_workflow_config(workdir, config)
 
 
 def deep_update(base: dict, change: dict) -> dict:
@@ -81,7 +87,7 @@ def pipeline(tmp_path_factory, toy_target):
     """A complete run of the default workflow (reduced sizes) in a copy of the workflow."""
     workdir = tmp_path_factory.mktemp("pipeline")
     copy_workflow(workdir)
-    base = deep_update(yaml.safe_load((REPO / "config.yaml").read_text()), PIPELINE_CONFIG)
+    base = deep_update(yaml.safe_load(CONFIG.read_text()), PIPELINE_CONFIG)
     write_config(workdir, base)
     # The toy target is the cached build of the same config: its own rule is tested in
     # test_toy.py; building it again here would only cost minutes.

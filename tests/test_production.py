@@ -88,7 +88,7 @@ def _mini_repo(tmp_path: Path) -> Path:
     shutil.copy(REPO / "containers" / "images.lock", tmp_path / "containers")
     for path in images.dockerfiles(REPO):
         shutil.copy(path, tmp_path / "containers")
-    shutil.copy(REPO / "config.yaml", tmp_path)
+    shutil.copy(REPO / "config" / "config.yaml", tmp_path / "config")
     shutil.copy(PRODUCTION, tmp_path / "config")
     return tmp_path
 
@@ -142,7 +142,8 @@ def apptainer_stand_in(tmp_path_factory) -> dict:
 
 
 def dry_run(workdir: Path, *args: str, env: dict | None = None) -> subprocess.CompletedProcess:
-    shutil.copy(REPO / "config.yaml", workdir / "config.yaml")
+    (workdir / "config").mkdir(exist_ok=True)
+    shutil.copy(REPO / "config" / "config.yaml", workdir / "config" / "config.yaml")
     return subprocess.run(
         [sys.executable, "-m", "snakemake", "-n", "-s", str(REPO / "Snakefile"),
          "--directory", str(workdir), *args],
@@ -189,7 +190,8 @@ def test_dry_run_with_slurm_profile(tmp_path, apptainer_stand_in):
 
 def test_each_rule_gets_its_image(tmp_path):
     """Snakemake's own view of the rules' container images, read at parse time."""
-    shutil.copy(REPO / "config.yaml", tmp_path / "config.yaml")
+    (tmp_path / "config").mkdir()
+    shutil.copy(REPO / "config" / "config.yaml", tmp_path / "config" / "config.yaml")
     probe = tmp_path / "probe.smk"
     probe.write_text(
         f'include: "{REPO / "Snakefile"}"\n\n'

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from conftest import REPO, copy_workflow, requires_vllm
+from conftest import REPO, copy_workflow, requires_vllm, write_workflow_config
 from fault_proxy import FaultProxy
 
 from draftline import atomic
@@ -180,13 +180,13 @@ def test_ctrl_c_on_snakemake_mid_generation_then_rerun_resumes(tmp_path, toy_tar
                                                                vllm_server):
     workdir = tmp_path / "wf"
     copy_workflow(workdir)
-    cfg = yaml.safe_load((REPO / "config.yaml").read_text())
+    cfg = yaml.safe_load((REPO / "config" / "config.yaml").read_text())
     cfg["target"]["model"] = str(toy_target)
     cfg["server"]["mode"] = "external"
     cfg["server"]["external"] = {"base_urls": [f"http://127.0.0.1:{vllm_server.port}"]}
     cfg["prompts"].update(max_samples=60, num_shards=1)
     cfg["generate"].update(concurrency=4, max_tokens=64)
-    (workdir / "config.yaml").write_text(yaml.safe_dump(cfg))
+    write_workflow_config(workdir, cfg)
     target = "results/responses/shard-0.jsonl"
     partial = workdir / "results/responses/.partial/shard-0.jsonl"
 

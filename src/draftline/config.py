@@ -119,8 +119,9 @@ def check_local_target_head(target_dir: Path | None) -> None:
 
 
 def load_config(path: str | Path | None = None, overrides: dict | None = None) -> dict[str, Any]:
-    """Read a YAML config (default ``config.yaml``), apply overrides, validate, fill defaults."""
-    path = Path(path or "config.yaml")
+    """Read a YAML config (default ``config/config.yaml``), apply overrides, validate, fill
+    defaults."""
+    path = Path(path or "config/config.yaml")
     try:
         config = yaml.safe_load(path.read_text()) or {}
     except yaml.YAMLError as exc:

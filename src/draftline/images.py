@@ -87,7 +87,7 @@ def dockerfiles(repo: Path = REPO) -> list[Path]:
 
 
 def config_files(repo: Path = REPO) -> list[Path]:
-    return [repo / "config.yaml", *sorted((repo / "config").glob("*.yaml"))]
+    return sorted((repo / "config").glob("*.yaml"))
 
 
 def used_references(repo: Path = REPO) -> list[tuple[str, str]]:

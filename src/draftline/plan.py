@@ -361,7 +361,7 @@ def production_example() -> tuple[dict, dict]:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m draftline.plan", description=__doc__.split(
         "\n")[0])
-    parser.add_argument("--config", "-c", default="config.yaml")
+    parser.add_argument("--config", "-c", default="config/config.yaml")
     parser.add_argument("--production", action="store_true",
                         help="plan the production case (Kimi-K2.5, 10,000 samples)")
     args = parser.parse_args(argv)
