@@ -3,9 +3,10 @@
 import shlex
 import sys
 
-# Provenance records the command that ran the workflow. Jobs run in other processes, so the
-# main process hands it down in the environment (not a param: a different command line alone
-# must not make the bundle stale; a remote job without it records its own command line).
+# The build record (bundle.build.json, beside the tar and outside its hash) holds the command
+# that ran the workflow. Jobs run in other processes, so the main process hands it down in the
+# environment (not a param: a different command line alone must not make the bundle stale; a
+# remote job without it records its own command line).
 if workflow.is_main_process:
     os.environ["DRAFTLINE_COMMAND_LINE"] = shlex.join(sys.argv)
 
@@ -30,6 +31,7 @@ rule bundle:
         manifest=res("bundle/manifest.json"),
         readme=res("bundle/README.md"),
         tar=res("bundle.tar"),
+        record=res("bundle.build.json"),
         card=report(
             res("report/model_card.html"),
             caption="../report/model_card.rst",

@@ -28,4 +28,5 @@ with logged(snakemake.log[0]):
         model=snakemake.params.model,
         draft_ref=snakemake.params.draft_ref,
         card_html=snakemake.output.card,
+        build_record=snakemake.output.record,
     )

@@ -9,9 +9,11 @@ from __future__ import annotations
 import io
 import json
 import os
+import platform
 import re
 import shlex
 import shutil
+import socket
 import struct
 import subprocess
 import sys
@@ -149,6 +151,47 @@ def test_bundle_twice_gives_identical_tar_bytes(results):
     assert names[0] == "bundle" and all(n.startswith("bundle/") for n in names[1:])
 
 
+def _fake_other_host(monkeypatch) -> None:
+    """Another machine, as far as the build can tell: host name, user, CPUs, architecture."""
+    monkeypatch.setattr(socket, "gethostname", lambda: "elsewhere.example.org")
+    monkeypatch.setattr(os, "cpu_count", lambda: 1234)
+    monkeypatch.setattr(platform, "machine", lambda: "riscv128")
+    for name in ("USER", "LOGNAME"):
+        monkeypatch.setenv(name, "someone-else")
+
+
+def test_same_results_give_the_same_bytes_whatever_the_command_line_or_host(results,
+                                                                            monkeypatch):
+    monkeypatch.setenv("DRAFTLINE_COMMAND_LINE", "snakemake --cores all")
+    build(results)
+    first = (results / "bundle.tar").read_bytes()
+    first_manifest = (results / "bundle" / "manifest.json").read_bytes()
+
+    monkeypatch.setenv("DRAFTLINE_COMMAND_LINE", "snakemake --cores 3 --forcerun bundle")
+    _fake_other_host(monkeypatch)
+    build(results)
+    assert (results / "bundle" / "manifest.json").read_bytes() == first_manifest
+    assert (results / "bundle.tar").read_bytes() == first
+
+    # the facts about this one build are kept beside the tar, outside its bytes
+    record = json.loads((results / "bundle.build.json").read_text())
+    assert record["command_line"] == ["snakemake", "--cores", "3", "--forcerun", "bundle"]
+    assert record["host"]["hostname"] == "elsewhere.example.org"
+    assert record["host"]["user"] == "someone-else"
+    assert record["host"]["logical_cpus"] == 1234 and record["host"]["machine"] == "riscv128"
+    assert record["bundle_sha256"] == sha256_of(results / "bundle.tar")
+    assert record["manifest_sha256"] == sha256_of(results / "bundle" / "manifest.json")
+    assert re.fullmatch(r"\d{4}-\d{2}-\d{2}T\d{2}:\d{2}:\d{2}Z", record["built_at"])
+
+
+def test_a_changed_input_file_changes_the_bytes(results):
+    build(results)
+    first = (results / "bundle.tar").read_bytes()
+    write_json(results / "vocab" / "coverage.json", {"coverage": 0.9732, "draft_vocab_size": 32})
+    build(results)
+    assert (results / "bundle.tar").read_bytes() != first
+
+
 def test_bundle_layout_is_a_loadable_model_folder_with_all_evidence(results):
     manifest = build(results)
     root = results / "bundle"
@@ -218,10 +261,16 @@ def test_manifest_provenance(results, monkeypatch):
         assert git["commit"] == head and isinstance(git["dirty"], bool)
 
     (image,) = prov["containers"]
-    assert image["role"] == "serving" and image["image"] == SERVING_IMAGE
-    assert image["id"] is None and image["note"]  # not present locally, and says so
-    assert prov["hardware"]["logical_cpus"] == os.cpu_count()
-    assert prov["command_line"] == ["snakemake", "--cores", "all"]
+    assert image == {"role": "serving", "image": SERVING_IMAGE,
+                     "digest": SERVING_IMAGE.partition("@")[2]}
+    assert not {"hardware", "command_line"} & set(prov)  # facts of one build: the record's
+
+    record = json.loads((results / "bundle.build.json").read_text())
+    (local,) = record["local_images"]
+    assert local["role"] == "serving" and local["image"] == SERVING_IMAGE
+    assert local["id"] is None and local["note"]  # not present locally, and says so
+    assert record["host"]["logical_cpus"] == os.cpu_count()
+    assert record["command_line"] == ["snakemake", "--cores", "all"]
 
 
 def test_no_timestamps_in_hashed_content(results):
@@ -261,7 +310,8 @@ def test_planted_secrets_never_reach_the_bundle(results, monkeypatch):
     html = results / "report" / "model_card.html"
     build(results, cfg, card_html=html)
 
-    blobs = [(results / "bundle.tar").read_bytes(), html.read_bytes()]
+    blobs = [(results / "bundle.tar").read_bytes(), html.read_bytes(),
+             (results / "bundle.build.json").read_bytes()]
     blobs += [p.read_bytes() for p in (results / "bundle").rglob("*") if p.is_file()]
     for blob in blobs:
         assert PLANTED_KEY.encode() not in blob and PLANTED_TOKEN.encode() not in blob
@@ -334,6 +384,55 @@ def test_tampered_archive_fails_naming_the_file(results, capsys):
     assert "model.safetensors: sha256" in capsys.readouterr().err
 
 
+def test_rebuild_check_reports_equal_bytes(results, monkeypatch, capsys):
+    build(results, card_html=results / "report" / "model_card.html")
+    _fake_other_host(monkeypatch)  # checked elsewhere, with another command line
+    result = B.rebuild_check(results, results / "bundle.tar")
+    assert result.equal and result.rebuilt_sha256 == sha256_of(results / "bundle.tar")
+    assert B.rebuild_check(results, results / "bundle").equal
+    assert cli_main(["verify", "--rebuild", str(results), str(results / "bundle.tar")]) == 0
+    assert f"equals its rebuild from {results}" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("tamper, first", [
+    (lambda r: _flip_last_byte(r / "draft" / "checkpoint" / "model.safetensors"),
+     "model.safetensors"),
+    (lambda r: write_json(r / "vocab" / "coverage.json", {"coverage": 0.5}),
+     "vocab/coverage.json"),
+])
+def test_rebuild_check_names_the_member_a_tampered_results_folder_changes(results, tamper,
+                                                                          first, capsys):
+    build(results)
+    tamper(results)
+    result = B.rebuild_check(results, results / "bundle.tar")
+    assert not result.equal and result.differing[0] == first
+    assert "manifest.json" in result.differing  # it hashes the changed member
+    assert cli_main(["verify", "--rebuild", str(results), str(results / "bundle.tar")]) == 1
+    assert f"first differing member {first} " in capsys.readouterr().err
+
+
+def _flip_last_byte(path: Path) -> None:
+    data = bytearray(path.read_bytes())
+    data[-1] ^= 1
+    path.write_bytes(bytes(data))
+
+
+def test_rebuild_check_runs_from_anywhere_for_a_workflow_with_relative_paths(tmp_path,
+                                                                             monkeypatch):
+    """The workflow spells paths relative to its directory ("results/target"); the check
+    rebuilds from that directory whatever the current one."""
+    work = tmp_path / "work"
+    make_results(work / "results")
+    monkeypatch.chdir(work)
+    B.build_bundle(B.BundleInputs.from_results("results"), Path("results/bundle"),
+                   Path("results/bundle.tar"), config=default_config(), model="results/target")
+    monkeypatch.chdir(tmp_path)
+    assert B.rebuild_check(work / "results", work / "results" / "bundle.tar").equal
+    shutil.copytree(work / "results", tmp_path / "renamed")  # the names are in the bundle
+    with pytest.raises(B.VerifyError, match="'results'.*renamed is not named so"):
+        B.rebuild_check(tmp_path / "renamed", work / "results" / "bundle.tar")
+
+
 def _evil_archive(good: Path, out: Path, member: tarfile.TarInfo, payload: bytes = b"") -> Path:
     """The good bundle archive plus one hostile member."""
     with tarfile.open(good) as src, tarfile.open(out, "w", format=tarfile.PAX_FORMAT) as dst:
@@ -403,6 +502,9 @@ def test_model_card(results):
     assert "served this draft with vLLM 0.32.0 (bench/results.json)" in readme
     html = (results / "report" / "card.html").read_text()
     assert "<table>" in html and "data:image/png;base64," in html
+    # the report's card shows this build; the bundle's README, whose bytes are hashed, does not
+    assert "Build record" in html and socket.gethostname() in html
+    assert "Build record" not in readme and socket.gethostname() not in readme
 
 
 def _command(readme: str, first: str) -> list[str]:
@@ -482,8 +584,10 @@ def test_snakemake_bundles_publishes_locally_and_reports(tmp_path):
     assert run.returncode == 0, run.stderr[-3000:]
     assert (work / "published" / "bundle.tar").read_bytes() == (
         work / "results" / "bundle.tar").read_bytes()
-    manifest = B.verify_bundle(work / "published" / "bundle.tar")
-    command = manifest["provenance"]["command_line"]
+    B.verify_bundle(work / "published" / "bundle.tar")
+    record = json.loads((work / "results" / "bundle.build.json").read_text())
+    assert record["bundle_sha256"] == sha256_of(work / "results" / "bundle.tar")
+    command = record["command_line"]
     assert "--allowed-rules" in command and "published/bundle.tar" in command
 
     report = subprocess.run(snakemake + ["--report", "report.html", "published/bundle.tar"],

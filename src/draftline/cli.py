@@ -200,16 +200,23 @@ def build_parser() -> argparse.ArgumentParser:
                        help="override a config key, e.g. --set generate.temperature=0")
         if name == "generate":
             p.add_argument("--shard", type=int, default=None, help="only this shard")
-    verify = sub.add_parser("verify", help="recompute every hash of a bundle folder or tar")
+    verify = sub.add_parser("verify", help="recompute every hash of a bundle folder or tar; "
+                                           "with --rebuild, also rebuild it and compare bytes")
     verify.add_argument("bundle", help="bundle folder or .tar archive")
+    verify.add_argument("--rebuild", metavar="RESULTS_DIR", default=None,
+                        help="rebuild the bundle from this results folder (with the config the "
+                             "bundle carries) into a temporary place and report whether the "
+                             "bytes are equal, naming the first differing member if not")
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.command == "verify":  # needs no config: checks a bundle from anywhere
-        from draftline.bundle import main_verify
+        from draftline.bundle import main_rebuild, main_verify
 
+        if args.rebuild is not None:
+            return main_rebuild(args.rebuild, args.bundle)
         return main_verify(args.bundle)
     try:
         config = load_config(args.config, _parse_overrides(args.set))

@@ -360,9 +360,29 @@ def _provenance(card: Card, facts: dict) -> None:
     card.add(Heading(2, "Provenance"),
              Para("manifest.json lists every file of this bundle with its SHA-256 and size, and "
                   "records the prompt-source fingerprints, the target's identity (hashes of its "
-                  "config and tokenizer files), software versions, container images, hardware "
-                  "and the command line. Check a copy with `draftline verify <dir or tar>`."),
+                  "config and tokenizer files), the software versions and commit that produced "
+                  "it and the configured container images: the inputs of the artifact only, so "
+                  "the same results give the same bytes. When, where and by which command it "
+                  "was built is in bundle.build.json beside the archive, outside its hash. Check "
+                  "a copy with `draftline verify <dir or tar>`, and that it comes from a results "
+                  "folder with `draftline verify --rebuild <results> <dir or tar>`."),
              Table(["software", "version"], rows))
+
+
+def add_build_record(card: Card, record: dict) -> None:
+    """The facts about one build (``bundle.build.json``): for the report's card only, never the
+    bundle's README, whose bytes must not depend on the build."""
+    host = record.get("host") or {}
+    gpus = ", ".join(g.get("name", "?") for g in host.get("gpus") or []) or "none"
+    rows = [["archive SHA-256", record.get("bundle_sha256")],
+            ["built at (UTC)", record.get("built_at")],
+            ["command line", shlex.join(record.get("command_line") or [])],
+            ["host", host.get("hostname")], ["user", host.get("user")],
+            ["CPU", f"{host.get('cpu_model')} ({host.get('logical_cpus')} logical)"],
+            ["memory (GiB)", host.get("memory_gib")], ["GPUs", gpus]]
+    card.add(Heading(2, "Build record"),
+             Para("This build of the bundle (bundle.build.json, not part of the archive)."),
+             Table(["fact", "value"], rows))
 
 
 def _files(card: Card, facts: dict) -> None:

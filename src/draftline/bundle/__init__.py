@@ -4,12 +4,15 @@
 (vLLM and SGLang load it as it is), with the model card, the evidence behind it and
 ``manifest.json`` (every file with SHA-256 and size, plus provenance). ``results/bundle.tar``
 holds the same files with sorted entries, fixed mtime, owner and modes: the same inputs give
-the same bytes. Nothing time-dependent is written, and no secret: values of environment
-variables named like keys, tokens or secrets are removed from every text file and refused in
-binary ones.
+the same bytes. Facts about one build (command line, host, time) go to ``bundle.build.json``
+beside the tar, outside its bytes. Nothing time-dependent is bundled, and no secret: values
+of environment variables named like keys, tokens or secrets are removed from every text file
+and refused in binary ones.
 
-Modules: ``inputs`` (what goes where), ``scrub`` (secrets), ``provenance``, ``card`` (model card
-facts), ``build``, ``archive`` (format, hashing, deterministic tar), ``verify``, ``publish``.
+Modules: ``inputs`` (what goes where), ``scrub`` (secrets), ``provenance`` (the artifact's
+inputs, in the manifest), ``record`` (facts about one build, beside the tar), ``card`` (model card
+facts), ``build``, ``archive`` (format, hashing, deterministic tar), ``verify``, ``rebuild`` (the
+rebuild check), ``publish``.
 This file only re-exports.
 """
 
@@ -28,12 +31,15 @@ from draftline.bundle.card import collect_card_facts
 from draftline.bundle.inputs import BundleInputs
 from draftline.bundle.provenance import collect_provenance
 from draftline.bundle.publish import publish_files, push_to_hub, write_json
+from draftline.bundle.rebuild import RebuildResult, main_rebuild, rebuild_check
+from draftline.bundle.record import build_record_path
 from draftline.bundle.scrub import scrub_args, scrub_config, secret_values
 from draftline.bundle.verify import main_verify, verify_bundle
 
 __all__ = [
     "BUNDLE_FORMAT", "MANIFEST", "README", "TAR_ROOT", "BundleError", "BundleInputs",
-    "VerifyError", "build_bundle", "collect_card_facts", "collect_provenance", "main_verify",
-    "publish_files", "push_to_hub", "resolved_config", "scrub_args", "scrub_config",
-    "secret_values", "sha256_file", "verify_bundle", "write_deterministic_tar", "write_json",
+    "RebuildResult", "VerifyError", "build_bundle", "build_record_path", "collect_card_facts",
+    "collect_provenance", "main_rebuild", "main_verify", "publish_files", "push_to_hub",
+    "rebuild_check", "resolved_config", "scrub_args", "scrub_config", "secret_values",
+    "sha256_file", "verify_bundle", "write_deterministic_tar", "write_json",
 ]

@@ -1,5 +1,5 @@
 """Building the bundle: copy the inputs (secrets scrubbed), write the resolved config, the model
-card and ``manifest.json``, then the deterministic archive."""
+card and ``manifest.json``, then the deterministic archive and the build record beside it."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ from typing import Any
 
 from tqdm import tqdm
 
+from draftline import modelcard
 from draftline.bundle.archive import (
     BUNDLE_FORMAT,
     CHUNK,
@@ -26,6 +27,8 @@ from draftline.bundle.archive import (
 from draftline.bundle.card import collect_card_facts
 from draftline.bundle.inputs import BundleInputs
 from draftline.bundle.provenance import collect_provenance
+from draftline.bundle.record import build_record as build_record_facts
+from draftline.bundle.record import build_record_path, write_build_record
 from draftline.bundle.scrub import scrub_config, scrub_obj, scrub_text, secret_values
 
 TEXT_SUFFIXES = {".json", ".jsonl", ".md", ".yaml", ".yml", ".txt", ".csv", ".tsv", ".html",
@@ -89,12 +92,15 @@ def resolved_config(config: Mapping[str, Any]) -> dict[str, Any]:
 def build_bundle(inputs: BundleInputs, out_dir: str | Path, tar_path: str | Path, *,
                  config: Mapping[str, Any], model: str, draft_ref: str | None = None,
                  card_html: str | Path | None = None, provenance: Mapping[str, Any] | None = None,
-                 env: Mapping[str, str] | None = None) -> dict[str, Any]:
-    """Build ``out_dir`` (replaced as a whole) and the deterministic ``tar_path``; return the
-    manifest. ``config`` is the resolved pipeline config, ``model`` the target path or hub id,
-    ``draft_ref`` how the serving commands name this bundle (default: ``bundle.hf_repo`` or
-    ``out_dir``), ``card_html`` an optional HTML rendering of the model card (for the report).
-    ``provenance`` defaults to :func:`collect_provenance`; ``env`` to ``os.environ``."""
+                 env: Mapping[str, str] | None = None,
+                 build_record: str | Path | None = None) -> dict[str, Any]:
+    """Build ``out_dir`` (replaced as a whole), the deterministic ``tar_path`` and the build
+    record beside it; return the manifest. ``config`` is the resolved pipeline config, ``model``
+    the target path or hub id, ``draft_ref`` how the serving commands name this bundle (default:
+    ``bundle.hf_repo`` or ``out_dir``), ``card_html`` an optional HTML rendering of the model
+    card with the build record (for the report), ``build_record`` where that record goes
+    (default: ``bundle.build.json`` beside ``bundle.tar``). ``provenance`` defaults to
+    :func:`collect_provenance`; ``env`` to ``os.environ``."""
     out_dir, tar_path = Path(out_dir), Path(tar_path)
     secrets = secret_values(env)
     layout = inputs.layout()
@@ -109,24 +115,31 @@ def build_bundle(inputs: BundleInputs, out_dir: str | Path, tar_path: str | Path
     shutil.rmtree(staging, ignore_errors=True)
     staging.mkdir(parents=True)
     try:
-        manifest = _fill_staging(staging, layout, bundled_config, provenance, draft_ref,
-                                 secrets, card_html)
+        manifest, card = _fill_staging(staging, layout, bundled_config, provenance, draft_ref,
+                                       secrets)
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise
     shutil.rmtree(out_dir, ignore_errors=True)
     staging.rename(out_dir)
     write_deterministic_tar(out_dir, tar_path)
+
+    record = build_record_facts(tar_path, out_dir / MANIFEST, config)
+    write_build_record(build_record or build_record_path(tar_path), record, secrets)
+    if card_html is not None:  # the report's card may show this build; the bundle's may not
+        modelcard.add_build_record(card, record)
+        html_text = scrub_text(modelcard.render_html(card, out_dir), secrets)
+        Path(card_html).parent.mkdir(parents=True, exist_ok=True)
+        Path(card_html).write_text(html_text)
     return manifest
 
 
 def _fill_staging(staging: Path, layout: Mapping[str, Path], bundled_config: dict,
                   provenance: dict, draft_ref: str, secrets: Mapping[str, str],
-                  card_html: str | Path | None) -> dict[str, Any]:
-    """Copy the inputs, write the resolved config, model card and manifest into ``staging``."""
+                  ) -> tuple[dict[str, Any], modelcard.Card]:
+    """Copy the inputs, write the resolved config, model card and manifest into ``staging``;
+    return the manifest and the card."""
     import yaml
-
-    from draftline import modelcard
 
     total = sum(Path(src).stat().st_size for src in layout.values())
     with tqdm(total=total, unit="B", unit_scale=True, desc="bundle: copy", mininterval=1) as bar:
@@ -140,10 +153,6 @@ def _fill_staging(staging: Path, layout: Mapping[str, Path], bundled_config: dic
     facts = collect_card_facts(staging, bundled_config, provenance, draft_ref, files)
     card = modelcard.build_card(facts)
     (staging / README).write_text(scrub_text(modelcard.render_markdown(card), secrets))
-    if card_html is not None:
-        html_text = scrub_text(modelcard.render_html(card, staging), secrets)
-        Path(card_html).parent.mkdir(parents=True, exist_ok=True)
-        Path(card_html).write_text(html_text)
 
     manifest = {"format": BUNDLE_FORMAT, "files": _file_entries(staging, layout, hashes),
                 "provenance": provenance}
@@ -151,7 +160,7 @@ def _fill_staging(staging: Path, layout: Mapping[str, Path], bundled_config: dic
     for path in staging.rglob("*"):  # modes do not depend on the umask
         path.chmod(0o755 if path.is_dir() else 0o644)
 
-    return manifest
+    return manifest, card
 
 
 def _file_entries(root: Path, layout: Mapping[str, Path],

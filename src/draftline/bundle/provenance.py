@@ -1,4 +1,4 @@
-"""Where a bundle came from: prompt sources, target identity, software, images, host.
+"""Where a bundle came from: prompt sources, target identity, software, configured images.
 
 No timestamps: everything here is read from files, package metadata, git and Docker.
 """
@@ -8,26 +8,21 @@ from __future__ import annotations
 import contextlib
 import fnmatch
 import hashlib
-import json
 import os
 import platform
-import shlex
-import shutil
 import subprocess
-import sys
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 from draftline.bundle.archive import sha256_file
-from draftline.bundle.scrub import scrub_args
 
 TARGET_ID_PATTERNS = ("config.json", "generation_config.json", "*.safetensors.index.json",
                       "tokenizer*", "special_tokens_map.json", "added_tokens.json", "vocab.*",
                       "merges.txt", "chat_template*", "*.tiktoken", "tiktoken.model", "*.py")
 
 
-def _run(args: list[str], cwd: str | Path | None = None, timeout: float = 30) -> str | None:
+def run_quiet(args: list[str], cwd: str | Path | None = None, timeout: float = 30) -> str | None:
     try:
         proc = subprocess.run(args, cwd=cwd, capture_output=True, text=True, timeout=timeout)
     except (OSError, subprocess.TimeoutExpired):
@@ -65,13 +60,13 @@ def git_state() -> dict[str, Any]:
 
     package = Path(draftline.__file__).resolve().parent
     git = ["git", "-c", "safe.directory=*", "-C", str(package)]
-    top = _run(git + ["rev-parse", "--show-toplevel"])
+    top = run_quiet(git + ["rev-parse", "--show-toplevel"])
     # Only the checkout draftline was installed from (editable); not a repo that merely
     # contains an installed copy, e.g. a virtualenv inside some checkout.
     if top is None or (Path(top.strip()) / "src" / "draftline").resolve() != package:
         return {"commit": None, "dirty": None}
-    commit = (_run(git + ["rev-parse", "HEAD"]) or "").strip() or None
-    status = _run(git + ["status", "--porcelain"])
+    commit = (run_quiet(git + ["rev-parse", "HEAD"]) or "").strip() or None
+    status = run_quiet(git + ["status", "--porcelain"])
     state: dict[str, Any] = {"commit": commit, "dirty": bool(status and status.strip())}
     if state["dirty"]:
         diff = subprocess.run(git + ["diff", "HEAD", "--binary"], capture_output=True,
@@ -79,57 +74,6 @@ def git_state() -> dict[str, Any]:
         state["diff_sha256"] = hashlib.sha256(diff).hexdigest()
         state["untracked"] = sum(1 for line in status.splitlines() if line.startswith("??"))
     return state
-
-
-def hardware_summary() -> dict[str, Any]:
-    cpu_model = None
-    mem_gib = None
-    with contextlib.suppress(OSError):
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu_model = line.split(":", 1)[1].strip()
-                break
-    with contextlib.suppress(OSError, ValueError, IndexError):
-        for line in Path("/proc/meminfo").read_text().splitlines():
-            if line.startswith("MemTotal:"):
-                mem_gib = round(int(line.split()[1]) / 2**20)
-    gpus = []
-    out = _run(["nvidia-smi", "--query-gpu=name,memory.total,driver_version",
-                "--format=csv,noheader"]) if shutil.which("nvidia-smi") else None
-    for line in (out or "").splitlines():
-        parts = [p.strip() for p in line.split(",")]
-        if len(parts) == 3:
-            gpus.append({"name": parts[0], "memory": parts[1], "driver": parts[2]})
-    return {"system": platform.system(), "machine": platform.machine(), "cpu_model": cpu_model,
-            "logical_cpus": os.cpu_count(), "memory_gib": mem_gib, "gpus": gpus}
-
-
-def container_images(config: Mapping[str, Any]) -> list[dict[str, Any]]:
-    """Images named in the config, with the digests the local Docker knows for them."""
-    refs = {"pipeline": config.get("containers", {}).get("pipeline"),
-            "serving": config.get("containers", {}).get("serving"),
-            "server.image": config.get("server", {}).get("image")}
-    images = []
-    for role, ref in refs.items():
-        if not ref:
-            continue
-        entry: dict[str, Any] = {"role": role, "image": ref, "id": None, "repo_digests": []}
-        if "@sha256:" in ref:
-            entry["repo_digests"] = [ref]
-        if shutil.which("docker") is None:
-            entry["note"] = "docker not installed"
-        else:
-            out = _run(["docker", "image", "inspect", "--format",
-                        "{{.Id}} {{json .RepoDigests}}", ref])
-            if out:
-                image_id, _, digests = out.strip().partition(" ")
-                entry["id"] = image_id
-                entry["repo_digests"] = sorted(set(entry["repo_digests"]) | set(json.loads(
-                    digests or "[]")))
-            else:
-                entry["note"] = "not inspectable (docker daemon down or image not present)"
-        images.append(entry)
-    return images
 
 
 def _hub_cache_dir() -> Path:
@@ -210,27 +154,31 @@ def prompt_source_fingerprints(sources: Sequence[Mapping[str, Any]],
     return fingerprints
 
 
-def command_line(argv: Sequence[str] | None = None) -> list[str]:
-    """The invoking command: the Snakemake command line when set by the workflow
-    (DRAFTLINE_COMMAND_LINE), else this process's; the program by name, not install path."""
-    if argv is None:
-        env = os.environ.get("DRAFTLINE_COMMAND_LINE")
-        argv = shlex.split(env) if env else sys.argv
-    argv = list(argv)
-    if argv:
-        argv[0] = Path(argv[0]).name
-    return scrub_args(argv)
+def configured_images(config: Mapping[str, Any]) -> list[dict[str, Any]]:
+    """The images the config names, with the digest when the reference pins one. What a local
+    Docker knows about an unpinned tag is a fact about the build host: the build record's."""
+    images = []
+    for role, ref in image_refs(config).items():
+        _, pinned, digest = ref.partition("@")
+        images.append({"role": role, "image": ref, "digest": digest if pinned else None})
+    return images
 
 
-def collect_provenance(config: Mapping[str, Any], model: str,
-                       argv: Sequence[str] | None = None) -> dict[str, Any]:
-    """Everything the manifest records about where the bundle came from (no timestamps)."""
+def image_refs(config: Mapping[str, Any]) -> dict[str, str]:
+    refs = {"pipeline": config.get("containers", {}).get("pipeline"),
+            "serving": config.get("containers", {}).get("serving"),
+            "server.image": config.get("server", {}).get("image")}
+    return {role: ref for role, ref in refs.items() if ref}
+
+
+def collect_provenance(config: Mapping[str, Any], model: str) -> dict[str, Any]:
+    """What the manifest records about where the bundle came from: the artifact's inputs only
+    (prompt sources, target identity, the software and commit that produced it, the configured
+    images). Facts about one build (command line, host, time) go to the build record."""
     return {
         "prompt_sources": prompt_source_fingerprints(config["prompts"]["sources"]),
         "target": target_identity(model, config["target"].get("revision")),
         "software": {"versions": package_versions(), "draftline_git": git_state()},
-        "containers": container_images(config),
-        "hardware": hardware_summary(),
-        "command_line": command_line(argv),
+        "containers": configured_images(config),
     }
 
