@@ -1,0 +1,127 @@
+"""benchmarks/train_step.py: its FLOPs formula, its memory model and its CPU path at toy dims."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+
+import draftline.model as m
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+import train_step as bench  # noqa: E402
+
+
+def test_flops_per_token_equals_a_hand_count():
+    """Toy dims (H 128, 4 heads of 32, intermediate 384, vocab 2048, draft vocab 1024),
+    T = 64, K = 2, counted by hand."""
+    cfg = m.DraftConfig(**bench.TOY)
+    flops = bench.flops_per_token(cfg, tokens=64, steps_k=2)
+    fc = 2 * 2 * 384 * 128  # forward + weight gradient of [T, 384] x [384, 128]
+    layer_forward = (2 * 256 * 128 * 3  # q, k, v: [T, 256] x [256, 128] each
+                     + 2 * 128 * 128  # o_proj
+                     + 2 * 128 * 384 * 3)  # gate, up, down
+    head_forward = 2 * 128 * 1024
+    # keys per row: step 0 sees (64 + 1) / 2 causal keys on average, step 1 one more;
+    # QK^T and PV: 2 * 2 * 128 FLOPs per key; backward twice the forward.
+    attention = 3 * 2 * 2 * 128 * (32.5 + 33.5)
+    teacher = 2 * 128 * 2048  # forward only
+    assert flops["fc"] == fc == 196_608
+    assert flops["draft_layer"] == 3 * 2 * layer_forward == 3_145_728
+    assert flops["draft_head"] == 3 * 2 * head_forward == 1_572_864
+    assert flops["attention"] == attention == 101_376
+    assert flops["teacher_head"] == teacher == 524_288
+    assert flops["total"] == 5_540_864
+
+
+def test_kimi_dims_are_the_production_config():
+    config = yaml.safe_load((ROOT / "config/kimi-k2.5.yaml").read_text())
+    for key, value in config["train"]["draft"].items():
+        assert bench.KIMI[key] == value, key
+    assert bench.KIMI["draft_vocab_size"] == config["vocab"]["draft_vocab_size"]
+    assert (bench.KIMI["hidden_size"], bench.KIMI["vocab_size"]) == (7168, 163840)
+    assert config["train"]["ttt_steps"] == max(bench.PRESETS["h200"]["steps_k"])
+
+
+def saved_bytes(setup: bench.Setup, steps_k: int, emulate_cuda: bool) -> int:
+    """What autograd saves in training's forward; ``emulate_cuda``: bf16 embedding, target
+    head and inputs under bf16 autocast, as run_micro_batch does on CUDA."""
+    if emulate_cuda:
+        bf16 = torch.bfloat16
+        setup.model.embed_tokens.weight.data = setup.model.embed_tokens.weight.data.to(bf16)
+        setup.head.lm_head = setup.head.lm_head.to(bf16)
+        setup.head.norm_weight = setup.head.norm_weight.to(bf16)
+        for key in ("aux", "final"):
+            setup.batch[key] = setup.batch[key].to(bf16)
+
+    def forward(mark_params):
+        mark_params(setup.model)
+        if not emulate_cuda:
+            return setup.loss(steps_k)  # training's own run_micro_batch
+        b = setup.batch
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            logp, in_draft, argmax = setup.head(b["final"], with_argmax=True)
+            logits = setup.model(b["aux"], b["input_ids"], steps_k)
+            return m.ttt_loss(logits, logp, in_draft, b["loss_mask"], 0.8,
+                              greedy_path=m.on_greedy_path(b["input_ids"], argmax))
+
+    return bench.saved_activation_bytes(forward)
+
+
+@pytest.mark.parametrize("device_type", ["cpu", "cuda"])
+@pytest.mark.parametrize("steps_k", [1, 3, 7])
+def test_memory_model_matches_what_autograd_saves(device_type, steps_k):
+    """The analytic activations (plus the autocast weight copies and the aux input, which
+    autograd saves too) within 5% of the bytes autograd keeps for the backward, at toy dims;
+    CUDA's dtypes emulated with CPU autocast."""
+    tokens = 256
+    setup = bench.Setup(bench.TOY, "cpu", 1, tokens)
+    got = saved_bytes(setup, steps_k, emulate_cuda=device_type == "cuda")
+    model = bench.memory_model(setup.cfg, 1, tokens, steps_k, device_type)
+    width = 2 if device_type == "cuda" else 4
+    expected = (model["activations saved"] + model["autocast weight copies"]
+                + tokens * 3 * bench.TOY["target_hidden_size"] * width)
+    assert expected == pytest.approx(got, rel=0.05)
+
+
+def test_teacher_head_is_not_the_peak_and_kimi_seq_4096_k7_fits_80gb_with_a_batch():
+    cfg = m.DraftConfig(**bench.KIMI)
+    one = bench.memory_model(cfg, 1, 4096, 7, "cuda")
+    assert one["teacher head transient"] < 0.1 * one["activations saved"]
+    assert one["peak"] < 60e9
+    assert bench.max_batch_tokens(cfg, 4096, 7, 80e9) >= 2 * 4096  # two rows of 4,096
+    assert bench.memory_model(cfg, 2, 4096, 7, "cuda")["peak"] < 80e9
+
+
+def test_cpu_path_runs_at_toy_dims_and_reports_the_table(tmp_path, capsys):
+    out = tmp_path / "rows.json"
+    assert bench.main(["--device", "cpu", "--dims", "toy", "--tokens", "48", "--steps-k", "1",
+                       "3", "--impls", "diagonal", "dense", "--repeats", "1", "--in-process",
+                       "--json", str(out)]) == 0
+    printed = capsys.readouterr().out
+    header = next(line for line in printed.splitlines() if line.startswith("| T | K | attention"))
+    assert [c.strip() for c in header.strip("|").split("|")] == [
+        "T", "K", "attention", "step (ms)", "tokens/s", "peak RSS increase (MiB)",
+        "model estimate (MiB)", "GFLOP/token", "MFU", "speed vs dense"]
+    report = json.loads(out.read_text())
+    assert {(r["impl"], r["K"]) for r in report["rows"]} == {
+        (impl, k) for impl in ("diagonal", "dense") for k in (1, 3)}
+    for row in report["rows"]:
+        assert not row["oom"] and row["tokens_per_s"] > 0 and row["tokens"] == 48
+        mfu = report["flops_per_token"][f"48,{row['K']}"]["total"] * row["tokens_per_s"] \
+            / report["peak_flops"]
+        assert 0 < mfu < 1
+    assert report["attention_path"] == "fused (flash kernel + diagonal), cpu float32"
+    assert "attention path of training's ttt_attention: fused" in printed
+    for tensor, diff in report["fused_vs_eager"].items():  # bf16, against the fp32 truth
+        assert diff["fused_error"] < m.fused_tolerance(torch.bfloat16), tensor
+        assert diff["max_abs_fused_minus_eager"] > 0  # the two paths really differ in bf16
+    step = report["step_gradients"]  # the whole fp32 step: fused and eager agree
+    assert step["loss_fused"] == pytest.approx(step["loss_eager"], rel=1e-5)
+    assert step["max_grad_diff_rel"] < 1e-4
