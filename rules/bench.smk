@@ -1,25 +1,25 @@
 rule bench:
     input:
-        responses=expand(res("responses/shard-{i}.jsonl"), i=SHARDS),
-        draft=res("draft/checkpoint/config.json"),
-        weights=res("draft/checkpoint/model.safetensors"),
-        eval=res("draft/eval.json"),
+        responses=expand(rules.generate.output.responses, i=SHARDS),
+        draft=rules.export_draft.output.config,
+        weights=rules.export_draft.output.weights,
+        eval=rules.train_draft.output.eval,
         profile=profile_input(),
         target=target_input(),
     output:
-        results=res("bench/results.json"),
+        results=LAYOUT.bench_results,
         summary=report(
-            res("bench/summary.md"),
+            LAYOUT.bench_summary,
             caption="../report/bench_summary.rst",
             category="Deployment benchmark",
         ),
         throughput=report(
-            res("bench/throughput.png"),
+            LAYOUT.bench_plots[0],
             caption="../report/bench_throughput.rst",
             category="Deployment benchmark",
         ),
         acceptance=report(
-            res("bench/acceptance.png"),
+            LAYOUT.bench_plots[1],
             caption="../report/bench_acceptance.rst",
             category="Deployment benchmark",
         ),

@@ -17,23 +17,23 @@ envvars:
 
 rule bundle:
     input:
-        checkpoint=res("draft/checkpoint/config.json"),
-        weights=res("draft/checkpoint/model.safetensors"),
-        vocab_map=res("vocab/vocab_map.safetensors"),
-        coverage=res("vocab/coverage.json"),
-        metrics=res("draft/metrics.jsonl"),
-        eval=res("draft/eval.json"),
-        prompts_summary=res("prompts/summary.json"),
+        checkpoint=rules.export_draft.output.config,
+        weights=rules.export_draft.output.weights,
+        vocab_map=rules.vocab_map.output.vocab_map,
+        coverage=rules.vocab_map.output.coverage,
+        metrics=rules.train_draft.output.metrics,
+        eval=rules.train_draft.output.eval,
+        prompts_summary=rules.prompt_shards.output.summary,
         profile=profile_outputs(),
         bench=bench_outputs(),
         target=target_input(),
     output:
-        manifest=res("bundle/manifest.json"),
-        readme=res("bundle/README.md"),
-        tar=res("bundle.tar"),
-        record=res("bundle.build.json"),
+        manifest=LAYOUT.bundle_manifest,
+        readme=LAYOUT.bundle_readme,
+        tar=LAYOUT.bundle_tar,
+        record=LAYOUT.bundle_build_record,
         card=report(
-            res("report/model_card.html"),
+            LAYOUT.model_card_html,
             caption="../report/model_card.rst",
             category="Bundle",
         ),
@@ -56,12 +56,12 @@ if config["bundle"]["publish_to"]:
 
     rule publish_bundle:
         input:
-            tar=res("bundle.tar"),
-            manifest=res("bundle/manifest.json"),
+            tar=rules.bundle.output.tar,
+            manifest=rules.bundle.output.manifest,
         output:
-            tar=publish_target("bundle.tar"),
-            manifest=publish_target("manifest.json"),
-            sha256=publish_target("bundle.tar.sha256"),
+            tar=publish_target("tar"),
+            manifest=publish_target("manifest"),
+            sha256=publish_target("sha256"),
         log:
             "logs/publish_bundle/publish.log",
         conda:
@@ -74,10 +74,10 @@ if config["bundle"]["hf_repo"]:
 
     rule push_bundle_to_hub:
         input:
-            manifest=res("bundle/manifest.json"),
-            readme=res("bundle/README.md"),
+            manifest=rules.bundle.output.manifest,
+            readme=rules.bundle.output.readme,
         output:
-            res("bundle.hub.json"),
+            LAYOUT.bundle_hub_record,
         log:
             "logs/push_bundle_to_hub/push.log",
         conda:

@@ -70,18 +70,9 @@ _canonical = _sorted_keys(dict(config))
 config.clear()
 config.update(_canonical)
 
-RESULTS = config["results"]
-SHARDS = list(range(config["prompts"]["num_shards"]))
-SERVER_STATE = f"{RESULTS}/.servers"
-
-
 # The repository's root: the folder above rules/ (not workflow.basedir, the folder of the main
 # Snakefile, which is elsewhere when another workflow includes this one).
 WORKFLOW_ROOT = Path(workflow.current_basedir.get_path_or_uri(secret_free=True)).parent
-
-
-def res(path):
-    return f"{RESULTS}/{path}"
 
 
 def _library_module(name):
@@ -110,6 +101,13 @@ def _check_target_head(cfg):
 
 _check_target_head(config)
 
+_layout = _library_module("layout")
+# Every path under config["results"] comes from here (draftline.layout); a rule names the
+# output of another rule as rules.<rule>.output.<name>.
+LAYOUT = _layout.Layout.from_config(config)
+SHARDS = list(range(config["prompts"]["num_shards"]))
+SERVER_STATE = str(LAYOUT.servers)
+
 _codehash = _library_module("codehash")
 # parsed imports by file content, kept between runs so that parsing costs nothing once done
 _import_cache = _codehash.ImportCache(".snakemake/draftline-imports.json")
@@ -130,11 +128,6 @@ def code_hash(script):
     )
 
 
-def target_dir():
-    model = config["target"]["model"]
-    return res("target") if model == "toy" else model
-
-
 def target_path(wildcards, input):
     """The target model directory: the built toy target, or the configured model."""
     return (
@@ -146,7 +139,7 @@ def target_path(wildcards, input):
 
 def target_input():
     """The toy target is an artifact of this workflow; a real target is not."""
-    return res("target") if config["target"]["model"] == "toy" else []
+    return rules.toy_target.output.target if config["target"]["model"] == "toy" else []
 
 
 def package_data(name):
@@ -168,7 +161,7 @@ def prompt_source_files():
 def profile_input():
     """generate.concurrency: auto reads the measured profile; an integer needs none."""
     return (
-        res("profile/concurrency.json")
+        rules.concurrency_profile.output.json
         if config["generate"]["concurrency"] == "auto"
         else []
     )
@@ -192,21 +185,14 @@ def profile_outputs():
     """The concurrency profile and its plot, when this run measures one (concurrency: auto)."""
     if config["generate"]["concurrency"] != "auto":
         return []
-    return [res("profile/concurrency.json"), res("profile/concurrency.png")]
+    return rules.concurrency_profile.output
 
 
 def bench_outputs():
-    """The deployment benchmark for the bundle (its plots are taken from next to results.json);
-    none while the workflow has no rule named bench (include rules/bench.smk before
-    rules/bundle.smk)."""
-    if not rules.has("bench"):
-        return []
-    plots = [
-        str(f)
-        for f in rules.bench.output
-        if str(f).endswith(".png") and "{" not in str(f)
-    ]
-    return [res("bench/results.json"), res("bench/summary.md")] + plots
+    """The deployment benchmark's files for the bundle (results, summary, plots); none while
+    the workflow has no rule named bench (include rules/bench.smk before rules/bundle.smk).
+    """
+    return rules.bench.output if rules.has("bench") else []
 
 
 def bundle_config():
@@ -218,21 +204,20 @@ def bundle_config():
 
 
 def publish_target(name):
-    """A file under bundle.publish_to: a Snakemake storage target for a URL (s3://, gs://, ...;
-    needs that storage plugin), else a local path."""
-    dest = config["bundle"]["publish_to"].rstrip("/")
-    return storage(f"{dest}/{name}") if "://" in dest else f"{dest}/{name}"
+    """A published file (name: tar, manifest or sha256) under bundle.publish_to: a Snakemake
+    storage target for a URL (s3://, gs://, ...; needs that storage plugin), else a local path.
+    """
+    dest = config["bundle"]["publish_to"]
+    path = _layout.published_files(dest)[name]
+    return storage(path) if "://" in dest else path
 
 
 def final_outputs():
-    outputs = [res("bundle.tar"), res("responses/summary.json")]
+    outputs = [rules.bundle.output.tar, rules.generation_summary.output.json]
     if config["bundle"]["publish_to"]:
-        outputs += [
-            publish_target(n)
-            for n in ("bundle.tar", "manifest.json", "bundle.tar.sha256")
-        ]
+        outputs += rules.publish_bundle.output
     if config["bundle"]["hf_repo"]:
-        outputs.append(res("bundle.hub.json"))
+        outputs += rules.push_bundle_to_hub.output
     return outputs
 
 

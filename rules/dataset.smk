@@ -1,9 +1,9 @@
 rule dataset:
     input:
-        responses=expand(res("responses/shard-{i}.jsonl"), i=SHARDS),
+        responses=expand(rules.generate.output.responses, i=SHARDS),
         target=target_input(),
     output:
-        directory(res("dataset")),
+        dataset=directory(LAYOUT.dataset),
     log:
         "logs/dataset/build.log",
     conda:
@@ -22,11 +22,11 @@ rule dataset:
 
 rule vocab_map:
     input:
-        dataset=res("dataset"),
+        dataset=rules.dataset.output.dataset,
         target=target_input(),
     output:
-        vocab_map=res("vocab/vocab_map.safetensors"),
-        coverage=res("vocab/coverage.json"),
+        vocab_map=LAYOUT.vocab_map,
+        coverage=LAYOUT.vocab_coverage,
     log:
         "logs/vocab_map/build.log",
     conda:

@@ -1,12 +1,12 @@
 rule train_draft:
     input:
-        hidden=res("hidden/index.json"),
-        vocab_map=res("vocab/vocab_map.safetensors"),
+        hidden=rules.hidden_states.output.index,
+        vocab_map=rules.vocab_map.output.vocab_map,
         target=target_input(),
     output:
-        best=directory(res("draft/best")),
-        metrics=res("draft/metrics.jsonl"),
-        eval=res("draft/eval.json"),
+        best=directory(LAYOUT.draft_best),
+        metrics=LAYOUT.train_metrics,
+        eval=LAYOUT.train_eval,
     log:
         "logs/train_draft/train.log",
     conda:
@@ -24,13 +24,13 @@ rule train_draft:
 
 rule export_draft:
     input:
-        best=res("draft/best"),
-        hidden=res("hidden/index.json"),
-        vocab_map=res("vocab/vocab_map.safetensors"),
+        best=rules.train_draft.output.best,
+        hidden=rules.hidden_states.output.index,
+        vocab_map=rules.vocab_map.output.vocab_map,
         target=target_input(),
     output:
-        config=res("draft/checkpoint/config.json"),
-        weights=res("draft/checkpoint/model.safetensors"),
+        config=LAYOUT.checkpoint_config,
+        weights=LAYOUT.checkpoint_weights,
     log:
         "logs/export_draft/export.log",
     conda:

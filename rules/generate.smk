@@ -1,12 +1,12 @@
 rule generate:
     input:
-        shard=res("prompts/shard-{i}.jsonl"),
+        shard=LAYOUT.prompt_shard("{i}"),
         profile=profile_input(),
         target=target_input(),
     output:
-        responses=res("responses/shard-{i}.jsonl"),
-        errors=res("responses/shard-{i}.errors.jsonl"),
-        summary=res("responses/shard-{i}.summary.json"),
+        responses=LAYOUT.response_shard("{i}"),
+        errors=LAYOUT.response_errors("{i}"),
+        summary=LAYOUT.response_summary("{i}"),
     log:
         "logs/generate/shard-{i}.log",
     conda:
@@ -19,7 +19,7 @@ rule generate:
         model=target_path,
         revision=config["target"]["revision"],
         state_dir=SERVER_STATE,
-        slot_dir=res(".slots/generate"),
+        slot_dir=str(LAYOUT.generate_slots),
         code=code_hash("generate.py"),
     script:
         "../scripts/generate.py"
@@ -27,13 +27,13 @@ rule generate:
 
 rule generation_summary:
     input:
-        summaries=expand(res("responses/shard-{i}.summary.json"), i=SHARDS),
-        responses=expand(res("responses/shard-{i}.jsonl"), i=SHARDS),
+        summaries=expand(rules.generate.output.summary, i=SHARDS),
+        responses=expand(rules.generate.output.responses, i=SHARDS),
         target=target_input(),
     output:
-        json=res("responses/summary.json"),
+        json=LAYOUT.generation_summary,
         png=report(
-            res("responses/server_running.png"),
+            LAYOUT.generation_plot,
             caption="../report/generation.rst",
             category="Generation",
         ),

@@ -1,9 +1,9 @@
 rule hidden_states:
     input:
-        dataset=res("dataset"),
+        dataset=rules.dataset.output.dataset,
         target=target_input(),
     output:
-        index=res("hidden/index.json"),
+        index=LAYOUT.hidden_index,
     log:
         "logs/hidden_states/extract.log",
     conda:

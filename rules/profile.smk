@@ -1,11 +1,11 @@
 rule concurrency_profile:
     input:
-        shards=expand(res("prompts/shard-{i}.jsonl"), i=SHARDS),
+        shards=rules.prompt_shards.output.shards,
         target=target_input(),
     output:
-        json=res("profile/concurrency.json"),
+        json=LAYOUT.profile_json,
         png=report(
-            res("profile/concurrency.png"),
+            LAYOUT.profile_png,
             caption="../report/concurrency.rst",
             category="Concurrency profile",
         ),

@@ -2,9 +2,9 @@ rule prompt_shards:
     input:
         prompt_source_files(),
     output:
-        shards=expand(res("prompts/shard-{i}.jsonl"), i=SHARDS),
-        rejected=res("prompts/rejected.jsonl"),
-        summary=res("prompts/summary.json"),
+        shards=LAYOUT.prompt_shards(len(SHARDS)),
+        rejected=LAYOUT.prompts_rejected,
+        summary=LAYOUT.prompts_summary,
     log:
         "logs/prompt_shards/build.log",
     conda:

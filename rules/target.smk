@@ -2,7 +2,7 @@ rule toy_target:
     input:
         package_data("toy/sentences.txt"),
     output:
-        directory(res("target")),
+        target=directory(LAYOUT.target),
     log:
         "logs/toy_target/build.log",
     conda:

@@ -6,10 +6,6 @@ from draftline.runlog import logged
 with logged(snakemake.log[0]):
     inp = snakemake.input
     profile = {Path(p).suffix: p for p in inp.profile}
-    # The benchmark's plots sit next to its results.json (results/bench/*.png).
-    bench = list(inp.bench)
-    bench += [str(p) for r in bench if r.endswith("results.json")
-              for p in sorted(Path(r).parent.glob("*.png")) if str(p) not in bench]
     build_bundle(
         BundleInputs(
             checkpoint_dir=Path(inp.checkpoint).parent,
@@ -20,7 +16,7 @@ with logged(snakemake.log[0]):
             prompts_summary=inp.prompts_summary,
             profile_json=profile.get(".json"),
             profile_png=profile.get(".png"),
-            bench_files=bench,
+            bench_files=list(inp.bench),
         ),
         Path(snakemake.output.manifest).parent,
         snakemake.output.tar,

@@ -43,7 +43,8 @@ import json
 import statistics
 from pathlib import Path
 
-from draftline.atomic import write_json
+from draftline.atomic import write_json, write_text
+from draftline.layout import BENCH_PLOTS, BENCH_RESULTS, BENCH_SUMMARY
 from draftline.loadgen import Prompt, SamplingSpec, acceptance_length, measure_window
 from draftline.profile import resolve_concurrency
 from draftline.server import Endpoint, endpoints_for, served_version
@@ -543,9 +544,9 @@ def run_stage(response_files: list[str], draft_dir: str, eval_json: str | None,
               "step_costs": step_costs(summary, configs),
               "train_serve_gap": train_serve_gap(summary, configs, train_eval, log),
               "best": best_config(summary)}
-    _write_json(out / "results.json", result)
-    (out / "summary.md").write_text(summary_markdown(result))
-    plot(result, out / "throughput.png", out / "acceptance.png")
+    _write_json(out / BENCH_RESULTS, result)
+    write_text(out / BENCH_SUMMARY, summary_markdown(result))
+    plot(result, *(out / name for name in BENCH_PLOTS))
     _partial_path(out).unlink(missing_ok=True)
     log(summary_markdown(result))
     return result

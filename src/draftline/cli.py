@@ -1,7 +1,7 @@
 """``draftline``: every pipeline stage without Snakemake, plus planning and verification.
 
-Each stage subcommand reads the validated config and uses the artifact layout of DESIGN.md
-under ``config.results``, exactly as the Snakemake rules do.
+Each stage subcommand reads the validated config and writes where the Snakemake rules do: the
+results tree of :mod:`draftline.layout` under ``config.results``.
 """
 
 from __future__ import annotations
@@ -9,39 +9,11 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from pathlib import Path
 
 import yaml
 
 from draftline.config import ConfigError, load_config
-
-
-class Layout:
-    """Artifact paths under the results root (DESIGN.md, "Stages and artifacts")."""
-
-    def __init__(self, config: dict):
-        self.config = config
-        self.root = Path(config["results"])
-
-    def __getattr__(self, name: str) -> Path:
-        paths = {
-            "target": "target", "prompts": "prompts", "profile_json": "profile/concurrency.json",
-            "profile_png": "profile/concurrency.png", "responses": "responses",
-            "dataset": "dataset", "vocab": "vocab", "hidden": "hidden", "draft": "draft",
-            "checkpoint": "draft/checkpoint", "servers": ".servers", "slots": ".slots/generate",
-        }
-        if name not in paths:
-            raise AttributeError(name)
-        return self.root / paths[name]
-
-    @property
-    def model(self) -> str:
-        model = self.config["target"]["model"]
-        return str(self.target) if model == "toy" else model
-
-    def shards(self) -> list[Path]:
-        return [self.prompts / f"shard-{i}.jsonl"
-                for i in range(self.config["prompts"]["num_shards"])]
+from draftline.layout import Layout, published_files, target_model
 
 
 def _parse_overrides(items: list[str]) -> dict:
@@ -72,8 +44,9 @@ def cmd_profile(cfg: dict, lay: Layout, args) -> None:
     from draftline.profile import run_stage
 
     lay.profile_json.parent.mkdir(parents=True, exist_ok=True)
-    run_stage(lay.shards(), lay.profile_json, lay.profile_png, profile_cfg=cfg["profile"],
-              sampling=cfg["generate"], server_cfg=cfg["server"], model=lay.model,
+    run_stage(lay.prompt_shards(cfg["prompts"]["num_shards"]), lay.profile_json, lay.profile_png,
+              profile_cfg=cfg["profile"], sampling=cfg["generate"], server_cfg=cfg["server"],
+              model=target_model(cfg),
               state_dir=lay.servers, trust_remote_code=cfg["target"]["trust_remote_code"],
               revision=cfg["target"]["revision"])
 
@@ -84,11 +57,10 @@ def cmd_generate(cfg: dict, lay: Layout, args) -> None:
     shards = [args.shard] if args.shard is not None else range(cfg["prompts"]["num_shards"])
     lay.responses.mkdir(parents=True, exist_ok=True)
     for i in shards:
-        run_stage(lay.prompts / f"shard-{i}.jsonl", lay.responses / f"shard-{i}.jsonl",
-                  lay.responses / f"shard-{i}.errors.jsonl",
-                  lay.responses / f"shard-{i}.summary.json", gen_cfg=cfg["generate"],
-                  server_cfg=cfg["server"], model=lay.model, state_dir=lay.servers,
-                  slot_dir=lay.slots, profile_json=lay.profile_json,
+        run_stage(lay.prompt_shard(i), lay.response_shard(i), lay.response_errors(i),
+                  lay.response_summary(i), gen_cfg=cfg["generate"],
+                  server_cfg=cfg["server"], model=target_model(cfg), state_dir=lay.servers,
+                  slot_dir=lay.generate_slots, profile_json=lay.profile_json,
                   trust_remote_code=cfg["target"]["trust_remote_code"],
                   revision=cfg["target"]["revision"])
 
@@ -96,8 +68,9 @@ def cmd_generate(cfg: dict, lay: Layout, args) -> None:
 def cmd_dataset(cfg: dict, lay: Layout, args) -> None:
     from draftline.dataset import build_dataset
 
-    files = [lay.responses / f"shard-{i}.jsonl" for i in range(cfg["prompts"]["num_shards"])]
-    build_dataset(files, lay.model, lay.dataset, eval_fraction=cfg["dataset"]["eval_fraction"],
+    files = lay.response_shards(cfg["prompts"]["num_shards"])
+    build_dataset(files, target_model(cfg), lay.dataset,
+                  eval_fraction=cfg["dataset"]["eval_fraction"],
                   max_length=cfg["dataset"]["max_length"],
                   trust_remote_code=cfg["target"]["trust_remote_code"],
                   chat_template_kwargs=cfg["generate"]["chat_template_kwargs"],
@@ -107,39 +80,38 @@ def cmd_dataset(cfg: dict, lay: Layout, args) -> None:
 def cmd_vocab(cfg: dict, lay: Layout, args) -> None:
     from draftline.vocab import target_vocab_size, write_vocab
 
-    write_vocab(lay.dataset, target_vocab_size(lay.model), cfg["vocab"]["draft_vocab_size"],
-                lay.vocab)
+    write_vocab(lay.dataset, target_vocab_size(target_model(cfg)),
+                cfg["vocab"]["draft_vocab_size"], lay.vocab)
 
 
 def cmd_hidden(cfg: dict, lay: Layout, args) -> None:
     from draftline.hidden import extract
 
     hidden_cfg = {**cfg["hidden"], "trust_remote_code": cfg["target"]["trust_remote_code"]}
-    extract(lay.dataset, lay.model, lay.hidden, hidden_cfg, server_cfg=cfg["server"])
+    extract(lay.dataset, target_model(cfg), lay.hidden, hidden_cfg, server_cfg=cfg["server"])
 
 
 def cmd_train(cfg: dict, lay: Layout, args) -> None:
     from draftline.train import train
 
-    train(lay.hidden, lay.vocab / "vocab_map.safetensors", lay.model, lay.draft, cfg["train"])
+    train(lay.hidden, lay.vocab_map, target_model(cfg), lay.draft, cfg["train"])
 
 
 def cmd_export(cfg: dict, lay: Layout, args) -> None:
     from draftline.export import export_draft
 
-    layer_ids = json.loads((lay.hidden / "index.json").read_text())["layer_ids"]
-    export_draft(lay.draft / "best", lay.model, lay.vocab / "vocab_map.safetensors", layer_ids,
-                 lay.checkpoint)
+    layer_ids = json.loads(lay.hidden_index.read_text())["layer_ids"]
+    export_draft(lay.draft_best, target_model(cfg), lay.vocab_map, layer_ids, lay.checkpoint)
 
 
 def cmd_bench(cfg: dict, lay: Layout, args) -> None:
     from draftline.bench import run_stage
 
-    files = [lay.responses / f"shard-{i}.jsonl" for i in range(cfg["prompts"]["num_shards"])]
-    run_stage(files, lay.checkpoint, lay.draft / "eval.json", lay.profile_json,
-              lay.root / "bench", bench_cfg=cfg["bench"], generate_cfg=cfg["generate"],
+    files = lay.response_shards(cfg["prompts"]["num_shards"])
+    run_stage(files, lay.checkpoint, lay.train_eval, lay.profile_json,
+              lay.bench, bench_cfg=cfg["bench"], generate_cfg=cfg["generate"],
               eval_fraction=cfg["dataset"]["eval_fraction"], server_cfg=cfg["server"],
-              model=lay.model, state_dir=lay.servers,
+              model=target_model(cfg), state_dir=lay.servers,
               trust_remote_code=cfg["target"]["trust_remote_code"],
               revision=cfg["target"]["revision"])
 
@@ -159,14 +131,15 @@ def cmd_server_stop_all(cfg: dict, lay: Layout, args) -> None:
 def cmd_bundle(cfg: dict, lay: Layout, args) -> None:
     from draftline.bundle import BundleInputs, build_bundle, publish_files
 
-    bundle_dir, tar = lay.root / "bundle", lay.root / "bundle.tar"
+    bundle_dir, tar = lay.bundle, lay.bundle_tar
     build_bundle(BundleInputs.from_results(lay.root), bundle_dir, tar, config=cfg,
-                 model=lay.model, card_html=lay.root / "report" / "model_card.html")
+                 model=target_model(cfg), card_html=lay.model_card_html)
     print(f"bundle: {bundle_dir}/ and {tar}")
     dest = cfg["bundle"]["publish_to"]
     if dest and "://" not in dest:
-        publish_files(tar, bundle_dir / "manifest.json", Path(dest) / "bundle.tar",
-                      Path(dest) / "manifest.json", Path(dest) / "bundle.tar.sha256")
+        published = published_files(dest)
+        publish_files(tar, lay.bundle_manifest, published["tar"], published["manifest"],
+                      published["sha256"])
         print(f"published to {dest}")
     elif dest:
         print(f"bundle.publish_to {dest}: storage targets are published by the Snakemake "
@@ -224,7 +197,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"draftline: {exc}", file=sys.stderr)
         return 2
     handler = COMMANDS[args.command][0]
-    handler(config, Layout(config), args)
+    handler(config, Layout.from_config(config), args)
     return 0
 
 

@@ -53,6 +53,7 @@ from typing import Any
 import numpy as np
 
 from draftline.hub import hub_revision, pretrained_kwargs
+from draftline.layout import DATASET_STATS
 
 log = logging.getLogger(__name__)
 
@@ -535,7 +536,7 @@ def build_dataset(
         splits.save_to_disk(str(final), num_shards=shards)
         del splits  # release the memory maps before the scratch files go
         result = stats.to_json()
-        (final / "stats.json").write_text(json.dumps(result, indent=2) + "\n")
+        (final / DATASET_STATS).write_text(json.dumps(result, indent=2) + "\n")
         _replace_dir(final, out_dir, work)
     finally:
         shutil.rmtree(work, ignore_errors=True)

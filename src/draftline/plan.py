@@ -21,6 +21,8 @@ import json
 import shutil
 from pathlib import Path
 
+from draftline.layout import Layout
+
 # ----------------------------------------------------------------------------- assumptions
 # Used only when nothing measured is available; each row names the ones it used.
 
@@ -102,12 +104,11 @@ def profile_output_tok_s(profile: dict | None) -> float | None:
 
 def measured_from_results(config: dict) -> dict:
     """Measured inputs found under the results root (profile, dataset stats, hidden stats)."""
-    root = Path(config["results"])
-    sources = {"profile": "profile/concurrency.json", "dataset": "dataset/stats.json",
-               "hidden": "hidden/extract_stats.json"}
+    lay = Layout.from_config(config)
+    sources = {"profile": lay.profile_json, "dataset": lay.dataset_stats,
+               "hidden": lay.hidden_stats}
     measured = {}
-    for key, rel in sources.items():
-        path = root / rel
+    for key, path in sources.items():
         if path.is_file():
             try:
                 measured[key] = json.loads(path.read_text())

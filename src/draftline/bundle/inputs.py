@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from draftline.bundle.archive import MANIFEST, README, BundleError
+from draftline.layout import Layout
 
 
 @dataclass
@@ -21,26 +22,23 @@ class BundleInputs:
     prompts_summary: Path
     profile_json: Path | None = None
     profile_png: Path | None = None
-    bench_files: Sequence[Path] = field(default_factory=list)  # results.json, summary.md, *.png
+    bench_files: Sequence[Path] = field(default_factory=list)  # results, summary, plots
 
     @classmethod
     def from_results(cls, root: str | Path) -> BundleInputs:
         """The standard layout under a results root; optional stages only where present."""
-        root = Path(root)
-        bench = root / "bench"
-        bench_files = [p for p in (bench / "results.json", bench / "summary.md") if p.exists()]
-        bench_files += sorted(bench.glob("*.png"))
-        profile = root / "profile"
+        lay = Layout(root)
+        bench_files = [lay.bench_results, lay.bench_summary, *lay.bench_plots]
         return cls(
-            checkpoint_dir=root / "draft" / "checkpoint",
-            vocab_map=root / "vocab" / "vocab_map.safetensors",
-            coverage=root / "vocab" / "coverage.json",
-            metrics=root / "draft" / "metrics.jsonl",
-            eval=root / "draft" / "eval.json",
-            prompts_summary=root / "prompts" / "summary.json",
-            profile_json=_existing(profile / "concurrency.json"),
-            profile_png=_existing(profile / "concurrency.png"),
-            bench_files=bench_files,
+            checkpoint_dir=lay.checkpoint,
+            vocab_map=lay.vocab_map,
+            coverage=lay.vocab_coverage,
+            metrics=lay.train_metrics,
+            eval=lay.train_eval,
+            prompts_summary=lay.prompts_summary,
+            profile_json=_existing(lay.profile_json),
+            profile_png=_existing(lay.profile_png),
+            bench_files=[p for p in bench_files if p.exists()],
         )
 
     def layout(self) -> dict[str, Path]:

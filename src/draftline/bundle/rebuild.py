@@ -34,6 +34,7 @@ from draftline.bundle.archive import (
 from draftline.bundle.build import build_bundle
 from draftline.bundle.inputs import BundleInputs
 from draftline.bundle.verify import verify_bundle
+from draftline.layout import Layout
 
 CONFIG_NAME = "resolved_config.yaml"
 DERIVED = (README, MANIFEST)  # written from the other members: they differ whenever those do
@@ -66,16 +67,15 @@ def rebuild_check(results_dir: str | Path, bundle: str | Path,
     config = yaml.safe_load(_read_member(bundle, CONFIG_NAME))
     with tempfile.TemporaryDirectory(prefix="draftline-rebuild-") as tmp, \
             _in_workflow_dir(results_dir, config["results"]) as results:
-        out = Path(tmp)
-        model = (str(results / "target") if config["target"]["model"] == "toy"
-                 else config["target"]["model"])
-        draft_ref = config.get("bundle", {}).get("hf_repo") or (results / "bundle").as_posix()
-        build_bundle(BundleInputs.from_results(results), out / "bundle", out / "bundle.tar",
+        lay, out = Layout(results), Layout(tmp)
+        model = str(lay.target) if config["target"]["model"] == "toy" else config["target"]["model"]
+        draft_ref = config.get("bundle", {}).get("hf_repo") or lay.bundle.as_posix()
+        build_bundle(BundleInputs.from_results(results), out.bundle, out.bundle_tar,
                      config=config, model=model, draft_ref=draft_ref, env=env,
-                     build_record=out / "bundle.build.json")
-        rebuilt = out / ("bundle" if bundle.is_dir() else "bundle.tar")
+                     build_record=out.bundle_build_record)
+        rebuilt = out.bundle if bundle.is_dir() else out.bundle_tar
         return RebuildResult(
-            bundle=bundle, rebuilt_sha256=sha256_file(out / "bundle.tar"),
+            bundle=bundle, rebuilt_sha256=sha256_file(out.bundle_tar),
             bundle_sha256=None if bundle.is_dir() else sha256_file(bundle),
             differing=_differing(_members(bundle), _members(rebuilt)))
 

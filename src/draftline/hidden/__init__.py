@@ -30,7 +30,6 @@ from draftline.hidden.layers import (
 from draftline.hidden.store import (
     DTYPE_SIZES,
     FORMAT_VERSION,
-    INDEX_NAME,
     DiskSpaceError,
     PartSpec,
     check_capacity,
@@ -46,6 +45,7 @@ from draftline.hidden.store import (
     verify_index,
     write_safetensors,
 )
+from draftline.layout import HIDDEN_INDEX, HIDDEN_STATS
 from draftline.server import release_other_servers
 from draftline.teacher import check_teacher_head
 
@@ -63,7 +63,6 @@ DEFAULTS = {
     "trust_remote_code": False,
 }
 SPLIT_ORDER = ("train", "eval")
-STATS_NAME = "extract_stats.json"
 # Safetensors header and offsets: a generous allowance per file and per sample.
 FILE_OVERHEAD_BYTES, SAMPLE_OVERHEAD_BYTES = 4096, 64
 
@@ -342,8 +341,8 @@ def extract(dataset_dir: str | Path, target_dir: str | Path, out_dir: str | Path
 
     index = _build_index(target_dir, info, layer_ids, cfg["backend"],
                          [records[p.path] for p in parts])
-    write_json(out_dir / INDEX_NAME, index)
-    write_json(out_dir / STATS_NAME, {
+    write_json(out_dir / HIDDEN_INDEX, index)
+    write_json(out_dir / HIDDEN_STATS, {
         "computed_tokens": todo_tokens, "computed_files": len(todo),
         "reused_files": len(parts) - len(todo), "elapsed_s": round(elapsed, 3),
         "tokens_per_s": round(todo_tokens / elapsed, 1) if todo and elapsed > 0 else None,
@@ -351,7 +350,7 @@ def extract(dataset_dir: str | Path, target_dir: str | Path, out_dir: str | Path
     })
     if index["rejected"]:
         log.warning("hidden states: %d samples rejected (non-finite states), listed in %s",
-                    len(index["rejected"]), out_dir / INDEX_NAME)
+                    len(index["rejected"]), out_dir / HIDDEN_INDEX)
     return index
 
 

@@ -27,8 +27,8 @@ from pathlib import Path
 from typing import Any
 
 from draftline.atomic import atomic_open
+from draftline.layout import HIDDEN_INDEX
 
-INDEX_NAME = "index.json"
 FORMAT_VERSION = 1
 # Bytes per token besides the states: input_ids (int64) and loss_mask (uint8).
 TOKEN_SIDE_BYTES = 8 + 1
@@ -269,7 +269,7 @@ def load_part(path: Path) -> tuple[dict, list[str]]:
 
 
 def read_index(out_dir: Path) -> dict:
-    return json.loads((Path(out_dir) / INDEX_NAME).read_text())
+    return json.loads((Path(out_dir) / HIDDEN_INDEX).read_text())
 
 
 def _check_structure(path: Path, entry: dict, hidden_size: int, num_aux: int) -> list[str]:
@@ -304,7 +304,7 @@ def verify_index(out_dir: Path) -> list[str]:
     try:
         index = read_index(out_dir)
     except (OSError, ValueError) as exc:
-        return [f"{out_dir / INDEX_NAME}: cannot read the index ({exc})"]
+        return [f"{out_dir / HIDDEN_INDEX}: cannot read the index ({exc})"]
     problems: list[str] = []
     num_aux = len(index.get("layer_ids", [])) or 3
     seen: set[str] = set()
