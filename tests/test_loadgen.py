@@ -2,12 +2,9 @@
 
 from __future__ import annotations
 
-import asyncio
-
 import pytest
 
 from draftline.loadgen import (
-    DynamicLimit,
     Prompt,
     RequestResult,
     SamplingSpec,
@@ -205,34 +202,6 @@ def test_percentiles_interpolate():
     p = percentiles([float(v) for v in range(1, 101)], scale=1e3)
     assert p["p50"] == pytest.approx(50500.0) and p["p99"] == pytest.approx(99010.0)
     assert p["mean"] == pytest.approx(50500.0)
-
-
-# ---------------------------------------------------------------- the gate
-
-
-def test_dynamic_limit_grows_and_shrinks_while_running():
-    async def scenario() -> list[int]:
-        gate, peaks = DynamicLimit(2), []
-        release = asyncio.Event()
-
-        async def job():
-            await gate.acquire()
-            peaks.append(gate.in_flight)
-            await release.wait()
-            await gate.release()
-
-        tasks = [asyncio.create_task(job()) for _ in range(6)]
-        await asyncio.sleep(0.01)
-        first = gate.in_flight
-        await gate.set_limit(5)
-        await asyncio.sleep(0.01)
-        second = gate.in_flight
-        await gate.set_limit(1)
-        release.set()
-        await asyncio.gather(*tasks)
-        return [first, second, max(peaks), gate.in_flight]
-
-    assert asyncio.run(scenario()) == [2, 5, 5, 0]
 
 
 # ---------------------------------------------------------------- /metrics

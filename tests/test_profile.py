@@ -1,4 +1,4 @@
-"""Concurrency profile: the choice rule, the fingerprint, the adaptive limiter, a real sweep."""
+"""Concurrency profile: the choice rule, the fingerprint, a real sweep."""
 
 from __future__ import annotations
 
@@ -9,7 +9,6 @@ import pytest
 
 from draftline.loadgen import Prompt, SamplingSpec
 from draftline.profile import (
-    AdaptiveLimiter,
     ProfileError,
     choose_concurrency,
     fingerprint_from_config,
@@ -163,59 +162,6 @@ def test_plot_is_written(tmp_path):
     plot_profile(profile, out)
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert out.stat().st_size > 10_000
-
-
-# ---------------------------------------------------------------- adaptive limiter
-
-
-def production_curve(limit: int) -> float:
-    """Linear to 128 (1,536 tok/s), flat to 192, then falling (KV-cache pressure)."""
-    if limit <= 128:
-        return 12.0 * limit
-    return 1536.0 if limit <= 192 else 1536.0 - 4.0 * (limit - 192)
-
-
-def simulate(limiter: AdaptiveLimiter, curve, seconds: float, noise: float = 0.0,
-             seed: int = 0) -> tuple[list[int], float]:
-    """Feed the limiter a server whose throughput follows ``curve`` (1 s ticks, gaussian noise)."""
-    rng = random.Random(seed)
-    tokens, limits = 0.0, []
-    for t in range(1, int(seconds) + 1):
-        tokens += curve(limiter.limit) * (1.0 + rng.gauss(0.0, noise))
-        limiter.update(float(t), int(tokens))
-        limits.append(limiter.limit)
-    return limits, tokens / seconds
-
-
-def test_limiter_climbs_from_a_wrong_low_start_to_the_plateau():
-    limiter = AdaptiveLimiter(16, lower=4, upper=256, window_s=30, log=lambda _: None)
-    limits, _ = simulate(limiter, production_curve, 3600, noise=0.02)
-    assert all(4 <= lim <= 256 for lim in limits)
-    assert production_curve(limits[-1]) >= 0.95 * 1536
-    assert [c["to"] for c in limiter.changes if c.get("kept")][:4] == [24, 36, 54, 81]
-
-
-def test_limiter_backs_off_from_a_wrong_high_start():
-    limiter = AdaptiveLimiter(256, lower=32, upper=256, window_s=30, log=lambda _: None)
-    limits, _ = simulate(limiter, production_curve, 3600, noise=0.02)
-    assert 120 <= limits[-1] <= 200
-
-
-def test_limiter_on_the_plateau_probes_rarely_and_loses_little():
-    limiter = AdaptiveLimiter.around(128, max_limit=256, window_s=30, log=lambda _: None)
-    assert (limiter.lower, limiter.upper) == (64, 256)
-    _, mean_rate = simulate(limiter, production_curve, 4 * 3600, noise=0.03, seed=1)
-    assert mean_rate >= 0.97 * 1536
-    probes = [c for c in limiter.changes if c["reason"] == "probe"]
-    assert len(probes) <= 4 * 3600 / 30 / 4  # back-off: far fewer probes than windows
-
-
-def test_limiter_bounds_and_arguments():
-    with pytest.raises(ValueError, match="lower"):
-        AdaptiveLimiter(4, lower=8, upper=4)
-    fixed = AdaptiveLimiter(8, lower=8, upper=8, window_s=5, log=lambda _: None)
-    limits, _ = simulate(fixed, production_curve, 120)
-    assert set(limits) == {8} and fixed.changes == []
 
 
 # ---------------------------------------------------------------- a server that is gone

@@ -14,9 +14,7 @@ How it measures:
   The request body is the one the ``openai`` client sends for the same ``SamplingSpec``
   (``SamplingSpec.create_kwargs``), so the server sees the generation stage's requests.
 * Closed loop: a fixed pool of worker coroutines, each sending its next request as soon as the
-  previous one ends, so the server sees exactly ``concurrency`` requests in flight. A
-  ``DynamicLimit`` gate lets a controller (``draftline.profile.AdaptiveLimiter``) change that
-  number while the loop runs.
+  previous one ends, so the server sees exactly ``concurrency`` requests in flight.
 * Streaming chat completions with ``stream_options.include_usage``, and per-chunk exact token
   counts from either the chunk's ``token_ids`` (``return_token_ids``, as the generation stage
   asks) or vLLM's ``continuous_usage_stats`` (cumulative completion tokens in every chunk). A
@@ -320,39 +318,6 @@ class ChatStreamer:
 # ---------------------------------------------------------------- closed loop
 
 
-class DynamicLimit:
-    """An in-flight gate whose size can change while requests run (asyncio, one loop)."""
-
-    def __init__(self, limit: int):
-        self._limit = max(1, int(limit))
-        self._in_flight = 0
-        self._changed = asyncio.Condition()
-
-    @property
-    def limit(self) -> int:
-        return self._limit
-
-    @property
-    def in_flight(self) -> int:
-        return self._in_flight
-
-    async def set_limit(self, limit: int) -> None:
-        """Raising admits waiters at once; lowering lets in-flight requests finish."""
-        async with self._changed:
-            self._limit = max(1, int(limit))
-            self._changed.notify_all()
-
-    async def acquire(self) -> None:
-        async with self._changed:
-            await self._changed.wait_for(lambda: self._in_flight < self._limit)
-            self._in_flight += 1
-
-    async def release(self) -> None:
-        async with self._changed:
-            self._in_flight -= 1
-            self._changed.notify_all()
-
-
 def _cycled(prompts: Sequence[Prompt]):
     """The prompts over and over; from the second pass on each request gets its own id (and so
     its own seed, ``request_seed``): a closed loop never repeats a sampled request."""
@@ -362,16 +327,15 @@ def _cycled(prompts: Sequence[Prompt]):
 
 
 class _Loop:
-    """Shared state of one closed-loop run: the gate, the prompt cursor, every request."""
+    """Shared state of one closed-loop run: the client, the prompt cursor, every request."""
 
     def __init__(self, endpoint: Endpoint, prompts: Sequence[Prompt], spec: SamplingSpec,
-                 concurrency: int, pool_size: int, cycle: bool, timeout_s: float,
+                 concurrency: int, cycle: bool, timeout_s: float,
                  keep_text: bool = False):
         if not prompts:
             raise ValueError("load generator: no prompts given")
         self.spec = spec
-        self.client = ChatStreamer(endpoint, pool_size, timeout_s)
-        self.gate = DynamicLimit(concurrency)
+        self.client = ChatStreamer(endpoint, concurrency, timeout_s)
         self._prompts = _cycled(prompts) if cycle else iter(prompts)
         self.keep_text = keep_text
         self.results: list[RequestResult] = []
@@ -386,16 +350,12 @@ class _Loop:
     async def worker(self) -> None:
         consecutive_errors = 0
         while not self.stopping:
-            await self.gate.acquire()
-            try:
-                prompt = next(self._prompts, None)
-                if prompt is None or self.stopping:
-                    return
-                result = RequestResult(prompt_id=prompt.id, start=time.perf_counter())
-                self.results.append(result)
-                await self.client.stream(prompt, self.spec, self._count, self.keep_text, result)
-            finally:
-                await self.gate.release()
+            prompt = next(self._prompts, None)
+            if prompt is None or self.stopping:
+                return
+            result = RequestResult(prompt_id=prompt.id, start=time.perf_counter())
+            self.results.append(result)
+            await self.client.stream(prompt, self.spec, self._count, self.keep_text, result)
             if result.ok:
                 self.completed += 1
                 consecutive_errors = 0
@@ -601,7 +561,6 @@ class WindowResult:
     server: dict
     client_cpu_frac: float  # client process CPU seconds per wall second in the window
     requests_started: int
-    limit_history: list[tuple[float, int]]  # (seconds since start, limit) when a limiter ran
     results: list[RequestResult] = field(repr=False, default_factory=list)
 
     def to_row(self) -> dict:
@@ -629,17 +588,6 @@ async def _wait_warm(loop: _Loop, t_start: float, warmup_s: float, min_completio
         await asyncio.sleep(0.05)
 
 
-async def _run_limiter(loop: _Loop, limiter, t_start: float, tick_s: float,
-                       history: list[tuple[float, int]]) -> None:
-    while True:
-        await asyncio.sleep(tick_s)
-        now = time.perf_counter()
-        new = limiter.update(now, loop.tokens)
-        if new is not None and new != loop.gate.limit:
-            await loop.gate.set_limit(new)
-            history.append((round(now - t_start, 2), new))
-
-
 async def _poll_running(http: aiohttp.ClientSession, root_url: str, samples: list[float],
                         every_s: float = 1.0) -> None:
     while True:
@@ -652,7 +600,6 @@ async def _poll_running(http: aiohttp.ClientSession, root_url: str, samples: lis
 async def measure_window_async(endpoint: Endpoint, prompts: Sequence[Prompt], spec: SamplingSpec,
                                concurrency: int, warmup_s: float, measure_s: float, *,
                                warmup_turnover: float = 0.0, max_warmup_s: float | None = None,
-                               limiter=None, limiter_tick_s: float = 1.0,
                                server_metrics: bool = True, timeout_s: float = 600.0,
                                running_every_s: float = 1.0,
                                progress: Callable[[int], None] | None = None) -> WindowResult:
@@ -661,22 +608,16 @@ async def measure_window_async(endpoint: Endpoint, prompts: Sequence[Prompt], sp
     The warm-up lasts ``warmup_s`` and, with ``warmup_turnover`` > 0, until that many requests
     per slot have completed (bounded by ``max_warmup_s``): a window that starts right after all
     requests were sent together sees only short contexts and no request churn, and overstates
-    what hours of sustained generation achieve. With a ``limiter`` (``update(now, tokens)``),
-    the in-flight limit follows it between 1 and ``limiter.upper``.
+    what hours of sustained generation achieve.
     """
-    pool_size = max(concurrency, getattr(limiter, "upper", concurrency))
-    loop = _Loop(endpoint, prompts, spec, concurrency, pool_size, cycle=True, timeout_s=timeout_s)
-    history: list[tuple[float, int]] = [(0.0, concurrency)]
+    loop = _Loop(endpoint, prompts, spec, concurrency, cycle=True, timeout_s=timeout_s)
     helpers: list[asyncio.Task] = []
     running: list[float] = []
     server: dict[str, Any] = {}
     t_start = time.perf_counter()
-    workers = [asyncio.create_task(loop.worker()) for _ in range(pool_size)]
+    workers = [asyncio.create_task(loop.worker()) for _ in range(concurrency)]
     async with _metrics_session() as http:
         try:
-            if limiter is not None:
-                helpers.append(asyncio.create_task(
-                    _run_limiter(loop, limiter, t_start, limiter_tick_s, history)))
             if progress is not None:
                 helpers.append(asyncio.create_task(_report_progress(loop, progress)))
             await _wait_warm(loop, t_start, warmup_s, math.ceil(warmup_turnover * concurrency),
@@ -703,7 +644,7 @@ async def measure_window_async(endpoint: Endpoint, prompts: Sequence[Prompt], sp
     return WindowResult(
         concurrency=concurrency, warmup_s=t0 - t_start, stats=window_stats(loop.results, t0, t1),
         server=server, client_cpu_frac=(cpu1 - cpu0) / (t1 - t0),
-        requests_started=len(loop.results), limit_history=history, results=loop.results)
+        requests_started=len(loop.results), results=loop.results)
 
 
 async def _report_progress(loop: _Loop, progress: Callable[[int], None]) -> None:
@@ -734,7 +675,7 @@ async def run_requests_async(endpoint: Endpoint, prompts: Sequence[Prompt], spec
                              server_metrics: bool = True, timeout_s: float = 600.0,
                              progress: Callable[[int], None] | None = None) -> RunResult:
     """Send each prompt exactly once, ``concurrency`` in flight; statistics over the whole run."""
-    loop = _Loop(endpoint, prompts, spec, concurrency, concurrency, cycle=False,
+    loop = _Loop(endpoint, prompts, spec, concurrency, cycle=False,
                  timeout_s=timeout_s, keep_text=keep_text)
     server: dict[str, Any] = {}
     async with _metrics_session() as http:

@@ -5,8 +5,7 @@ prompt shards and the real sampling parameters, and writes ``profile/concurrency
 ``profile/concurrency.png``. ``choose_concurrency`` is the rule: the smallest level whose output
 throughput is within ``tolerance`` of the peak, optionally only among levels whose p99 TPOT
 meets a limit. The profile carries a workload fingerprint; ``profile_is_stale`` says when the
-generation workload no longer matches it. ``AdaptiveLimiter`` can move the in-flight limit
-during the long generation run, within bounds around the profiled choice.
+generation workload no longer matches it.
 
 Concurrency is per endpoint: with several identical servers, each gets the chosen level.
 """
@@ -15,7 +14,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import math
 import random
 import time
 import urllib.request
@@ -476,132 +474,6 @@ def plot_profile(profile: dict, out_png: Path | str) -> None:
     Path(out_png).parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(out_png)
     plt.close(fig)
-
-
-# ---------------------------------------------------------------- adaptive mode
-
-
-class AdaptiveLimiter:
-    """Hill-climb the in-flight limit on the output throughput observed during generation.
-
-    Call ``update(now, completed_tokens)`` periodically (``completed_tokens`` is a running total
-    of output tokens received); it returns a new limit when one should be applied, else None.
-    Cycle: measure the current limit for ``window_s`` (after ``settle_s`` following a change),
-    then probe one multiplicative ``step`` up or down. A probe is kept only when it beats the
-    current limit by more than ``min_gain`` - the window-to-window noise - else the limit goes
-    back. A kept probe is followed by another in the same direction; rejected probes alternate
-    direction and then wait 1, 2, 4 ... ``max_backoff`` windows, so a controller sitting on a
-    plateau probes rarely. A neighbour measured clearly worse within ``memory_s`` is not probed
-    again (the profiled choice sits at the knee, where a step down costs a third of the
-    throughput for a window); after ``memory_s`` it may be, in case the workload drifted.
-    Every change is logged and kept in ``changes``.
-    """
-
-    def __init__(self, initial: int, lower: int, upper: int, window_s: float = 60.0,
-                 settle_s: float | None = None, step: float = 1.5, min_gain: float = 0.05,
-                 max_backoff: int = 8, memory_s: float | None = None,
-                 log: Callable[[str], None] = print):
-        if not 1 <= lower <= upper:
-            raise ValueError(f"AdaptiveLimiter: need 1 <= lower ({lower}) <= upper ({upper})")
-        if step <= 1.0:
-            raise ValueError(f"AdaptiveLimiter: step must be > 1, got {step}")
-        self.lower, self.upper = lower, upper
-        self.limit = min(max(int(initial), lower), upper)
-        self.window_s = window_s
-        self.settle_s = window_s / 2 if settle_s is None else settle_s
-        self.step, self.min_gain, self.max_backoff = step, min_gain, max_backoff
-        self.memory_s = 30 * window_s if memory_s is None else memory_s
-        self.log = log
-        self.changes: list[dict] = []
-        self.windows: list[dict] = []  # every measured window: time, limit, tok/s
-        self._direction = +1
-        self._probing_from: int | None = None  # the limit a running probe started from
-        self._baseline: float | None = None
-        self._rejections = 0
-        self._wait = 0
-        self._settle_until: float | None = None
-        self._window_start: tuple[float, int] | None = None
-        self._seen: dict[int, tuple[float, float]] = {}  # limit -> (tok/s, when) last measured
-
-    @classmethod
-    def around(cls, chosen: int, max_limit: int | None = None, span: float = 2.0,
-               **kwargs: Any) -> AdaptiveLimiter:
-        """Bounds [chosen / span, chosen * span], capped at ``max_limit`` (max_num_seqs)."""
-        upper = math.ceil(chosen * span)
-        if max_limit is not None:
-            upper = min(upper, max_limit)
-        lower = max(1, math.floor(chosen / span))
-        return cls(chosen, min(lower, upper), upper, **kwargs)
-
-    def update(self, now: float, completed_tokens: int) -> int | None:
-        if self._settle_until is None and self._window_start is None:
-            self._settle_until = now + self.settle_s  # the first call: let the load ramp up
-        if self._settle_until is not None:
-            if now < self._settle_until:
-                return None
-            self._settle_until = None
-            self._window_start = (now, completed_tokens)
-            return None
-        t0, tokens0 = self._window_start
-        if now - t0 < self.window_s:
-            return None
-        rate = (completed_tokens - tokens0) / (now - t0)
-        self.windows.append({"t": now, "limit": self.limit, "tok_s": round(rate, 2)})
-        self._seen[self.limit] = (rate, now)
-        self._window_start = (now, completed_tokens)
-        return self._decide(now, rate)
-
-    def _neighbour(self, direction: int, now: float, rate: float) -> int | None:
-        """The next limit that way, unless at a bound or recently measured clearly worse."""
-        if direction > 0:
-            new = min(self.upper, math.ceil(self.limit * self.step))
-        else:
-            new = max(self.lower, math.floor(self.limit / self.step))
-        seen_rate, seen_at = self._seen.get(new, (math.inf, -math.inf))
-        if now - seen_at < self.memory_s and seen_rate < rate * (1.0 - self.min_gain):
-            return None
-        return None if new == self.limit else new
-
-    def _change(self, now: float, new: int, reason: str, rate: float) -> int:
-        old, self.limit = self.limit, new
-        self.changes.append({"t": now, "from": old, "to": new, "reason": reason,
-                             "tok_s": round(rate, 2)})
-        self.log(f"adaptive concurrency {old} -> {new}: {reason} ({rate:.0f} tok/s)")
-        self._settle_until = now + self.settle_s
-        self._window_start = None
-        return new
-
-    def _probe(self, now: float, rate: float, both_ways: bool = True) -> int | None:
-        directions = (self._direction, -self._direction) if both_ways else (self._direction,)
-        for direction in directions:
-            new = self._neighbour(direction, now, rate)
-            if new is not None:
-                self._direction = direction
-                self._probing_from = self.limit
-                return self._change(now, new, "probe", rate)
-        return None  # lower == upper: nothing to try
-
-    def _decide(self, now: float, rate: float) -> int | None:
-        if self._probing_from is None:  # measured the current limit
-            self._baseline = rate
-            if self._wait > 0:
-                self._wait -= 1
-                return None
-            return self._probe(now, rate)
-        origin, self._probing_from = self._probing_from, None
-        if rate > self._baseline * (1.0 + self.min_gain):
-            gain = rate / self._baseline - 1.0
-            self._baseline, self._rejections = rate, 0
-            self.changes[-1]["kept"] = True
-            self.log(f"adaptive concurrency: keeping {self.limit} (+{gain:.0%} tok/s)")
-            return self._probe(now, rate, both_ways=False)  # keep climbing the same way
-        self._rejections += 1
-        self._direction = -self._direction
-        # the first rejection tries the other side at once; then wait, doubling
-        self._wait = 0 if self._rejections % 2 else min(self.max_backoff,
-                                                        2 ** (self._rejections // 2 - 1))
-        return self._change(now, origin, f"revert (probe gave {rate:.0f} vs "
-                            f"{self._baseline:.0f} tok/s)", rate)
 
 
 def run_stage(prompt_files: Sequence[Path | str], out_json: Path | str, out_png: Path | str, *,
