@@ -38,7 +38,9 @@ def run_draftline(endpoint, prompts, level: int, spec, warmup_s: float, measure_
     return {"output_tok_s": row["output_tok_s"],
             "median_tpot_ms": (row["tpot_ms"] or {}).get("p50"),
             "median_ttft_ms": (row["ttft_ms"] or {}).get("p50"),
-            "running_mean": row["running_mean"]}
+            "running_mean": row["running_mean"],
+            "server_tpot_ms_mean": row["server_tpot_ms_mean"],
+            "stream_lagged": row["stream_lagged"], "attempts": row["attempts"]}
 
 
 def agreement(endpoint, model_dir: str, levels: list[int], repeats: int, spec,

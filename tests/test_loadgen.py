@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import asyncio
+import json
+
 import pytest
 
 from draftline.loadgen import (
@@ -18,6 +21,7 @@ from draftline.loadgen import (
     percentiles,
     request_seed,
     run_requests,
+    server_latency_means,
     window_stats,
 )
 
@@ -246,6 +250,73 @@ def test_counter_deltas_and_acceptance_length():
     assert acceptance_length({}) is None
 
 
+HISTOGRAMS = """\
+vllm:time_to_first_token_seconds_sum{engine="0",model_name="t"} %s
+vllm:time_to_first_token_seconds_count{engine="0",model_name="t"} %s
+vllm:request_time_per_output_token_seconds_sum{engine="0",model_name="t"} %s
+vllm:request_time_per_output_token_seconds_count{engine="0",model_name="t"} %s
+"""
+
+
+def test_server_latency_means_come_from_histogram_sums_and_counts():
+    before = parse_metrics(HISTOGRAMS % (1.0, 10, 0.5, 10))
+    after = parse_metrics(HISTOGRAMS % (1.6, 13, 0.53, 13))
+    means = server_latency_means(counter_deltas(before, after))
+    assert means == {"ttft_ms": pytest.approx(200.0), "tpot_ms": pytest.approx(10.0)}
+    assert server_latency_means(counter_deltas(before, before)) == {}  # nothing finished
+
+
+def _sse(data) -> bytes:
+    return b"data: " + (data if isinstance(data, bytes) else json.dumps(data).encode()) + b"\n\n"
+
+
+def test_chunks_read_together_are_counted_late():
+    """A stream whose last three token chunks sit in the socket together (a client that fell
+    behind) has 2 late chunks; its TPOT then understates the server's step."""
+    from aiohttp import web
+
+    from draftline.loadgen import ChatStreamer
+    from draftline.server import Endpoint
+
+    def token(text, n):
+        return {"choices": [{"index": 0, "delta": {"content": text}}],
+                "usage": {"completion_tokens": n}}
+
+    async def stream(request):
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        role = {"choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}}],
+                "usage": {"completion_tokens": 0}}
+        await resp.write(_sse(role) + _sse(token("a", 1)))  # the role chunk has no token
+        await asyncio.sleep(0.05)
+        await resp.write(_sse(token("b", 2)))
+        await asyncio.sleep(0.05)
+        await resp.write(_sse(token("c", 3)) + _sse(token("d", 4)) + _sse(token("e", 5))
+                         + _sse(b"[DONE]"))
+        return resp
+
+    async def main():
+        app = web.Application()
+        app.router.add_post("/v1/chat/completions", stream)
+        runner = web.AppRunner(app)
+        await runner.setup()
+        site = web.TCPSite(runner, "127.0.0.1", 0)
+        await site.start()
+        port = site._server.sockets[0].getsockname()[1]
+        client = ChatStreamer(Endpoint(f"http://127.0.0.1:{port}/v1", "m"), 1)
+        try:
+            return await client.stream(Prompt("p", [{"role": "user", "content": "q"}]),
+                                       SamplingSpec(max_tokens=8))
+        finally:
+            await client.close()
+            await runner.cleanup()
+
+    r = asyncio.run(main())
+    assert r.ok and r.output_tokens == 5, r.error
+    assert r.late_chunks == 2
+    assert window_stats([r], r.start, r.end + 1)["late_chunk_frac"] == pytest.approx(2 / 5)
+
+
 # ---------------------------------------------------------------- against a real server
 
 
@@ -266,6 +337,9 @@ def test_real_window_matches_the_server_token_counter(vllm_server):
     # the engine made just before the window end may still be in the API server's queue
     assert stats["output_tok_s"] == pytest.approx(window.server["output_tok_s"], rel=0.15)
     assert window.client_cpu_frac < 0.5  # the client is not what limits the load
+    # the client's mean TPOT is the server's own (its per-request TPOT histogram)
+    server_tpot = server_latency_means(window.server["counters"])["tpot_ms"]
+    assert stats["tpot_ms"]["mean"] == pytest.approx(server_tpot, rel=0.25)
     assert stats["ttft_ms"]["p50"] < 1e3 * stats["e2e_s"]["p50"]
     assert 0 < stats["mean_output_tokens"] <= 48 and stats["mean_prompt_tokens"] > 5
 

@@ -166,6 +166,9 @@ class RequestResult:
     error: str | None = None
     status: int | None = None
     cancelled: bool = False
+    # chunks read in the same network read as an earlier chunk of this stream: the client fell
+    # behind the server by at least one step, and its arrival times understate the gaps
+    late_chunks: int = 0
 
     @property
     def ok(self) -> bool:
@@ -301,17 +304,22 @@ class ChatStreamer:
         buffer = bytearray()
         async for data in resp.content.iter_any():
             now = time.perf_counter()
-            for payload in _sse_payloads(buffer, data):
-                if payload == b"[DONE]":
-                    if not result.chunk_times:  # vLLM's benchmark counts this as a failure
-                        raise RuntimeError("stream ended without a chunk carrying a choice")
-                    return
-                chunk = json.loads(payload)
-                if "error" in chunk and "choices" not in chunk:  # vLLM reports mid-stream errors
-                    raise RuntimeError(f"stream error: {str(chunk['error'])[:300]}")
-                new = _absorb_chunk(chunk, result, now, keep_text)
-                if new and on_tokens is not None:
-                    on_tokens(new)
+            arrivals_before = len(result.arrivals)
+            try:
+                for payload in _sse_payloads(buffer, data):
+                    if payload == b"[DONE]":
+                        if not result.chunk_times:  # vLLM's benchmark counts this as a failure
+                            raise RuntimeError("stream ended without a chunk carrying a choice")
+                        return
+                    chunk = json.loads(payload)
+                    if "error" in chunk and "choices" not in chunk:  # a mid-stream error
+                        raise RuntimeError(f"stream error: {str(chunk['error'])[:300]}")
+                    new = _absorb_chunk(chunk, result, now, keep_text)
+                    if new and on_tokens is not None:
+                        on_tokens(new)
+            finally:
+                # token chunks beyond the first in one read were already waiting: client lag
+                result.late_chunks += max(len(result.arrivals) - arrivals_before - 1, 0)
         raise RuntimeError("stream ended without [DONE]")
 
 
@@ -397,6 +405,11 @@ def _inside(t: float | None, t0: float, t1: float) -> bool:
     return t is not None and t0 <= t < t1
 
 
+def _late_fraction(results: Sequence[RequestResult]) -> float | None:
+    chunks = sum(len(r.arrivals) for r in results)
+    return round(sum(r.late_chunks for r in results) / chunks, 4) if chunks else None
+
+
 def window_stats(results: Sequence[RequestResult], t0: float, t1: float) -> dict:
     """Throughput and latency of the window [t0, t1) from the requests' chunk timings."""
     duration = t1 - t0
@@ -432,6 +445,8 @@ def window_stats(results: Sequence[RequestResult], t0: float, t1: float) -> dict
         "tpot_ms": percentiles([r.tpot_s for r in done if r.tpot_s is not None], 1e3),
         "itl_ms": percentiles(itl, 1e3),
         "e2e_s": percentiles([r.e2e_s for r in done if r.e2e_s is not None]),
+        # share of the window's requests' chunks the client read late (see late_chunks)
+        "late_chunk_frac": _late_fraction(done),
         "mean_output_tokens": round(sum(r.output_tokens for r in done) / len(done), 1)
         if done else None,
         "mean_prompt_tokens": round(sum(prompt_tokens) / len(prompt_tokens), 1)
@@ -448,8 +463,14 @@ _LABEL = re.compile(r'([a-zA-Z_][a-zA-Z0-9_]*)="((?:[^"\\]|\\.)*)"')
 SPEC_DECODE_COUNTERS = ("vllm:spec_decode_num_drafts", "vllm:spec_decode_num_draft_tokens",
                         "vllm:spec_decode_num_accepted_tokens")
 SPEC_DECODE_PER_POS = "vllm:spec_decode_num_accepted_tokens_per_pos"
+# the server's own latency histograms (recorded by vLLM's API server when a request finishes;
+# TPOT per request as vllm bench serve defines it): their sums and counts over a window give
+# server-side means to hold the client's figures against
+LATENCY_HISTOGRAMS = {"ttft_ms": "vllm:time_to_first_token_seconds",
+                      "tpot_ms": "vllm:request_time_per_output_token_seconds"}
 WINDOW_COUNTERS = ("vllm:generation_tokens", "vllm:prompt_tokens",
-                   "vllm:num_preemptions") + SPEC_DECODE_COUNTERS
+                   "vllm:num_preemptions") + SPEC_DECODE_COUNTERS + tuple(
+    f"{h}_{part}" for h in LATENCY_HISTOGRAMS.values() for part in ("sum", "count"))
 
 
 @dataclass
@@ -528,6 +549,16 @@ def counter_deltas(before: Metrics, after: Metrics,
         out[SPEC_DECODE_PER_POS] = {
             pos: per_pos_after[pos] - per_pos_before.get(pos, 0.0)
             for pos in sorted(per_pos_after, key=int)}
+    return out
+
+
+def server_latency_means(deltas: dict) -> dict:
+    """Mean TTFT and TPOT in ms of the requests the server finished between two scrapes."""
+    out = {}
+    for key, histogram in LATENCY_HISTOGRAMS.items():
+        count = deltas.get(f"{histogram}_count")
+        if count:
+            out[key] = round(deltas[f"{histogram}_sum"] / count * 1e3, 3)
     return out
 
 
