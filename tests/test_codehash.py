@@ -252,6 +252,44 @@ def test_an_unused_module_makes_nothing_stale(completed_workflow):
     assert jobs_after_editing(completed_workflow, "plan.py") == set()
 
 
+# rules that read part of a section (or of another stage's section), by one output each
+PARTIAL_READERS = {"generate": "results/responses/shard-0.jsonl",
+                   "hidden_states": "results/hidden/index.json",
+                   "bench": "results/bench/results.json"}
+
+
+def rules_whose_params_change(workdir: Path, **changes: dict) -> set[str]:
+    """Rules that would rerun for their own params after merging ``changes`` per section into
+    the workflow's config: each rule's output asked for with only that rule allowed to run (so
+    nothing upstream reruns and hides the reason), and params the only rerun trigger."""
+    cfg = yaml.safe_load((workdir / "config" / "config.yaml").read_text())
+    for section, values in changes.items():
+        cfg.setdefault(section, {}).update(values)
+    changed = workdir / "changed.yaml"
+    changed.write_text(yaml.safe_dump(cfg))
+    rerun = set()
+    for rule, output in PARTIAL_READERS.items():
+        result = snakemake(workdir, "-n", "--rerun-triggers", "params", "--configfile",
+                           str(changed), "--allowed-rules", rule, "--", output)
+        text = result.stdout + result.stderr
+        assert result.returncode == 0, text[-3000:]
+        if re.search(rf"^rule {rule}:$", text, re.M):
+            rerun.add(rule)
+    return rerun
+
+
+@pytest.mark.parametrize(("changes", "expected"), [
+    # the benchmark reads generate's sampling settings and concurrency, not its retry policy
+    ({"generate": {"max_retries": 2}}, {"generate"}),
+    ({"generate": {"request_timeout_s": 60}}, {"generate"}),
+    ({"generate": {"top_p": 0.9}}, {"generate", "bench"}),
+    # the hf backend of hidden-state extraction starts no vLLM: server settings are not its own
+    ({"server": {"max_num_seqs": 128}}, {"generate", "bench"}),
+])
+def test_a_rule_gets_only_the_config_keys_it_reads(completed_workflow, changes, expected):
+    assert rules_whose_params_change(completed_workflow, **changes) == expected
+
+
 BLOCK_IMPORTS = """
 import sys
 BLOCKED = {"draftline", "torch", "transformers", "vllm", "datasets", "numpy", "openai"}
