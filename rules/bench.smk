@@ -31,7 +31,7 @@ rule bench:
         serving_container()
     params:
         bench=config["bench"],
-        generate=config["generate"],
+        generate=bench_generate_params(),
         eval_fraction=config["dataset"]["eval_fraction"],
         server=server_params(),
         revision=config["target"]["revision"],

@@ -167,10 +167,41 @@ def profile_input():
     )
 
 
+def config_keys(section, keys):
+    """Only ``keys`` of a config section: a rule's params hold exactly the values it reads, so
+    changing another key of the section does not rerun it."""
+    return {k: config[section][k] for k in keys}
+
+
 def sampling_params():
-    gen = config["generate"]
     keys = ("temperature", "top_p", "max_tokens", "seed", "chat_template_kwargs")
-    return {k: gen[k] for k in keys}
+    return config_keys("generate", keys)
+
+
+def bench_generate_params():
+    """What the benchmark takes from generation: its sampling (with the benchmark's own
+    max_tokens) and, for the levels when bench.levels is null, its concurrency."""
+    keys = ("concurrency", "temperature", "top_p", "seed", "chat_template_kwargs")
+    return config_keys("generate", keys)
+
+
+def hidden_engine_params():
+    """The server settings the hidden-state engine reads (draftline.hidden.vllm_backend);
+    none with the hf backend, which starts no vLLM."""
+    if config["hidden"]["backend"] != "vllm":
+        return None
+    keys = (
+        "tensor_parallel_size",
+        "max_model_len",
+        "max_num_seqs",
+        "dtype",
+        "enforce_eager",
+        "gpu_memory_utilization",
+        "cpu_kvcache_space_gib",
+        "extra_args",
+        "env",
+    )
+    return config_keys("server", keys)
 
 
 def server_params():

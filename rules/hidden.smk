@@ -16,7 +16,7 @@ rule hidden_states:
             **config["hidden"],
             "trust_remote_code": config["target"]["trust_remote_code"],
         },
-        server=server_params(),
+        server=hidden_engine_params(),
         model=target_path,
         revision=config["target"]["revision"],
         state_dir=SERVER_STATE,

@@ -10,6 +10,6 @@ with logged(snakemake.log[0]):
         local_dir(snakemake.params.model, snakemake.params.revision),
         Path(snakemake.output.index).parent,
         snakemake.params.hidden,
-        server_cfg=snakemake.params.server["server"],
+        server_cfg=snakemake.params.server,
         server_state_dir=snakemake.params.state_dir,
     )
