@@ -193,10 +193,10 @@ def memory_model(cfg: m.DraftConfig, batch: int, tokens: int, steps_k: int,
       attention  step 0: q, k, v, out (4 * W*Q) and the fp32 log-sum-exp; step s >= 1: q, out,
                  the stacked diagonal keys and values (2 * s * W*Q), the joint log-sum-exp
                  and the diagonal probabilities (4 * nh * (1 + s))
-      loss       the draft log-probs and the target probs, fp32 (2 * 4D)
-    and alive until the forward (or the loss) is done: the step's logits (W*D) and, for
-    s >= 1, the step's k and v in the cache (2 * W*Q).
-    Per token, once: aux (3H), final (H) and ids; the teacher's fp32 log-probs (4D). The
+      loss       the step's logits (W*D; draftline.model.DraftKL recomputes the softmax)
+    and alive until the forward is done: for s >= 1, the step's k and v in the cache (2 * W*Q).
+    Per token, once: aux (3H), final (H) and ids; the teacher's fp32 log-probs (4D) and
+    probabilities (4D, a view of which every step's loss saves). The
     teacher head itself runs in chunks of TEACHER_CHUNK_ROWS rows before the unroll (a transient of
     rows * V at 2 B plus rows * D at 4 B, freed before the peak).
     """
@@ -212,10 +212,10 @@ def memory_model(cfg: m.DraftConfig, batch: int, tokens: int, steps_k: int,
     norms = 4 * W * H + 3 * 4 * H + 4 * 4
     qkv = 3 * W * 2 * H if cuda else 4 * 2 * H
     mlp = (2 * W * H if cuda else 4 * H) + 4 * W * F
-    saved = [norms + qkv + mlp + W * H + 2 * 4 * D
+    saved = [norms + qkv + mlp + W * H + W * D
              + (4 * W * Q + 4 * nh if s == 0 else 2 * W * Q + 2 * s * W * Q + 4 * nh * (1 + s))
              for s in range(steps_k)]
-    transient = [W * D + (2 * W * Q if s else 0) for s in range(steps_k)]
+    transient = [2 * W * Q if s else 0 for s in range(steps_k)]
     rows = batch * tokens
     chunk = min(TEACHER_CHUNK_ROWS, rows)
     terms = {
@@ -225,7 +225,7 @@ def memory_model(cfg: m.DraftConfig, batch: int, tokens: int, steps_k: int,
         "activations saved": rows * sum(saved),
         "forward transients": rows * sum(transient),
         "inputs": rows * (W * 4 * cfg.target_hidden_size + 8 + 1),
-        "teacher log-probs": rows * 4 * D,
+        "teacher log-probs + probs": rows * 2 * 4 * D,
     }
     terms["peak"] = sum(terms.values())
     terms["teacher head transient"] = chunk * (2 * V + 4 * D * 2)
@@ -233,7 +233,8 @@ def memory_model(cfg: m.DraftConfig, batch: int, tokens: int, steps_k: int,
     return terms
 
 
-PER_TOKEN_TERMS = ("activations saved", "forward transients", "inputs", "teacher log-probs")
+PER_TOKEN_TERMS = ("activations saved", "forward transients", "inputs",
+                   "teacher log-probs + probs")
 
 
 def max_batch_tokens(cfg: m.DraftConfig, tokens: int, steps_k: int, memory_bytes: float,

@@ -261,6 +261,65 @@ def test_loss_gradient_is_zero_on_masked_rows():
     assert logits[1].grad[0].abs().sum(-1).nonzero().flatten().tolist() == [0, 1]
 
 
+def autograd_kl_loss(step_logits, target_logp, loss_rows_of, decay):
+    """The loss as plain autograd computes it (log-softmax and target probs saved per step)."""
+    loss = 0.0
+    for k, logits in enumerate(step_logits):
+        rows = target_logp.shape[1] - 2 - k
+        tgt = target_logp[:, 1 + k:1 + k + rows]
+        draft = torch.log_softmax(logits[:, :rows].float(), dim=-1)
+        kl = (tgt.exp() * (tgt - draft)).sum(-1)
+        use = loss_rows_of(k, rows)
+        loss = loss + decay**k * (kl * use).sum() / use.sum().clamp(min=1)
+    return loss
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_loss_and_gradients_equal_plain_autograd(dtype):
+    """DraftKL (softmax recomputed in the backward) gives autograd's loss and gradients:
+    to fp32 rounding for fp32 logits; for bf16 logits, both round the gradient to bf16."""
+    gen = torch.Generator().manual_seed(0)
+    batch, length, vocab, steps = 2, 40, 300, 3
+    target_logp = torch.log_softmax(torch.randn(batch, length, vocab, generator=gen) * 3, -1)
+    in_draft = torch.rand(batch, length, generator=gen) > 0.2
+    mask = torch.rand(batch, length, generator=gen) > 0.3
+    logits = [(torch.randn(batch, length, vocab, generator=gen) * 2).to(dtype).requires_grad_()
+              for _ in range(steps)]
+
+    def loss_rows_of(k, rows):
+        return mask[:, 2 + k:2 + k + rows] & in_draft[:, 1 + k:1 + k + rows]
+
+    loss, _ = ttt_loss(logits, target_logp, in_draft, mask, 0.8)
+    ref = autograd_kl_loss(logits, target_logp, loss_rows_of, 0.8)
+    grads = torch.autograd.grad(loss, logits)
+    ref_grads = torch.autograd.grad(ref, logits)
+    torch.testing.assert_close(loss, ref, rtol=1e-6, atol=0)
+    for g, r in zip(grads, ref_grads, strict=True):
+        assert g.dtype == dtype
+        tol = 1e-6 if dtype == torch.float32 else 2**-8
+        assert float((g.float() - r.float()).abs().max() / r.float().abs().max()) < tol
+
+
+def test_loss_saves_only_the_logits_and_one_target_probability_tensor():
+    """What the backward keeps: each step's logits and one [B, T, D] fp32 target-probability
+    tensor shared by the steps; autograd alone kept two fp32 [B, n, D] tensors per step."""
+    batch, length, vocab, steps = 1, 64, 500, 4
+    target_logp = torch.log_softmax(torch.randn(batch, length, vocab), -1)
+    logits = [torch.randn(batch, length, vocab, requires_grad=True) for _ in range(steps)]
+    saved: dict[int, int] = {}
+
+    def pack(t):
+        if t.numel() >= vocab:  # masks and counts aside
+            saved.setdefault(t.untyped_storage().data_ptr(), t.untyped_storage().nbytes())
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        ttt_loss(logits, target_logp, torch.ones(batch, length, dtype=torch.bool),
+                 torch.ones(batch, length, dtype=torch.bool), 0.8)
+    one = batch * length * vocab * 4
+    assert sum(saved.values()) == (steps + 1) * one
+
+
 def test_target_head_restricts_to_draft_vocab():
     gen = torch.Generator().manual_seed(0)
     hidden, vocab = 8, 12
