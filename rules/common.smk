@@ -92,10 +92,10 @@ def _check_target_head(cfg):
     config_json = Path(model) / "config.json"
     if model == "toy" or not config_json.is_file():
         return
-    teacher = _library_module("teacher")
+    target = _library_module("target")
     try:
-        teacher.check_teacher_head(json.loads(config_json.read_text()), config_json)
-    except teacher.UnsupportedTargetHead as exc:
+        target.check_teacher_head(json.loads(config_json.read_text()), config_json)
+    except target.UnsupportedTargetHead as exc:
         raise ValueError(f"config key 'target.model': {exc}") from None
 
 

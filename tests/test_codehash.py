@@ -130,7 +130,7 @@ def test_real_stages_reach_the_modules_they_run():
     assert {"generate.py", "loadgen.py", "slots.py", "server.py", "atomic.py",
             "docker_launcher.py", "dataset.py"} <= generate
     assert {"train.py", "model.py", "prompts.py", "toy.py"}.isdisjoint(generate)
-    assert {"export.py", "train.py", "model.py"} <= closure("export_draft.py")
+    assert {"export.py", "target.py", "model.py"} <= closure("export_draft.py")
     assert {"bench.py", "dataset.py", "loadgen.py", "server.py"} <= closure("bench.py")
     assert {"hidden/__init__.py", "hidden/store.py", "hidden/hf_backend.py",
             "hidden/vllm_backend.py", "hidden/vllm_connector.py"} <= closure("hidden_states.py")

@@ -18,7 +18,7 @@ import torch
 import yaml
 from safetensors import safe_open
 
-from draftline.teacher import UnsupportedTargetHead, check_teacher_head
+from draftline.target import UnsupportedTargetHead, check_teacher_head
 
 TINY = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
         "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 256,

@@ -16,7 +16,7 @@ import jsonschema
 import yaml
 
 from draftline.hub import RevisionError, hub_revision
-from draftline.teacher import UnsupportedTargetHead, check_teacher_head
+from draftline.target import UnsupportedTargetHead, check_teacher_head
 
 SCHEMA_PATH = Path(str(resources.files("draftline") / "schemas" / "config.schema.yaml"))
 

@@ -25,6 +25,7 @@ from pathlib import Path
 from draftline.atomic import atomic_dir
 from draftline.hidden.layers import LayerIdError
 from draftline.hidden.layers import check_layer_ids as check_aux_layer_ids
+from draftline.target import read_teacher_config, text_config
 
 WEIGHTS_FILE, DRAFT_CONFIG_FILE = "model.safetensors", "draft_config.json"
 SHARED_WITH_TARGET = ("embed_tokens.weight",)  # may be present in the weights; never exported
@@ -106,8 +107,6 @@ def vocab_map_needed(draft_cfg) -> bool:
 
 def check_layer_ids(layer_ids, target_cfg: dict) -> list[int]:
     """The aux ids vLLM will capture for this draft, checked as extraction checked them."""
-    from draftline.model import text_config
-
     num_layers = int(text_config(target_cfg)["num_hidden_layers"])
     try:
         return check_aux_layer_ids(layer_ids, num_layers, target_cfg, source="layer_ids")
@@ -116,8 +115,6 @@ def check_layer_ids(layer_ids, target_cfg: dict) -> list[int]:
 
 
 def draft_config_json(draft_cfg, target_cfg: dict, layer_ids: list[int], dtype: str) -> dict:
-    from draftline.model import text_config
-
     text = text_config(target_cfg)
     config = {
         "architectures": ["LlamaForCausalLMEagle3"],
@@ -160,8 +157,6 @@ def draft_config_json(draft_cfg, target_cfg: dict, layer_ids: list[int], dtype: 
 
 
 def _target_dtype(target_cfg: dict) -> str:
-    from draftline.model import text_config
-
     dtype = target_cfg.get("torch_dtype") or target_cfg.get("dtype") or \
         text_config(target_cfg).get("torch_dtype") or "bfloat16"
     return dtype if dtype in DTYPES else "bfloat16"
@@ -178,7 +173,6 @@ def export_draft(best_weights, target_dir, vocab_map, layer_ids, out_dir) -> Pat
     from safetensors.torch import load_file, save_file
 
     from draftline.model import expected_shapes
-    from draftline.train import read_teacher_config
 
     weights_file = _weights_file(Path(best_weights))
     target_cfg = read_teacher_config(Path(target_dir))

@@ -40,6 +40,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from draftline.target import NUM_AUX_LAYERS, rope_theta_of, text_config
+
 # ----------------------------------------------------------------------------- config
 
 
@@ -56,7 +58,7 @@ class DraftConfig:
     vocab_size: int  # the target's
     draft_vocab_size: int
     max_position_embeddings: int
-    num_aux_hidden_states: int = 3
+    num_aux_hidden_states: int = NUM_AUX_LAYERS
     rope_scaling: dict | None = None  # None, or {"rope_type": "yarn", "factor", ...} as vLLM's
 
     # The draft layer's own sizes, settable in config (train.draft); null keeps the target's.
@@ -129,15 +131,6 @@ def check_architecture(sizes: dict) -> None:
                          f"{sorted(unknown)} (supported: {sorted(YARN_KEYS)})")
 
 
-def text_config(target_config: dict) -> dict:
-    """The language-model part of a target config (multimodal targets nest it)."""
-    return target_config.get("text_config") or target_config
-
-
-def rope_theta_of(cfg: dict) -> float:
-    # transformers >= 5 writes rope_parameters; older configs a top-level rope_theta.
-    params = cfg.get("rope_parameters") or {}
-    return float(cfg.get("rope_theta") or params.get("rope_theta") or 10000.0)
 
 
 # ----------------------------------------------------------------------------- building blocks

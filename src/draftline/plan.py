@@ -22,6 +22,7 @@ import shutil
 from pathlib import Path
 
 from draftline.layout import Layout
+from draftline.target import DTYPE_SIZES, NUM_AUX_LAYERS, text_config
 
 # ----------------------------------------------------------------------------- assumptions
 # Used only when nothing measured is available; each row names the ones it used.
@@ -50,14 +51,9 @@ KNOWN_TARGETS = {
         "weights_bytes": 595 * 10**9, "note": "Kimi-K2.5 (1T MoE, INT4 weights)",
     },
 }
-DTYPE_SIZES = {"bfloat16": 2, "float16": 2, "float32": 4}
 
 
 # ----------------------------------------------------------------------------- inputs
-
-
-def _text_config(config: dict) -> dict:
-    return config.get("text_config") or config
 
 
 def target_dims(config: dict, measured: dict | None = None) -> dict | None:
@@ -73,7 +69,7 @@ def target_dims(config: dict, measured: dict | None = None) -> dict | None:
                 "dtype": "bfloat16", "note": "toy target (config target.toy)"}
     local = Path(target["model"]) / "config.json"
     if local.is_file():
-        cfg = _text_config(json.loads(local.read_text()))
+        cfg = text_config(json.loads(local.read_text()))
         return {"hidden_size": cfg["hidden_size"], "num_layers": cfg["num_hidden_layers"],
                 "vocab_size": cfg["vocab_size"], "num_heads": cfg.get("num_attention_heads", 1),
                 "num_kv_heads": cfg.get("num_key_value_heads") or cfg.get("num_attention_heads", 1),
@@ -247,15 +243,17 @@ def _hidden_row(config: dict, measured: dict, dims: dict | None, kind: str, toke
                     "(hidden_size, num_layers, vocab_size) or use a local model dir")
     hidden_cfg = config["hidden"]
     dtype = dims.get("dtype", "bfloat16")
-    state_bytes = 4 * dims["hidden_size"] * DTYPE_SIZES.get(dtype, 2)  # 3 aux + final
+    layers = NUM_AUX_LAYERS + 1  # aux + final
+    state_bytes = layers * dims["hidden_size"] * DTYPE_SIZES.get(dtype, 2)
     per_token = state_bytes + ARROW_BYTES_PER_TOKEN
     rate = measured.get("hidden_tok_s") or (measured.get("hidden") or {}).get("tokens_per_s")
     rate_basis = "measured by an earlier extraction" if rate else "assumed"
     rate = rate or HIDDEN_TOK_S[kind]
     seconds = tokens / rate + (SERVER_START_S[kind] if hidden_cfg["backend"] == "vllm" else 30)
     return _row("hidden", tokens * per_token, seconds,
-                f"{tokens:,} tokens x ({state_bytes:,} B states = 4 x {dims['hidden_size']:,} x "
-                f"{DTYPE_SIZES.get(dtype, 2)} B {dtype} + {ARROW_BYTES_PER_TOKEN} B ids/mask); "
+                f"{tokens:,} tokens x ({state_bytes:,} B states = {layers} x "
+                f"{dims['hidden_size']:,} x {DTYPE_SIZES.get(dtype, 2)} B {dtype} + "
+                f"{ARROW_BYTES_PER_TOKEN} B ids/mask); "
                 f"{rate:,.0f} tok/s ({rate_basis}, backend {hidden_cfg['backend']}); {token_basis}",
                 state_bytes_per_token=state_bytes, bytes_per_token=per_token, tok_s=rate)
 

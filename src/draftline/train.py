@@ -58,7 +58,13 @@ from typing import Any
 
 from draftline.atomic import atomic_dir, copy_file, remove_temps, write_json
 from draftline.hidden.layers import check_layer_ids
-from draftline.teacher import check_teacher_head
+from draftline.target import (
+    find_tensor,
+    read_target_config,
+    read_teacher_config,
+    target_weight_map,
+    text_config,
+)
 
 DISTRIBUTED_ENV = "WORLD_SIZE"
 STATE_DIR, BEST_DIR = "state", "best"
@@ -89,49 +95,6 @@ def resolve_train_cfg(train_cfg: dict | None) -> dict:
 
 
 # ----------------------------------------------------------------------------- target tensors
-
-
-def read_target_config(target_dir: Path) -> dict:
-    path = Path(target_dir) / "config.json"
-    if not path.exists():
-        raise FileNotFoundError(f"target config not found: {path}")
-    return json.loads(path.read_text())
-
-
-def read_teacher_config(target_dir: Path) -> dict:
-    """The target config, refused when training's teacher cannot reproduce its final head."""
-    config = read_target_config(target_dir)
-    check_teacher_head(config, Path(target_dir) / "config.json")
-    return config
-
-
-def target_weight_map(target_dir: Path) -> dict[str, Path]:
-    """Tensor name -> safetensors file, from the shard index or the single weights file."""
-    from safetensors import safe_open
-
-    target_dir = Path(target_dir)
-    index = target_dir / "model.safetensors.index.json"
-    if index.exists():
-        weight_map = json.loads(index.read_text())["weight_map"]
-        return {name: target_dir / file for name, file in weight_map.items()}
-    files = sorted(target_dir.glob("*.safetensors"))
-    if not files:
-        raise FileNotFoundError(f"no *.safetensors weights in target dir {target_dir}")
-    names = {}
-    for file in files:
-        with safe_open(str(file), framework="pt") as f:
-            names.update({name: file for name in f.keys()})
-    return names
-
-
-def find_tensor(weight_map: dict[str, Path], suffix: str, target_dir: Path) -> str | None:
-    """The tensor named ``suffix`` or ``<prefix>.<suffix>`` (multimodal wrappers add prefixes)."""
-    if suffix in weight_map:
-        return suffix
-    hits = sorted(n for n in weight_map if n.endswith("." + suffix))
-    if len(hits) > 1:
-        raise ValueError(f"target {target_dir}: several tensors match '{suffix}': {hits[:4]}")
-    return hits[0] if hits else None
 
 
 def load_target_tensors(target_dir: Path) -> dict:
@@ -943,7 +906,7 @@ def check_inputs(store: HiddenStates, hidden_dir: Path, vocab_map: Path,
     """Hidden states, vocab map and target agree on widths, layer count and vocab size."""
     from safetensors import safe_open
 
-    from draftline.model import DraftConfig, text_config
+    from draftline.model import DraftConfig
 
     with safe_open(str(vocab_map), framework="pt") as f:
         missing = {"d2t", "t2d"} - set(f.keys())

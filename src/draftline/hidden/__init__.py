@@ -28,7 +28,6 @@ from draftline.hidden.layers import (
     resolve_layer_ids,
 )
 from draftline.hidden.store import (
-    DTYPE_SIZES,
     FORMAT_VERSION,
     DiskSpaceError,
     PartSpec,
@@ -47,7 +46,7 @@ from draftline.hidden.store import (
 )
 from draftline.layout import HIDDEN_INDEX, HIDDEN_STATS
 from draftline.server import release_other_servers
-from draftline.teacher import check_teacher_head
+from draftline.target import DTYPE_SIZES, check_teacher_head, text_config
 
 log = logging.getLogger(__name__)
 
@@ -74,10 +73,6 @@ class HiddenStateError(ValueError):
 # ----------------------------------------------------------------------------- target
 
 
-def _text_config(config: dict) -> dict:
-    return config.get("text_config") or config
-
-
 def target_info(target_dir: Path) -> dict:
     """Layers, width, vocab, dtype and a cheap fingerprint of an HF model directory."""
     target_dir = Path(target_dir)
@@ -88,7 +83,7 @@ def target_info(target_dir: Path) -> dict:
     except (OSError, ValueError) as exc:
         raise HiddenStateError(f"{config_path}: cannot read the target config ({exc})") from exc
     check_teacher_head(config, config_path)  # states for a teacher training cannot build
-    text = _text_config(config)
+    text = text_config(config)
     missing = [k for k in ("num_hidden_layers", "hidden_size", "vocab_size") if k not in text]
     if missing:
         raise HiddenStateError(f"{config_path}: missing {missing}")

@@ -16,7 +16,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-NUM_AUX_LAYERS = 3
+from draftline.target import NUM_AUX_LAYERS
+
 CONFIG_KEY = "hidden.layer_ids"
 
 # Architectures vLLM 0.32 serves with DeepseekV2Model, whose aux capture at layer 0 reads a

@@ -28,6 +28,7 @@ from typing import Any
 
 from draftline.atomic import atomic_open
 from draftline.layout import HIDDEN_INDEX
+from draftline.target import DTYPE_SIZES, NUM_AUX_LAYERS
 
 FORMAT_VERSION = 1
 # Bytes per token besides the states: input_ids (int64) and loss_mask (uint8).
@@ -44,7 +45,6 @@ _SAFETENSORS_DTYPES = {
     "int8": "I8",
     "bool": "BOOL",
 }
-DTYPE_SIZES = {"bfloat16": 2, "float16": 2, "float32": 4}
 
 
 class DiskSpaceError(RuntimeError):
@@ -54,12 +54,14 @@ class DiskSpaceError(RuntimeError):
 # ----------------------------------------------------------------------------- sizes
 
 
-def state_bytes_per_token(hidden_size: int, dtype: str = "bfloat16", num_aux: int = 3) -> int:
+def state_bytes_per_token(hidden_size: int, dtype: str = "bfloat16",
+                          num_aux: int = NUM_AUX_LAYERS) -> int:
     """Bytes of stored states per token: ``num_aux`` aux layers plus the final layer."""
     return (num_aux + 1) * hidden_size * DTYPE_SIZES[dtype]
 
 
-def stored_bytes_per_token(hidden_size: int, dtype: str = "bfloat16", num_aux: int = 3) -> int:
+def stored_bytes_per_token(hidden_size: int, dtype: str = "bfloat16",
+                           num_aux: int = NUM_AUX_LAYERS) -> int:
     """State bytes plus the token ids and loss mask stored next to them."""
     return state_bytes_per_token(hidden_size, dtype, num_aux) + TOKEN_SIDE_BYTES
 
@@ -306,7 +308,7 @@ def verify_index(out_dir: Path) -> list[str]:
     except (OSError, ValueError) as exc:
         return [f"{out_dir / HIDDEN_INDEX}: cannot read the index ({exc})"]
     problems: list[str] = []
-    num_aux = len(index.get("layer_ids", [])) or 3
+    num_aux = len(index.get("layer_ids", [])) or NUM_AUX_LAYERS
     seen: set[str] = set()
     for entry in index.get("files", []):
         path = out_dir / entry["path"]

@@ -1,20 +1,64 @@
-"""Which targets the training teacher reproduces: a Llama-style final RMSNorm and a plain lm_head.
+"""The target model as draftline reads it, standard library only: its config.json (the text
+part of a multimodal config, rope, dtype), which of its final heads training's teacher can
+reproduce, and where its weights are.
 
-Training's teacher (``draftline.model.TargetHead``) turns the target's pre-norm last-layer
-state into the target's distribution as ``softmax(lm_head(weight * x / rms(x)))``. A target
-whose final head computes something else (Gemma's ``(1 + weight)`` norm, a final-logit
+Used by every stage that looks at the target (training, export, hidden-state extraction,
+``draftline plan``, config validation); ``rules/common.smk`` loads this file by path at
+Snakefile parse time, so it imports nothing outside the standard library (the weights' tensor
+names are read from the safetensors headers, without safetensors or torch).
+
+Teacher head. Training's teacher (``draftline.model.TargetHead``) turns the target's pre-norm
+last-layer state into the target's distribution as ``softmax(lm_head(weight * x / rms(x)))``. A
+target whose final head computes something else (Gemma's ``(1 + weight)`` norm, a final-logit
 softcap, a logit scale) would give training wrong targets without any error, and the draft
 would only disappoint when served. So every stage that builds or reads the teacher (config
 validation of a local target, hidden-state extraction, training, export) calls
 ``check_teacher_head`` first: families whose head was checked against the HF model's own
 logits (``tests/test_teacher.py``) pass; every other family is refused with the architecture
 and the config key that makes it differ.
-
-Standard library only: ``draftline.config`` (and so ``draftline plan``) imports it, and
-``rules/common.smk`` loads it by path at Snakefile parse time.
 """
 
 from __future__ import annotations
+
+import json
+import struct
+from pathlib import Path
+
+# Bytes per element of the dtypes a target's states are stored in.
+DTYPE_SIZES = {"bfloat16": 2, "float16": 2, "float32": 4}
+# EAGLE-3 feeds the draft three aux hidden states of the target (hidden.layer_ids).
+NUM_AUX_LAYERS = 3
+
+
+# ----------------------------------------------------------------------------- config.json
+
+
+def read_target_config(target_dir: Path) -> dict:
+    path = Path(target_dir) / "config.json"
+    if not path.exists():
+        raise FileNotFoundError(f"target config not found: {path}")
+    return json.loads(path.read_text())
+
+
+def read_teacher_config(target_dir: Path) -> dict:
+    """The target config, refused when training's teacher cannot reproduce its final head."""
+    config = read_target_config(target_dir)
+    check_teacher_head(config, Path(target_dir) / "config.json")
+    return config
+
+
+def text_config(config: dict) -> dict:
+    """The language-model part of a target config (multimodal targets nest it)."""
+    return config.get("text_config") or config
+
+
+def rope_theta_of(cfg: dict) -> float:
+    # transformers >= 5 writes rope_parameters; older configs a top-level rope_theta.
+    params = cfg.get("rope_parameters") or {}
+    return float(cfg.get("rope_theta") or params.get("rope_theta") or 10000.0)
+
+
+# ----------------------------------------------------------------------------- teacher head
 
 # Text model types whose final head is RMSNorm(weight * x) + lm_head (tied or not), verified
 # against transformers in tests/test_teacher.py. kimi_k2 is the DeepSeek-V3 architecture
@@ -55,11 +99,6 @@ class UnsupportedTargetHead(ValueError):
     """The target's final head is not what the training teacher computes."""
 
 
-def text_config(config: dict) -> dict:
-    """The language-model part of a target config (multimodal targets nest it)."""
-    return config.get("text_config") or config
-
-
 def architecture(config: dict) -> str:
     """``model_type`` (of the text config when nested) and the architectures, for messages."""
     text = text_config(config)
@@ -96,3 +135,40 @@ def check_teacher_head(config: dict, source) -> None:
             "computes softmax(lm_head(weight * x / rms(x))) (a Llama-style final RMSNorm and a "
             "plain lm_head), but " + "; ".join(problems) + ". Supported model types: "
             + ", ".join(SUPPORTED_MODEL_TYPES))
+
+
+# ----------------------------------------------------------------------------- weights
+
+
+def safetensors_names(file: Path) -> list[str]:
+    """Tensor names of a safetensors file, from its header (8-byte length, then JSON)."""
+    try:
+        with open(file, "rb") as f:
+            (size,) = struct.unpack("<Q", f.read(8))
+            header = json.loads(f.read(size))
+    except (struct.error, ValueError) as exc:
+        raise ValueError(f"{file}: not a readable safetensors file ({exc})") from exc
+    return [name for name in header if name != "__metadata__"]
+
+
+def target_weight_map(target_dir: Path) -> dict[str, Path]:
+    """Tensor name -> safetensors file, from the shard index or the single weights file."""
+    target_dir = Path(target_dir)
+    index = target_dir / "model.safetensors.index.json"
+    if index.exists():
+        weight_map = json.loads(index.read_text())["weight_map"]
+        return {name: target_dir / file for name, file in weight_map.items()}
+    files = sorted(target_dir.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"no *.safetensors weights in target dir {target_dir}")
+    return {name: file for file in files for name in safetensors_names(file)}
+
+
+def find_tensor(weight_map: dict[str, Path], suffix: str, target_dir: Path) -> str | None:
+    """The tensor named ``suffix`` or ``<prefix>.<suffix>`` (multimodal wrappers add prefixes)."""
+    if suffix in weight_map:
+        return suffix
+    hits = sorted(n for n in weight_map if n.endswith("." + suffix))
+    if len(hits) > 1:
+        raise ValueError(f"target {target_dir}: several tensors match '{suffix}': {hits[:4]}")
+    return hits[0] if hits else None
