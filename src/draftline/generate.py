@@ -49,8 +49,9 @@ from draftline.atomic import atomic_open, disk_full_names, write_json
 from draftline.generation_report import server_view
 from draftline.hub import hub_revision
 from draftline.loadgen import parse_metrics, request_seed
+from draftline.machine import serving_machine
 from draftline.profile import resolve_concurrency
-from draftline.server import Endpoint
+from draftline.server import Endpoint, served_version
 from draftline.slots import SlotPool
 
 RETRYABLE_STATUS = {408, 409, 429}
@@ -660,14 +661,15 @@ def resume_shard(partial: Path, partial_errors: Path,
 def generate_shard(prompt_file: Path, out_file: Path, errors_file: Path, summary_file: Path,
                    endpoints: list[Endpoint], settings: GenerateSettings, slot_dir: Path,
                    target_dir: str | None = None, target: dict | None = None,
-                   job_start: float | None = None) -> dict:
+                   job_start: float | None = None, machine: dict | None = None) -> dict:
     """Answer every prompt of a shard once; resume from valid kept results; write the summary.
 
     ``target`` identifies the served target (``target_identity``); by default that of
     ``target_dir``, the target's directory. (The render check of the answers runs in the
     stage summary, ``draftline.generation_report``: off the shard jobs' critical path.)
     ``job_start`` (wall clock) is when the job began, for the start-up time in the summary
-    (default: now).
+    (default: now). ``machine`` is what served the requests (``serving_machine``), recorded in
+    the summary: the vLLM release and GPUs shape the answers.
     """
     job_start = time.time() if job_start is None else job_start
     prompts = load_prompts(prompt_file)
@@ -696,11 +698,12 @@ def generate_shard(prompt_file: Path, out_file: Path, errors_file: Path, summary
     timing = {"job_start": job_start, "server_rows": server_rows}
     return finish_shard(prompts, fingerprints, kept, partial, partial_errors, out_file,
                         errors_file, summary_file, stats, settings, sent_by_endpoint,
-                        timing)
+                        timing, machine)
 
 
 def finish_shard(prompts, fingerprints, kept, partial, partial_errors, out_file, errors_file,
-                 summary_file, stats, settings, sent_by_endpoint, timing) -> dict:
+                 summary_file, stats, settings, sent_by_endpoint, timing,
+                 machine: dict | None = None) -> dict:
     order = {p["id"]: i for i, p in enumerate(prompts)}
     done = _valid(read_jsonl_ids(partial), fingerprints)
     errors = {k: v for k, v in _valid(read_jsonl_ids(partial_errors), fingerprints).items()
@@ -739,6 +742,7 @@ def finish_shard(prompts, fingerprints, kept, partial, partial_errors, out_file,
                                        stats.t_first_request - timing["job_start"], 3)},
         "server": server_view(timing["server_rows"], slots_total(settings, sent_by_endpoint),
                               stats.t_first_request, stats.t_end),
+        "machine": machine,
     }
     write_json(summary_file, summary, indent=2)
     print(json.dumps(summary))
@@ -795,4 +799,5 @@ def run_stage(prompt_file: Path, out_file: Path, errors_file: Path, summary_file
         return generate_shard(Path(prompt_file), Path(out_file), Path(errors_file),
                               Path(summary_file), endpoints, settings, Path(slot_dir),
                               target_dir=model, target=target_identity(model, revision),
-                              job_start=job_start)
+                              job_start=job_start, machine=serving_machine(
+                                  server_cfg, [served_version(e) for e in endpoints]))

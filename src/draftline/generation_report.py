@@ -227,7 +227,15 @@ def stage_summary(summaries: list[dict]) -> dict:
         "tail_over_median_latency": _round(tail / median_latency if tail is not None
                                            and median_latency else None),
         "truncated": truncation(summaries),
+        # what served the answers (vLLM release, GPUs), once per distinct machine: the bundle
+        # carries this summary, so a run on other hardware gives another bundle
+        "machines": _distinct(s.get("machine") for s in summaries),
     }
+
+
+def _distinct(items) -> list:
+    seen = {json.dumps(item, sort_keys=True): item for item in items if item is not None}
+    return [seen[key] for key in sorted(seen)]
 
 
 def truncation(summaries: list[dict], warn_share: float = TRUNCATED_WARN_SHARE) -> dict:

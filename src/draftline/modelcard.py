@@ -218,6 +218,7 @@ def build_card(facts: dict[str, Any]) -> Card:
     _evaluation(card, facts)
     _benchmark(card, facts)
     _profile(card, facts)
+    _machines(card, facts)
     _provenance(card, facts)
     _files(card, facts)
     return card
@@ -349,6 +350,34 @@ def _profile(card: Card, facts: dict) -> None:
         card.add(Table(keys, [[lv.get(k) for k in keys] for lv in levels]))
     if facts.get("profile_plot"):
         card.add(Image("concurrency profile", facts["profile_plot"]))
+
+
+def _machines(card: Card, facts: dict) -> None:
+    machines = facts.get("machines") or []
+    if not machines:
+        return
+    rows = [[stage, _gpus_text(m.get("gpus")), ", ".join(m.get("vllm_versions") or []) or "-",
+             _served_by(m)] for stage, m in machines]
+    card.add(Heading(2, "Machines"),
+             Para("What each stage ran on, as the stage recorded it in its own output: the "
+                  "accelerators and the vLLM release shape the results, so they are inputs of "
+                  "this bundle (the building host is not)."),
+             Table(["stage", "GPUs", "vLLM", "server"], rows))
+
+
+def _gpus_text(gpus: dict | None) -> str:
+    if gpus is None:
+        return "not known (external server)"
+    if not gpus:
+        return "none (CPU)"
+    return ", ".join(f"{count} x {name}" for name, count in gpus.items())
+
+
+def _served_by(machine: dict) -> str:
+    if "server" not in machine:
+        return f"in process ({machine.get('device', '?')})"
+    parts = [machine["server"], machine.get("launcher"), machine.get("image")]
+    return ", ".join(p for p in parts if p)
 
 
 def _provenance(card: Card, facts: dict) -> None:

@@ -41,6 +41,7 @@ CONTENT = {  # what each bundled file is (the model card's file table)
     "training/metrics.jsonl": "training metrics",
     "training/eval.json": "held-out evaluation",
     "data/prompts_summary.json": "prompt selection summary",
+    "data/generation_summary.json": "generation summary (throughput, what served the answers)",
     "profile/concurrency.json": "concurrency profile",
     "profile/concurrency.png": "concurrency profile plot",
     "bench/results.json": "deployment benchmark results",

@@ -56,6 +56,20 @@ def recommended_speculative_tokens(bench_results: Any, config: Mapping[str, Any]
     return config["bench"]["num_speculative_tokens"][0]
 
 
+def stage_machines(generation: Any, eval_json: Any, bench: Any) -> list[tuple[str, dict]]:
+    """What each stage ran on, as the stage recorded it in its own output (bundled files)."""
+    machines: list[tuple[str, dict]] = []
+    if isinstance(generation, dict):
+        machines += [("generation", m) for m in generation.get("machines") or []]
+    recorded = (eval_json or {}).get("machine") if isinstance(eval_json, dict) else None
+    for key, stage in (("hidden_states", "hidden states"), ("training", "training")):
+        if isinstance(recorded, dict) and isinstance(recorded.get(key), dict):
+            machines.append((stage, recorded[key]))
+    if isinstance(bench, dict) and isinstance(bench.get("machine"), dict):
+        machines.append(("deployment benchmark", bench["machine"]))
+    return machines
+
+
 def collect_card_facts(root: Path, config: Mapping[str, Any], provenance: Mapping[str, Any],
                        draft_ref: str, files: list[dict]) -> dict[str, Any]:
     """What the model card shows, read from the files already copied into the bundle."""
@@ -64,6 +78,7 @@ def collect_card_facts(root: Path, config: Mapping[str, Any], provenance: Mappin
 
     bench_results = optional("bench/results.json")
     summary = root / "bench" / "summary.md"
+    eval_json = _read_json(root / "training" / "eval.json")
     return {
         "target": provenance["target"],
         "config": config,
@@ -71,7 +86,7 @@ def collect_card_facts(root: Path, config: Mapping[str, Any], provenance: Mappin
         "draft_config": _read_json(root / "config.json"),
         "draft_parameters": sum(safetensors_parameters(root / f["path"]) for f in files
                                 if "/" not in f["path"] and f["path"].endswith(".safetensors")),
-        "eval": _read_json(root / "training" / "eval.json"),
+        "eval": eval_json,
         "metrics": _read_jsonl(root / "training" / "metrics.jsonl"),
         "coverage": _read_json(root / "vocab" / "coverage.json"),
         "prompts_summary": _read_json(root / "data" / "prompts_summary.json"),
@@ -84,6 +99,8 @@ def collect_card_facts(root: Path, config: Mapping[str, Any], provenance: Mappin
         "bench_plots": sorted(f["path"] for f in files
                               if f["path"].startswith("bench/") and f["path"].endswith(".png")),
         "num_speculative_tokens": recommended_speculative_tokens(bench_results, config),
+        "machines": stage_machines(optional("data/generation_summary.json"), eval_json,
+                                   bench_results),
         "draft_ref": draft_ref,
         "files": files,
     }

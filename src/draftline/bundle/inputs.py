@@ -20,6 +20,7 @@ class BundleInputs:
     metrics: Path
     eval: Path
     prompts_summary: Path
+    generation_summary: Path | None = None  # the stage summary: what served the answers
     profile_json: Path | None = None
     profile_png: Path | None = None
     bench_files: Sequence[Path] = field(default_factory=list)  # results, summary, plots
@@ -36,6 +37,7 @@ class BundleInputs:
             metrics=lay.train_metrics,
             eval=lay.train_eval,
             prompts_summary=lay.prompts_summary,
+            generation_summary=_existing(lay.generation_summary),
             profile_json=_existing(lay.profile_json),
             profile_png=_existing(lay.profile_png),
             bench_files=[p for p in bench_files if p.exists()],
@@ -54,6 +56,8 @@ class BundleInputs:
         _put(files, "training/metrics.jsonl", self.metrics)
         _put(files, "training/eval.json", self.eval)
         _put(files, "data/prompts_summary.json", self.prompts_summary)
+        if self.generation_summary:
+            _put(files, "data/generation_summary.json", self.generation_summary)
         if self.profile_json:
             _put(files, "profile/concurrency.json", self.profile_json)
         if self.profile_png:
