@@ -613,6 +613,9 @@ def test_snakemake_bundles_publishes_locally_and_reports(tmp_path):
     assert record["bundle_sha256"] == sha256_of(work / "results" / "bundle.tar")
     command = record["command_line"]
     assert "--allowed-rules" in command and "published/bundle.tar" in command
+    # what the rule built, the rebuild check rebuilds byte for byte, from any directory
+    assert cli_main(["verify", "--rebuild", str(work / "results"),
+                     str(work / "published" / "bundle.tar")]) == 0
 
     report = subprocess.run(snakemake + ["--report", "report.html", "published/bundle.tar"],
                             capture_output=True, text=True, env=env, timeout=600)
