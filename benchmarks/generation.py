@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import resource
 import statistics
 import subprocess
 import sys
@@ -89,9 +90,9 @@ async def raw_run(endpoint, prompts: list[dict], settings: GenerateSettings) -> 
                 done += 1
             queue_empty = queue_empty or time.time()
 
-        t0 = time.time()
+        t0, cpu0 = time.time(), time.process_time()
         await asyncio.gather(*(worker() for _ in range(settings.concurrency)))
-        t1 = time.time()
+        t1, cpu1 = time.time(), time.process_time()
         sampler.stop()
     server = server_view(sampler.rows, settings.concurrency, t0, t1)
     median_latency = statistics.median(latencies)
@@ -102,7 +103,9 @@ async def raw_run(endpoint, prompts: list[dict], settings: GenerateSettings) -> 
                "timing": {"job_start": t0, "first_request": t0, "queue_empty": queue_empty,
                           "end": t1, "startup_s": 0.0},
                "server": server}
-    return stage_summary([summary])
+    stage = stage_summary([summary])
+    stage["client_cpu_s"] = round(cpu1 - cpu0, 2)
+    return stage
 
 
 # ---------------------------------------------------------------- draftline shard jobs
@@ -120,19 +123,27 @@ def draftline_run(work: Path, endpoint, target: Path, prompts: list[dict], shard
                         "temperature": settings.temperature, "top_p": settings.top_p}}
     config = results / "config.yaml"
     config.write_text(yaml.safe_dump(cfg))
-    t0 = time.time()
+    t0, children0 = time.time(), _children_cpu_s()
     procs = [subprocess.Popen([sys.executable, "-m", "draftline.cli", "generate", "-c",
                                str(config), "--shard", str(i)], stdout=subprocess.DEVNULL,
                               stderr=subprocess.DEVNULL) for i in range(shards)]
     if any(p.wait() != 0 for p in procs):
         raise RuntimeError(f"a shard job failed (results in {results})")
-    t1 = time.time()
+    t1, children1 = time.time(), _children_cpu_s()
     stage = stage_summary(load_summaries(
         [results / "responses" / f"shard-{i}.summary.json" for i in range(shards)]))
     # the processes' own start times are a little after t0: count the spawn too
     stage["wall_s"] = round(t1 - t0, 3)
     stage["client"]["output_tok_s"] = round(stage["client"]["output_tokens"] / (t1 - t0), 2)
+    stage["client_cpu_s"] = round(children1 - children0, 2)  # start-up included
     return stage
+
+
+def _children_cpu_s() -> float:
+    """CPU seconds (user + system) of the waited-for child processes: what the shard jobs
+    took from a host the server shares; less sensitive to a busy host than wall time."""
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return usage.ru_utime + usage.ru_stime
 
 
 def main() -> None:
@@ -172,7 +183,8 @@ def main() -> None:
                 runs[variant].append(stage)
                 print(f"rep {rep} {variant}: {stage['client']['output_tok_s']:.0f} tok/s, "
                       f"server running/C {stage['server']['utilization']} "
-                      f"(fill {stage['server']['utilization_fill']})", flush=True)
+                      f"(fill {stage['server']['utilization_fill']}), client CPU "
+                      f"{stage['client_cpu_s']} s", flush=True)
     print_table(runs, args, concurrency)
 
 
@@ -191,7 +203,7 @@ def print_table(runs: dict[str, list[dict]], args, concurrency: int) -> None:
           f"{args.repetitions} interleaved repetitions; tok/s end to end (first start to last "
           "exit); running/C from the server's /metrics")
     header = (f"{'variant':<22} {'tok/s':>7} {'ratio':>6} {'run/C':>6} {'run/C fill':>10} "
-              f"{'start-up s':>10} {'tail s':>7} {'tail/p50':>8}")
+              f"{'start-up s':>10} {'tail s':>7} {'tail/p50':>8} {'client CPU s':>12}")
     print(header)
     for variant, stages in runs.items():
         tok_s = _median(s["client"]["output_tok_s"] for s in stages)
@@ -200,7 +212,8 @@ def print_table(runs: dict[str, list[dict]], args, concurrency: int) -> None:
               f"{_fmt(_median(s['server']['utilization_fill'] for s in stages), '10.3f')} "
               f"{_fmt(_median(s['startup_s']['first_job_to_first_request'] for s in stages), '10.2f')} "  # noqa: E501
               f"{_fmt(_median(s['tail_s'] for s in stages), '7.2f')} "
-              f"{_fmt(_median(s['tail_over_median_latency'] for s in stages), '8.2f')}")
+              f"{_fmt(_median(s['tail_over_median_latency'] for s in stages), '8.2f')} "
+              f"{_fmt(_median(s['client_cpu_s'] for s in stages), '12.1f')}")
 
 
 if __name__ == "__main__":
