@@ -8,54 +8,6 @@ import time
 from pathlib import Path
 
 
-def _check_config(cfg):
-    """What the JSON schema cannot say: files that must exist, cross-key rules."""
-    for i, src in enumerate(cfg["prompts"]["sources"]):
-        path = src["path"]
-        if path != "bundled" and not path.startswith("hf:") and not Path(path).exists():
-            raise ValueError(
-                f"config key 'prompts.sources[{i}].path': file not found: {path}"
-            )
-    model, revision = cfg["target"]["model"], cfg["target"]["revision"]
-    if revision is not None and (model == "toy" or Path(model).exists()):
-        # the same rule as draftline.hub.hub_revision, which the stages apply again
-        raise ValueError(
-            f"config key 'target.revision' is {revision!r}, but target.model ({model}) is a "
-            "local directory, which has no revisions: set target.revision to null, or "
-            "target.model to the hub id the revision belongs to"
-        )
-    toy = cfg["target"]["toy"]
-    if toy["hidden_size"] % toy["num_heads"]:
-        raise ValueError(
-            "config key 'target.toy.num_heads': must divide target.toy.hidden_size"
-        )
-    ids = cfg["hidden"]["layer_ids"]
-    if ids is not None and len(set(ids)) != len(ids):
-        raise ValueError(
-            f"config key 'hidden.layer_ids': ids must be distinct, got {ids}"
-        )
-    if ids is not None and ids != sorted(ids):
-        # vLLM feeds the aux states to the draft in layer order, whatever the config says.
-        raise ValueError(
-            "config key 'hidden.layer_ids': ids must be ascending (vLLM passes the "
-            f"states in layer order), got {ids}"
-        )
-    if (
-        cfg["server"]["mode"] == "external"
-        and not cfg["server"]["external"]["base_urls"]
-    ):
-        raise ValueError(
-            "config key 'server.external.base_urls': required when server.mode is external"
-        )
-    if cfg["server"]["launcher"] == "docker" and not cfg["server"]["image"]:
-        raise ValueError(
-            "config key 'server.image': required when server.launcher is docker"
-        )
-
-
-_check_config(config)
-
-
 def _sorted_keys(value):
     if isinstance(value, dict):
         return {k: _sorted_keys(value[k]) for k in sorted(value)}
@@ -85,21 +37,9 @@ def _library_module(name):
     return loaded
 
 
-def _check_target_head(cfg):
-    """A local target whose final head training's teacher cannot reproduce is refused
-    before any job runs, not at hidden-state extraction hours later."""
-    model = cfg["target"]["model"]
-    config_json = Path(model) / "config.json"
-    if model == "toy" or not config_json.is_file():
-        return
-    target = _library_module("target")
-    try:
-        target.check_teacher_head(json.loads(config_json.read_text()), config_json)
-    except target.UnsupportedTargetHead as exc:
-        raise ValueError(f"config key 'target.model': {exc}") from None
-
-
-_check_target_head(config)
+# What the schema cannot say (files that must exist, rules across keys, a local target's final
+# head): the library's own check, the one the CLI runs, before any job.
+_library_module("config_check").check_semantics(config)
 
 _layout = _library_module("layout")
 # Every path under config["results"] comes from here (draftline.layout); a rule names the

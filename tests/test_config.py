@@ -100,6 +100,8 @@ def _snakemake_dry_run(config_path, cwd):
     ({"bogus_section": {}}, "bogus_section"),
     ({"prompts": {"sources": [{"path": "missing.jsonl"}]}}, "prompts.sources[0].path"),
     ({"hidden": {"layer_ids": [30, 2, 16]}}, "hidden.layer_ids"),
+    # the library's semantic check, not a copy of it: a missing local target is refused too
+    ({"target": {"model": "./no-such-model"}}, "target.model"),
 ])
 def test_snakemake_stops_bad_config_before_any_job(tmp_path, bad, key):
     config_path = tmp_path / "bad.yaml"

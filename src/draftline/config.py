@@ -7,7 +7,6 @@ gives the CLI (and tests) the same behaviour without Snakemake.
 from __future__ import annotations
 
 import copy
-import json
 from importlib import resources
 from pathlib import Path
 from typing import Any
@@ -15,14 +14,11 @@ from typing import Any
 import jsonschema
 import yaml
 
-from draftline.hub import RevisionError, hub_revision
-from draftline.target import UnsupportedTargetHead, check_teacher_head
+from draftline.config_check import ConfigError, check_semantics
+
+__all__ = ["ConfigError", "check_semantics", "load_config", "load_schema", "validate_config"]
 
 SCHEMA_PATH = Path(str(resources.files("draftline") / "schemas" / "config.schema.yaml"))
-
-
-class ConfigError(ValueError):
-    """An invalid config; the message names the offending key."""
 
 
 def load_schema() -> dict:
@@ -67,55 +63,6 @@ def validate_config(config: dict[str, Any]) -> dict[str, Any]:
         raise ConfigError(f"config key '{key_path(err)}': {err.message}")
     check_semantics(config)
     return config
-
-
-def check_semantics(config: dict[str, Any], base: Path | None = None) -> None:
-    """Checks a JSON schema cannot express: files that must exist, cross-key constraints."""
-    base = base or Path.cwd()
-    for i, src in enumerate(config["prompts"]["sources"]):
-        path = src["path"]
-        if path == "bundled" or path.startswith("hf:"):
-            continue
-        if not (base / path).exists():
-            raise ConfigError(f"config key 'prompts.sources[{i}].path': file not found: {path}")
-    target = config["target"]["model"]
-    if target != "toy" and target.startswith(("/", ".")) and not (base / target).exists():
-        raise ConfigError(f"config key 'target.model': model directory not found: {target}")
-    check_local_target_head(base / target if target != "toy" else None)
-    if config["target"]["revision"] is not None:
-        try:
-            hub_revision(target if target == "toy" else base / target,
-                         config["target"]["revision"])
-        except RevisionError as exc:
-            raise ConfigError(str(exc)) from exc
-    toy = config["target"]["toy"]
-    if toy["hidden_size"] % toy["num_heads"]:
-        raise ConfigError("config key 'target.toy.num_heads': must divide target.toy.hidden_size")
-    layer_ids = config["hidden"]["layer_ids"]
-    if layer_ids is not None and len(set(layer_ids)) != len(layer_ids):
-        raise ConfigError(
-            f"config key 'hidden.layer_ids': ids must be distinct, got {layer_ids}")
-    if layer_ids is not None and layer_ids != sorted(layer_ids):
-        # vLLM feeds the aux states to the draft in layer order, whatever the config says.
-        raise ConfigError(f"config key 'hidden.layer_ids': ids must be ascending (vLLM passes "
-                          f"the states in layer order), got {layer_ids}")
-    if config["server"]["mode"] == "external" and not config["server"]["external"]["base_urls"]:
-        raise ConfigError(
-            "config key 'server.external.base_urls': required when server.mode is external")
-    if config["server"]["launcher"] == "docker" and not config["server"]["image"]:
-        raise ConfigError("config key 'server.image': required when server.launcher is docker")
-
-
-def check_local_target_head(target_dir: Path | None) -> None:
-    """A local target whose final head training cannot reproduce is refused now, not at
-    hidden-state extraction hours later (a hub id is checked when the stages read it)."""
-    config_json = target_dir / "config.json" if target_dir else None
-    if config_json is None or not config_json.is_file():
-        return
-    try:
-        check_teacher_head(json.loads(config_json.read_text()), config_json)
-    except UnsupportedTargetHead as exc:
-        raise ConfigError(f"config key 'target.model': {exc}") from exc
 
 
 def load_config(path: str | Path | None = None, overrides: dict | None = None) -> dict[str, Any]:

@@ -1,0 +1,83 @@
+"""What a config's JSON schema cannot say: files that must exist, rules across keys.
+
+The one semantic check of a config, after the schema has filled the defaults: ``draftline.config``
+runs it for the CLI and the tests, and ``rules/common.smk`` runs it at Snakefile parse time,
+before any job. Standard library only (with ``draftline.hub`` and ``draftline.target``, which
+are too): the workflow loads this file by its path, where the draftline package may not be
+installed (an orchestrator with Snakemake only), and then loads those two the same way.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+from typing import Any
+
+if __package__ == "draftline":
+    from draftline import hub
+    from draftline import target as target_module
+else:  # loaded by its path (rules/common.smk): its siblings are loaded by theirs
+
+    def _sibling(name: str):
+        path = Path(__file__).with_name(f"{name}.py")
+        spec = importlib.util.spec_from_file_location(f"_draftline_{name}", path)
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        return module
+
+    hub, target_module = _sibling("hub"), _sibling("target")
+
+
+class ConfigError(ValueError):
+    """An invalid config; the message names the offending key."""
+
+
+def check_semantics(config: dict[str, Any], base: Path | None = None) -> None:
+    """Checks a JSON schema cannot express: files that must exist, cross-key constraints.
+    Relative paths are read from ``base`` (the working directory by default)."""
+    base = base or Path.cwd()
+    for i, src in enumerate(config["prompts"]["sources"]):
+        path = src["path"]
+        if path == "bundled" or path.startswith("hf:"):
+            continue
+        if not (base / path).exists():
+            raise ConfigError(f"config key 'prompts.sources[{i}].path': file not found: {path}")
+    target = config["target"]["model"]
+    if target != "toy" and target.startswith(("/", ".")) and not (base / target).exists():
+        raise ConfigError(f"config key 'target.model': model directory not found: {target}")
+    check_local_target_head(base / target if target != "toy" else None)
+    if config["target"]["revision"] is not None:
+        try:
+            hub.hub_revision(target if target == "toy" else base / target,
+                             config["target"]["revision"])
+        except hub.RevisionError as exc:
+            raise ConfigError(str(exc)) from exc
+    toy = config["target"]["toy"]
+    if toy["hidden_size"] % toy["num_heads"]:
+        raise ConfigError("config key 'target.toy.num_heads': must divide target.toy.hidden_size")
+    layer_ids = config["hidden"]["layer_ids"]
+    if layer_ids is not None and len(set(layer_ids)) != len(layer_ids):
+        raise ConfigError(
+            f"config key 'hidden.layer_ids': ids must be distinct, got {layer_ids}")
+    if layer_ids is not None and layer_ids != sorted(layer_ids):
+        # vLLM feeds the aux states to the draft in layer order, whatever the config says.
+        raise ConfigError(f"config key 'hidden.layer_ids': ids must be ascending (vLLM passes "
+                          f"the states in layer order), got {layer_ids}")
+    if config["server"]["mode"] == "external" and not config["server"]["external"]["base_urls"]:
+        raise ConfigError(
+            "config key 'server.external.base_urls': required when server.mode is external")
+    if config["server"]["launcher"] == "docker" and not config["server"]["image"]:
+        raise ConfigError("config key 'server.image': required when server.launcher is docker")
+
+
+def check_local_target_head(target_dir: Path | None) -> None:
+    """A local target whose final head training cannot reproduce is refused now, not at
+    hidden-state extraction hours later (a hub id is checked when the stages read it)."""
+    config_json = target_dir / "config.json" if target_dir else None
+    if config_json is None or not config_json.is_file():
+        return
+    try:
+        target_module.check_teacher_head(json.loads(config_json.read_text()), config_json)
+    except target_module.UnsupportedTargetHead as exc:
+        raise ConfigError(f"config key 'target.model': {exc}") from exc
