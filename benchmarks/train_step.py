@@ -190,15 +190,16 @@ def memory_model(cfg: m.DraftConfig, batch: int, tokens: int, steps_k: int,
       mlp        gate and up save a cast of the normed state (2 * W*H on CUDA, 4H on CPU);
                  gate out, up out, silu out and the product: 4 * W*F
       lm_head    its input: W*H
-      attention  step 0: q, k, v, out (4 * W*Q) and the fp32 log-sum-exp; step s >= 1: q, out,
-                 the stacked diagonal keys and values (2 * s * W*Q), the joint log-sum-exp
-                 and the diagonal probabilities (4 * nh * (1 + s))
+      attention  step 0: q, k, v, out (4 * W*Q) and the fp32 log-sum-exp; step s >= 1: q, out
+                 and the step's own k and v (4 * W*Q: later steps save the same k and v
+                 again, draftline.model.FusedTTTAttention), the joint log-sum-exp and the
+                 diagonal probabilities (4 * nh * (1 + s))
       loss       the step's logits (W*D; draftline.model.DraftKL recomputes the softmax)
-    and alive until the forward is done: for s >= 1, the step's k and v in the cache (2 * W*Q).
     Per token, once: aux (3H), final (H) and ids; the teacher's fp32 log-probs (4D) and
-    probabilities (4D, a view of which every step's loss saves). The
-    teacher head itself runs in chunks of TEACHER_CHUNK_ROWS rows before the unroll (a transient of
-    rows * V at 2 B plus rows * D at 4 B, freed before the peak).
+    probabilities (4D, a view of which every step's loss saves). The teacher head itself runs
+    in chunks of TEACHER_CHUNK_ROWS rows before the unroll (a transient of rows * V at 2 B
+    plus rows * D at 4 B, freed before the peak). Not counted: the backward's own transients
+    (one step's gradients at a time), which the gradients counted from the start cover.
     """
     cuda = device_type == "cuda"
     H, Q, F, D, V, nh = (cfg.hidden_size, cfg.num_attention_heads * cfg.head_dim,
@@ -213,9 +214,8 @@ def memory_model(cfg: m.DraftConfig, batch: int, tokens: int, steps_k: int,
     qkv = 3 * W * 2 * H if cuda else 4 * 2 * H
     mlp = (2 * W * H if cuda else 4 * H) + 4 * W * F
     saved = [norms + qkv + mlp + W * H + W * D
-             + (4 * W * Q + 4 * nh if s == 0 else 2 * W * Q + 2 * s * W * Q + 4 * nh * (1 + s))
+             + (4 * W * Q + 4 * nh if s == 0 else 4 * W * Q + 4 * nh * (1 + s))
              for s in range(steps_k)]
-    transient = [2 * W * Q if s else 0 for s in range(steps_k)]
     rows = batch * tokens
     chunk = min(TEACHER_CHUNK_ROWS, rows)
     terms = {
@@ -223,18 +223,16 @@ def memory_model(cfg: m.DraftConfig, batch: int, tokens: int, steps_k: int,
         "autocast weight copies": weight_casts,
         "frozen embedding + target head": frozen,
         "activations saved": rows * sum(saved),
-        "forward transients": rows * sum(transient),
         "inputs": rows * (W * 4 * cfg.target_hidden_size + 8 + 1),
         "teacher log-probs + probs": rows * 2 * 4 * D,
     }
     terms["peak"] = sum(terms.values())
     terms["teacher head transient"] = chunk * (2 * V + 4 * D * 2)
-    terms["activations per token"] = sum(saved) + sum(transient)
+    terms["activations per token"] = sum(saved)
     return terms
 
 
-PER_TOKEN_TERMS = ("activations saved", "forward transients", "inputs",
-                   "teacher log-probs + probs")
+PER_TOKEN_TERMS = ("activations saved", "inputs", "teacher log-probs + probs")
 
 
 def max_batch_tokens(cfg: m.DraftConfig, tokens: int, steps_k: int, memory_bytes: float,
@@ -423,8 +421,7 @@ def fused_vs_eager(device: torch.device, dtype: torch.dtype, cfg: m.DraftConfig,
         ks, vs = rest[:diag], rest[diag:]
         with torch.autocast(device.type, enabled=False):
             if fused:
-                out = m.FusedTTTAttention.apply(q, k0, v0, torch.stack(ks, -2),
-                                                torch.stack(vs, -2))
+                out = m.FusedTTTAttention.apply(q, k0, v0, *ks, *vs)
             else:
                 out = m.ttt_attention_reference(q, k0, v0, ks, vs)
             grads = torch.autograd.grad(out.float().square().sum(), ts)
@@ -516,7 +513,7 @@ def memory_report(cfg: m.DraftConfig, batch: int, tokens: list[int], steps_k: li
                          + f" | {mm['activations per token'] / 2**20:.2f} | {fit:,} |")
     t, k = max(tokens), max(steps_k)
     mm = memory_model(cfg, batch, t, k, device_type)
-    activations = mm["activations saved"] + mm["forward transients"]
+    activations = mm["activations saved"]
     teacher_is_peak = mm["teacher head transient"] > activations
     lines.append(
         f"At T = {t}, K = {k}: the teacher head's chunked transient "

@@ -91,11 +91,38 @@ def test_fused_check_refuses_a_kernel_with_a_wrong_gradient(dtype, monkeypatch):
     backward = FusedTTTAttention.backward
 
     def wrong_backward(ctx, grad_out):
-        dq, dk_ctx, dv_ctx, dk_diag, dv_diag = backward(ctx, grad_out)
-        return dq, dk_ctx, dv_ctx, dk_diag * 0.5, dv_diag
+        dq, dk_ctx, dv_ctx, *diag = backward(ctx, grad_out)
+        steps = len(diag) // 2
+        return dq, dk_ctx, dv_ctx, *(g * 0.5 for g in diag[:steps]), *diag[steps:]
 
     monkeypatch.setattr(FusedTTTAttention, "backward", staticmethod(wrong_backward))
     assert not model_module._check_fused(torch.device("cpu"), dtype, 128)
+
+
+def test_fused_attention_saves_the_diagonal_keys_without_copies():
+    """Each unroll step saves the cache's own k and v tensors for the backward: a K-step
+    unroll keeps 2 (K - 1) of them, not a new stack of all earlier ones at every step."""
+    gen = torch.Generator().manual_seed(0)
+    shape = (1, 2, 16, 8)  # [B, nh, T, hd]
+
+    def new():
+        return torch.randn(shape, generator=gen, requires_grad=True)
+
+    k0, v0, ks, vs = new(), new(), [new() for _ in range(3)], [new() for _ in range(3)]
+    one = k0.untyped_storage().nbytes()
+    saved, outputs = {}, []
+
+    def pack(t):
+        saved.setdefault(t.untyped_storage().data_ptr(), t.untyped_storage().nbytes())
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        queries = [new() for _ in range(3)]
+        for step in range(1, 4):  # steps 1..3 see 1..3 diagonal keys
+            outputs.append(ttt_attention(queries[step - 1], k0, v0, ks[:step], vs[:step]))
+    ours = {t.untyped_storage().data_ptr() for t in [k0, v0, *ks, *vs, *queries, *outputs]}
+    copies = {ptr: n for ptr, n in saved.items() if ptr not in ours and n >= one}
+    assert copies == {}
 
 
 def test_rotary_matches_transformers_llama():

@@ -221,8 +221,7 @@ def ttt_attention(
     if not k_diag:  # step 0: plain causal attention
         return F.scaled_dot_product_attention(q, k_ctx, v_ctx, is_causal=True)
     if fused_attention_ok(q):
-        return FusedTTTAttention.apply(q, k_ctx, v_ctx, torch.stack(k_diag, dim=-2),
-                                       torch.stack(v_diag, dim=-2))
+        return FusedTTTAttention.apply(q, k_ctx, v_ctx, *k_diag, *v_diag)
     return ttt_attention_reference(q, k_ctx, v_ctx, k_diag, v_diag)
 
 
@@ -278,39 +277,54 @@ class FusedTTTAttention(torch.autograd.Function):
     called with the joint output O and joint L recomputes the joint probabilities of the
     context keys and the joint delta rowsum(dO * O), so it returns the exact gradients of the
     causal part; the diagonal part is [T, k] arithmetic.
+
+    The diagonal keys and values come one tensor per step (``apply(q, k_ctx, v_ctx, k_1..k_s,
+    v_1..v_s)``) and are saved as they are: every later step saves the same tensors again, so
+    a K-step unroll keeps 2 (K - 1) of them, where stacking them per step would keep K (K - 1).
     """
 
     @staticmethod
-    def forward(ctx, q, k_ctx, v_ctx, k_diag, v_diag):
-        # q, k_ctx, v_ctx [B, nh, T, hd]; k_diag, v_diag [B, nh, T, k, hd]
+    def forward(ctx, q, k_ctx, v_ctx, *diag):
+        # q, k_ctx, v_ctx [B, nh, T, hd]; diag: k_1..k_s, v_1..v_s, each [B, nh, T, hd]
+        steps = len(diag) // 2
+        k_diag, v_diag = diag[:steps], diag[steps:]
         scale = q.shape[-1] ** -0.5
         out_ctx, lse_ctx, extras = _flash_forward(q, k_ctx, v_ctx, scale)
-        diag = (q.unsqueeze(-2) * k_diag).sum(-1).float() * scale  # [B, nh, T, k]
-        joint_lse = torch.logaddexp(lse_ctx, torch.logsumexp(diag, dim=-1))  # [B, nh, T]
-        w_ctx = torch.exp(lse_ctx - joint_lse).unsqueeze(-1)  # [B, nh, T, 1]
-        p_diag = torch.exp(diag - joint_lse.unsqueeze(-1))  # [B, nh, T, k]
-        out = w_ctx * out_ctx.float() + (p_diag.unsqueeze(-1) * v_diag.float()).sum(-2)
-        out = out.to(q.dtype)  # [B, nh, T, hd]
-        ctx.save_for_backward(q, k_ctx, v_ctx, k_diag, v_diag, out, joint_lse, p_diag)
+        q32 = q.float()
+        scores = torch.stack([(q32 * k.float()).sum(-1) for k in k_diag], dim=-1) * scale
+        joint_lse = torch.logaddexp(lse_ctx, torch.logsumexp(scores, dim=-1))  # [B, nh, T]
+        p_diag = torch.exp(scores - joint_lse.unsqueeze(-1))  # [B, nh, T, s]
+        # In place from the flash output on, so that ``out`` keeps its memory layout (the
+        # o_proj reshape is then a view, not a copy).
+        out = torch.exp(lse_ctx - joint_lse).unsqueeze(-1) * out_ctx.float()  # [B, nh, T, hd]
+        for i, v in enumerate(v_diag):
+            out.addcmul_(p_diag[..., i:i + 1], v.float())
+        out = out.to(q.dtype)
+        ctx.save_for_backward(q, k_ctx, v_ctx, out, joint_lse, p_diag, *diag)
         ctx.extras = extras  # CUDA only: sequence bookkeeping and (unused) dropout RNG state
         ctx.scale = scale
         return out
 
     @staticmethod
     def backward(ctx, grad_out):
-        q, k_ctx, v_ctx, k_diag, v_diag, out, joint_lse, p_diag = ctx.saved_tensors
+        q, k_ctx, v_ctx, out, joint_lse, p_diag, *diag = ctx.saved_tensors
+        steps = len(diag) // 2
+        k_diag, v_diag = diag[:steps], diag[steps:]
         grad_out = grad_out.contiguous()
         dq, dk_ctx, dv_ctx = _flash_backward(grad_out, q, k_ctx, v_ctx, out, joint_lse,
                                              ctx.extras, ctx.scale)
         g32 = grad_out.float()
-        delta = (g32 * out.float()).sum(-1, keepdim=True)  # [B, nh, T, 1]
-        dp = (g32.unsqueeze(-2) * v_diag.float()).sum(-1)  # [B, nh, T, k]
-        ds = p_diag * (dp - delta)  # [B, nh, T, k] d(score)
-        dq = dq.float() + ctx.scale * (ds.unsqueeze(-1) * k_diag.float()).sum(-2)
-        dk_diag = ctx.scale * ds.unsqueeze(-1) * q.float().unsqueeze(-2)  # [B, nh, T, k, hd]
-        dv_diag = p_diag.unsqueeze(-1) * g32.unsqueeze(-2)  # [B, nh, T, k, hd]
-        return (dq.to(q.dtype), dk_ctx, dv_ctx, dk_diag.to(k_diag.dtype),
-                dv_diag.to(v_diag.dtype))
+        delta = (g32 * out.float()).sum(-1)  # [B, nh, T]
+        q32, dq = q.float(), dq.float()
+        dk, dv = [], []
+        for i in range(steps):
+            p = p_diag[..., i].unsqueeze(-1)  # [B, nh, T, 1]
+            ds = p * ((g32 * v_diag[i].float()).sum(-1, keepdim=True)
+                      - delta.unsqueeze(-1))  # [B, nh, T, 1] d(score)
+            dq.addcmul_(ds, k_diag[i].float(), value=ctx.scale)
+            dk.append((ctx.scale * ds * q32).to(k_diag[i].dtype))
+            dv.append((p * g32).to(v_diag[i].dtype))
+        return (dq.to(q.dtype), dk_ctx, dv_ctx, *dk, *dv)
 
 
 _FUSED_OK: dict[tuple[str, torch.dtype, int], bool] = {}
@@ -350,8 +364,7 @@ def _attention_and_grads(fused: bool, tensors: list[torch.Tensor]) -> list[torch
     ``sum(out^2)`` with respect to all seven inputs."""
     q, k0, v0, k1, v1, k2, v2 = tensors
     if fused:
-        out = FusedTTTAttention.apply(q, k0, v0, torch.stack([k1, k2], -2),
-                                      torch.stack([v1, v2], -2))
+        out = FusedTTTAttention.apply(q, k0, v0, k1, k2, v1, v2)
     else:
         out = ttt_attention_reference(q, k0, v0, [k1, k2], [v1, v2])
     return [out, *torch.autograd.grad(out.float().square().sum(), tensors)]
