@@ -120,3 +120,31 @@ def test_snakemake_dry_run_lists_the_pipeline(tmp_path):
     for rule in ("toy_target", "prompt_shards", "concurrency_profile", "generate", "dataset",
                  "vocab_map", "hidden_states", "train_draft", "export_draft"):
         assert rule in result.stdout
+
+
+# ---------------------------------------------------------------- the config as documentation
+
+
+def test_every_config_key_has_a_description():
+    from draftline.config_docs import undocumented
+
+    assert undocumented() == []
+
+
+def test_config_readme_is_generated_from_the_schema_and_current(tmp_path):
+    """config/README.md is what `draftline config-docs` writes from the schema: one row per
+    key with its type, default and description."""
+    from draftline.cli import main
+    from draftline.config import load_schema
+    from draftline.config_docs import leaves
+
+    committed = (REPO / "config" / "README.md").read_text()
+    written = tmp_path / "README.md"
+    assert main(["config-docs", "--out", str(written)]) == 0
+    assert written.read_text() == committed, "config/README.md is stale: run draftline config-docs"
+    assert main(["config-docs", "--check", "--out", str(written)]) == 0
+    written.write_text(committed.replace("retries", "tries"))
+    assert main(["config-docs", "--check", "--out", str(written)]) == 1
+    for key, _ in leaves(load_schema()):
+        assert f"| `{key}` |" in committed
+    assert "| `generate.max_retries` | integer, 0 to 100 | `6` | retries of a request" in committed

@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from pathlib import Path
 
 import yaml
 
@@ -173,6 +174,10 @@ def build_parser() -> argparse.ArgumentParser:
                        help="override a config key, e.g. --set generate.temperature=0")
         if name == "generate":
             p.add_argument("--shard", type=int, default=None, help="only this shard")
+    docs = sub.add_parser("config-docs", help="write config/README.md from the config schema")
+    docs.add_argument("--check", action="store_true",
+                      help="write nothing; fail when the file is not current")
+    docs.add_argument("--out", default="config/README.md", help="the file to write or check")
     verify = sub.add_parser("verify", help="recompute every hash of a bundle folder or tar; "
                                            "with --rebuild, also rebuild it and compare bytes")
     verify.add_argument("bundle", help="bundle folder or .tar archive")
@@ -185,6 +190,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    if args.command == "config-docs":  # documents the schema, reads no config
+        from draftline.config_docs import write_or_check
+
+        return write_or_check(Path(args.out), check=args.check)
     if args.command == "verify":  # needs no config: checks a bundle from anywhere
         from draftline.bundle import main_rebuild, main_verify
 
