@@ -16,28 +16,12 @@ from pathlib import Path
 
 import pytest
 import yaml
-from conftest import (
-    CONFIG,
-    copy_workflow,
-    default_config,
-    requires_vllm,
-    write_workflow_config,
-)
+from conftest import REPO, copy_workflow, default_config, requires_vllm, write_workflow_config
 
 pytestmark = [requires_vllm, pytest.mark.vllm, pytest.mark.slow]
 
-PIPELINE_CONFIG = {
-    "prompts": {"max_samples": 48, "num_shards": 2},
-    "generate": {"max_tokens": 96, "concurrency": "auto"},
-    "profile": {"levels": [1, 4, 16], "num_prompts": 32, "warmup_s": 1, "measure_s": 4},
-    "dataset": {"eval_fraction": 0.25},
-    "vocab": {"draft_vocab_size": 1024},
-    "train": {"epochs": 3, "ttt_steps": 3, "eval_every": 20, "checkpoint_every": 20},
-    "bench": {"num_speculative_tokens": [3], "levels": [1, 4], "temperatures": [0.0],
-              "num_prompts": 8, "max_tokens": 48, "repetitions": 3, "warmup_s": 1,
-              "measure_s": 3},
-    "server": {"idle_timeout_s": 600},
-}
+# As in the workflow catalog: the test run is a config of its own (CI also lints with it).
+TEST_CONFIG = REPO / ".test" / "config" / "config.yaml"
 
 ALL_AFTER_TARGET = {"prompt_shards", "concurrency_profile", "generate", "generation_summary",
                     "dataset", "vocab_map", "hidden_states", "train_draft", "export_draft",
@@ -84,10 +68,11 @@ def deep_update(base: dict, change: dict) -> dict:
 
 @pytest.fixture(scope="module")
 def pipeline(tmp_path_factory, toy_target):
-    """A complete run of the default workflow (reduced sizes) in a copy of the workflow."""
+    """A complete run of the test config (.test/config/config.yaml: the default, reduced sizes)
+    in a copy of the workflow."""
     workdir = tmp_path_factory.mktemp("pipeline")
     copy_workflow(workdir)
-    base = deep_update(yaml.safe_load(CONFIG.read_text()), PIPELINE_CONFIG)
+    base = yaml.safe_load(TEST_CONFIG.read_text())
     write_config(workdir, base)
     # The toy target is the cached build of the same config: its own rule is tested in
     # test_toy.py; building it again here would only cost minutes.
