@@ -135,7 +135,12 @@ def test_eval_prompts_are_the_eval_split_only(tmp_path):
     prompts = eval_prompts([path], 0.2, limit=1000)
     assert prompts and all(split_of(p.id, 0.2) == "eval" for p in prompts)
     assert all(p.messages[-1]["role"] == "user" for p in prompts)
-    assert 20 <= len(prompts) <= 60
+    # exactly the ids the contract's hash rule puts in eval (computed once with hashlib:
+    # first 8 bytes of SHA-256(id), big-endian, mod 10**6 below 0.2 * 10**6)
+    assert {p.id for p in prompts} == {f"s{i}" for i in (
+        6, 9, 11, 15, 16, 17, 21, 37, 45, 51, 71, 103, 107, 112, 113, 116, 119, 155, 157, 160,
+        161, 166, 169, 173, 175, 179, 187, 196)}
+    assert all(p.messages == [{"role": "user", "content": f"q{p.id[1:]}"}] for p in prompts)
     with pytest.raises(ValueError, match="eval_fraction"):
         eval_prompts([path], 0.0, limit=10)
 

@@ -1,8 +1,10 @@
 """Config validation: defaults filled, and every bad config is stopped naming its key."""
 
+import re
 import shutil
 import subprocess
 import sys
+from collections import Counter
 
 import pytest
 import yaml
@@ -117,9 +119,17 @@ def test_snakemake_dry_run_lists_the_pipeline(tmp_path):
     config_path.write_text((REPO / "config" / "config.yaml").read_text())
     result = _snakemake_dry_run(config_path, tmp_path)
     assert result.returncode == 0, result.stderr[-2000:]
-    for rule in ("toy_target", "prompt_shards", "concurrency_profile", "generate", "dataset",
-                 "vocab_map", "hidden_states", "train_draft", "export_draft"):
-        assert rule in result.stdout
+    jobs = Counter(re.findall(r"^(?:local)?rule (\w+):$", result.stdout, re.M))
+    # one job per rule, one generate job per prompt shard (the shipped config has 2)
+    assert jobs == {"toy_target": 1, "prompt_shards": 1, "concurrency_profile": 1,
+                    "generate": 2, "generation_summary": 1, "dataset": 1, "vocab_map": 1,
+                    "hidden_states": 1, "train_draft": 1, "export_draft": 1, "bench": 1,
+                    "bundle": 1, "all": 1}
+    # and the list above is every rule the workflow declares: a new rule must join the run
+    declared = re.findall(r"^(?:local)?rule (\w+):", "".join(
+        p.read_text() for p in [REPO / "Snakefile", *sorted((REPO / "rules").glob("*.smk"))]),
+        re.M)
+    assert sorted(declared) == sorted(jobs)
 
 
 # ---------------------------------------------------------------- the config as documentation

@@ -8,6 +8,7 @@ it to the model.
 
 from __future__ import annotations
 
+import hashlib
 import json
 from pathlib import Path
 
@@ -229,6 +230,10 @@ def test_duplicates_dropped_and_bad_records_named(tmp_path, targets):
     assert (tmp_path / "dataset" / "stats.json").exists()
 
 
+def hashed_bucket(sample_id: str) -> int:
+    return int.from_bytes(hashlib.sha256(sample_id.encode()).digest()[:8], "big") % 1_000_000
+
+
 def test_split_is_stable_when_samples_are_added(tmp_path, targets):
     ids = [f"sample-{i}" for i in range(4000)]
     share = sum(is_eval(i, 0.1) for i in ids) / len(ids)
@@ -242,7 +247,15 @@ def test_split_is_stable_when_samples_are_added(tmp_path, targets):
     for split in ("train", "eval"):
         assert set(ds1[split]["id"]) <= set(ds2[split]["id"])
         assert all(split_of(i, 0.3) == split for i in ds2[split]["id"])
-    assert stats1["samples_out"]["eval"] > 0 and stats1["samples_out"]["train"] > 0
+    # the exact sets, by the contract's rule computed here: eval when the first 8 bytes of the
+    # id's SHA-256, big-endian, mod 10**6 fall below eval_fraction * 10**6
+    assert set(ds1["eval"]["id"]) == {"s6", "s9", "s11", "s15", "s16", "s17", "s20", "s21",
+                                      "s27"}
+    all_ids = {r["id"] for r in more}
+    eval_ids = {i for i in all_ids if hashed_bucket(i) < 300_000}
+    assert set(ds2["eval"]["id"]) == eval_ids
+    assert set(ds2["train"]["id"]) == all_ids - eval_ids
+    assert stats1["samples_out"] == {"train": 21, "eval": 9}
     assert sum(stats2["samples_in"].values()) == 60
 
 

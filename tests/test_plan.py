@@ -10,6 +10,7 @@ from conftest import default_config
 
 from draftline.plan import (
     format_plan,
+    measured_from_results,
     plan,
     production_example,
     profile_output_tok_s,
@@ -66,6 +67,26 @@ def test_measured_counts_and_rates_replace_assumptions():
     assert rows["hidden"]["tok_s"] == 500.0 and "measured" in rows["hidden"]["basis"]
     assert rows["generate"]["tok_s"] == 2500.0
     assert abs(rows["generate"]["time_s"] - 5_500 / 2500.0) < 1e-9
+
+
+def test_measured_inputs_are_read_from_the_results_root(tmp_path):
+    config = default_config(**{"results": str(tmp_path / "results")})
+    assert measured_from_results(config) == {}  # nothing measured yet: no keys at all
+    files = {"profile/concurrency.json": {"chosen_concurrency": 16, "chosen_output_tok_s": 2500},
+             "dataset/stats.json": {"tokens": {"train": 9_000, "eval": 1_000}},
+             "hidden/extract_stats.json": {"tokens_per_s": 500.0}}
+    for rel, content in files.items():
+        path = tmp_path / "results" / rel
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(content))
+    assert measured_from_results(config) == {
+        "profile": files["profile/concurrency.json"], "dataset": files["dataset/stats.json"],
+        "hidden": files["hidden/extract_stats.json"]}
+    (tmp_path / "results/dataset/stats.json").write_text("{torn")  # a half-written file
+    assert set(measured_from_results(config)) == {"profile", "hidden"}
+    # and the plan uses what it found: the measured rates, not the assumptions
+    rows = by_stage(plan(config, measured_from_results(config)))
+    assert rows["generate"]["tok_s"] == 2500.0 and rows["hidden"]["tok_s"] == 500.0
 
 
 def test_too_little_disk_is_flagged():
