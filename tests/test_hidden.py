@@ -508,7 +508,13 @@ def test_bad_dataset_record_is_named(tiny_target, tmp_path):
 # ----------------------------------------------------------------------------- vllm backend
 
 
-VLLM_CFG = {"backend": "vllm", "samples_per_file": 4, "batch_tokens": 256}
+# Not vLLM's default ids (2, 4, 5 for 8 layers): the first and the last layer's inputs and one
+# between, so a connector that captured its own choice of layers, or lost layer 0 or L-1 at
+# the ends of the walk, shows against the reference (L = 8, the pre-norm output, is always
+# captured too).
+VLLM_LAYER_IDS = [0, 3, 7]
+VLLM_CFG = {"backend": "vllm", "samples_per_file": 4, "batch_tokens": 256,
+            "layer_ids": VLLM_LAYER_IDS}
 # server.env and server.extra_args reach the hidden-state engine as they reach every vLLM
 ENV_PROBE = "DRAFTLINE_HIDDEN_ENV_PROBE"
 VLLM_SERVER_CFG = {"enforce_eager": True, "max_model_len": 512, "dtype": "bfloat16",
@@ -544,6 +550,7 @@ def test_vllm_states_equal_direct_forward_pass(vllm_run, vllm_dataset, toy_targe
     index = read_index(vllm_run)
     assert os.environ[ENV_PROBE] == "engine"  # the engine ran in this process with server.env
     assert index["backend"] == "vllm" and index["rejected"] == []
+    assert index["layer_ids"] == VLLM_LAYER_IDS and index["num_layers"] == 8
     assert len(index["files"]) == 4
     assert not (vllm_run / ".spool").exists()
     assert verify_index(vllm_run) == []
@@ -555,6 +562,7 @@ def test_vllm_states_equal_direct_forward_pass(vllm_run, vllm_dataset, toy_targe
     extract(vllm_dataset, toy_target, tmp_path / "hf", {**VLLM_CFG, "backend": "hf"})
     vllm_states, hf_states = stored_samples(vllm_run), stored_samples(tmp_path / "hf")
     assert sorted(vllm_states) == sorted(hf_states)
+    assert all(sorted(s["states"]) == [0, 3, 7, 8] for s in vllm_states.values())
     for sample_id, got in vllm_states.items():
         assert got["input_ids"].tolist() == hf_states[sample_id]["input_ids"].tolist()
         for k, state in got["states"].items():
