@@ -83,6 +83,8 @@ def cached_toy_target(toy_cfg: dict) -> Path:
     from draftline.toy import build_toy_target
 
     out = CACHE / f"toy-{_toy_key(toy_cfg)}"
+    if (out / "config.json").exists():
+        return out  # built (renamed into place whole): no need to queue behind another build
     CACHE.mkdir(parents=True, exist_ok=True)
     with open(CACHE / "toy.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)  # concurrent test sessions build it once
