@@ -122,7 +122,7 @@ def vllm_server(toy_target, config, tmp_path_factory):
 def build_draft_inputs(root: Path, n_train: int = 24, n_eval: int = 8, seed: int = 0,
                        draft_vocab: int = 1024) -> dict:
     """A tiny random Llama target (hidden 128, 8 layers, vocab 2048) and, from its real
-    forward, hidden-state parts + index.json (docs/contracts.md) and a vocab map.
+    forward, hidden-state parts + index.json (docs/formats.md) and a vocab map.
 
     Sequences are random prompts continued greedily by the target, so the supervised part is
     the target's own output, as in the pipeline. Layer ids are vLLM's default (2, 4, 5).

@@ -1,7 +1,7 @@
 """The artifact bundle: deterministic archive, verification, secrets, model card, publishing.
 
 A small but realistic results tree (real safetensors and PNG files, the stage formats of
-docs/contracts.md) stands in for a full pipeline run, so these tests take seconds.
+docs/formats.md) stands in for a full pipeline run, so these tests take seconds.
 """
 
 from __future__ import annotations
@@ -59,7 +59,7 @@ def write_json(path: Path, obj) -> None:
 
 
 def make_results(root: Path, bench: bool = True) -> Path:
-    """A results tree in the formats of docs/contracts.md, with small real files."""
+    """A results tree in the formats of docs/formats.md, with small real files."""
     rng = np.random.default_rng(0)
     hidden, draft_vocab, target_vocab = 16, 32, 64
     target = root / "target"

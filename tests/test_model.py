@@ -377,7 +377,7 @@ def test_draft_config_from_a_kimi_like_target():
         model = Eagle3Draft(cfg, torch.empty(cfg.vocab_size, cfg.hidden_size))
     total = sum(p.numel() for p in model.parameters())
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
-    assert 2.2e9 < total < 2.8e9  # DESIGN.md: about 2.6 B with the shared embedding
+    assert 2.2e9 < total < 2.8e9  # docs/production.md: about 2.6 B with the shared embedding
     assert trainable == total - cfg.vocab_size * cfg.hidden_size
 
 

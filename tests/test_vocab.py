@@ -23,7 +23,7 @@ def check_map(d2t, t2d, chosen: list[int], target_vocab: int) -> None:
     assert d2t.tolist() == [t - i for i, t in enumerate(chosen)]
     assert t2d.shape == (target_vocab,)
     assert torch.nonzero(t2d).flatten().tolist() == chosen
-    # DESIGN.md: target_id = i + d2t[i]
+    # docs/formats.md: target_id = i + d2t[i]
     assert (torch.arange(len(chosen)) + d2t).tolist() == chosen
 
 

@@ -12,7 +12,7 @@ TTFT, TPOT and ITL are those of ``vllm bench serve`` (``draftline.loadgen.Reques
 each window's mean TPOT is held against the server's own TPOT histogram and the window is
 measured again when the client fell behind (``measure_level``).
 Acceptance comes from the server's spec-decode Prometheus counters, differenced over each
-window and pooled (DESIGN.md). Step costs at the lowest level (``step_costs``) explain the
+window and pooled (docs/formats.md). Step costs at the lowest level (``step_costs``) explain the
 speed-up. A configuration that fails mid-run leaves the rows measured before it in
 ``.partial/rows.json``.
 
@@ -533,9 +533,9 @@ def check_configurations(configs: list[dict], model: str, external: dict,
             f"(target.model = {model}, model_type {target_cfg.get('model_type')!r}) uses MLA "
             "attention, and EAGLE-3 beside an MLA target does not start on vLLM's CPU build "
             "(no common KV-cache block size: CPU MLA needs 16, the draft's CPU attention "
-            "multiples of 32; see DESIGN.md). Benchmark on a GPU host, give the speculative "
-            "configurations external servers (bench.endpoints), or use a Llama-architecture "
-            "target for the CPU benchmark. Nothing was measured.")
+            "multiples of 32; see docs/internals.md). Benchmark on a GPU host, give the "
+            "speculative configurations external servers (bench.endpoints), or use a "
+            "Llama-architecture target for the CPU benchmark. Nothing was measured.")
 
 
 def measuring_order(configs: list[dict]) -> list[dict]:

@@ -1,6 +1,6 @@
 """Export trained draft weights as an EAGLE-3 checkpoint that vLLM (and SGLang) load.
 
-Format (DESIGN.md, matching vLLM's ``Eagle3LlamaForCausalLM`` loader): ``config.json`` with
+Format (docs/formats.md, matching vLLM's ``Eagle3LlamaForCausalLM`` loader): ``config.json`` with
 ``architectures: ["LlamaForCausalLMEagle3"]``, ``model_type: "llama"``, one hidden layer, the
 target's ``vocab_size``, ``draft_vocab_size``, ``eagle_config.eagle_aux_hidden_state_layer_ids``
 (vLLM captures exactly these target layers), and ``model.safetensors`` with ``fc``,

@@ -32,14 +32,14 @@ JSONL_BYTES_PER_TOKEN = 12  # response records: text (~4 B/token) + token id lis
 PROMPT_RECORD_BYTES = 1024
 ARROW_BYTES_PER_TOKEN = 9  # int64 input id + int8 loss mask
 SERVER_START_S = {"cpu": 90.0, "gpu": 600.0}  # vLLM start incl. weight loading
-# Output tok/s of generation at the chosen concurrency: DESIGN.md's measurements (toy on a
-# 2-core CPU at C=64; Kimi-K2.5 on 8 GPUs at C=128).
+# Output tok/s of generation at the chosen concurrency, measured: the toy on a 2-core CPU at C=64
+# (docs/internals.md), Kimi-K2.5 on 8 GPUs at C=128 (docs/production.md).
 GENERATE_TOK_S = {"cpu": 3_000.0, "gpu": 1_536.0}
 # Hidden-state extraction (prefill only) tokens/s: hf on CPU measured on the toy; vLLM prefill
 # of a 1T MoE on 8 GPUs assumed at ~6x its decode throughput.
 HIDDEN_TOK_S = {"cpu": 2_000.0, "gpu": 10_000.0}
-# Draft training tokens/s per unroll step count K=3 (DESIGN.md: ~3,400 tok/s on 2 CPU cores,
-# toy dims); on GPUs assumed for a 7168-wide draft with bf16 and 8 ranks.
+# Draft training tokens/s per unroll step count K=3 (docs/internals.md: ~3,400 tok/s on 2 CPU
+# cores, toy dims); on GPUs assumed for a 7168-wide draft with bf16 and 8 ranks.
 TRAIN_TOK_S = {"cpu": 3_000.0, "gpu": 40_000.0}
 TOY_TRAIN_STEP_S = 0.25
 
@@ -339,7 +339,7 @@ def format_plan(rows: list[dict]) -> str:
 
 
 def production_example() -> tuple[dict, dict]:
-    """The production case of DESIGN.md as (config, measured): Kimi-K2.5 on 8 GPUs."""
+    """The production case of docs/production.md as (config, measured): Kimi-K2.5 on 8 GPUs."""
     from draftline.config import validate_config
 
     config = validate_config({
@@ -351,7 +351,7 @@ def production_example() -> tuple[dict, dict]:
         "vocab": {"draft_vocab_size": 32_000},
         "hidden": {"backend": "vllm"},
     })
-    # DESIGN.md: ~1,536 output tok/s at C=128 on 8x RTX PRO 6000, the plateau of the curve
+    # docs/production.md: ~1,536 output tok/s at C=128 on 8x RTX PRO 6000, the plateau of the curve
     measured = {"profile": {"chosen_concurrency": 128, "chosen_output_tok_s": 1536.0,
                             "peak": {"concurrency": 128, "output_tok_s": 1536.0}}}
     return config, measured

@@ -4,7 +4,7 @@ Stage 1 of the pipeline. ``build_shards`` reads every configured source, turns e
 ``{"id": str, "messages": [...]}`` whose last message is a user turn, drops duplicates, keeps at
 most ``max_samples`` and splits the rest into ``num_shards`` balanced, deterministic shards.
 
-Rules (see docs/contracts.md for the file formats):
+Rules (see docs/formats.md for the file formats):
 
 * Sources: local ``.jsonl`` / ``.json`` (a list of records or ``{"data": [...]}``) / ``.parquet``
   files, a directory written by ``datasets.save_to_disk`` (``split`` picks from a DatasetDict),

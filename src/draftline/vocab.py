@@ -3,7 +3,7 @@
 The draft predicts over a reduced vocabulary: the ``draft_vocab_size`` target tokens seen most
 often where ``loss_mask == 1`` in the train split (the tokens the target generates).
 
-Map format (DESIGN.md): ``d2t`` int64 ``[draft_vocab]`` with ``target_id = i + d2t[i]``;
+Map format (docs/formats.md): ``d2t`` int64 ``[draft_vocab]`` with ``target_id = i + d2t[i]``;
 ``t2d`` bool ``[target_vocab]``, True for tokens in the draft vocab. Draft ids are the chosen
 target ids sorted ascending.
 

@@ -3,10 +3,10 @@
 ``extract`` reads the tokenized dataset, runs the target (backend ``hf``: transformers with
 forward pre-hooks; backend ``vllm``: vLLM's ``extract_hidden_states`` method with our KV
 connector) and writes part files plus ``index.json`` (formats: ``store.py`` and
-docs/contracts.md). It checks the disk first, resumes at part-file granularity, and rejects
+docs/formats.md). It checks the disk first, resumes at part-file granularity, and rejects
 samples whose states are not finite.
 
-Layer ids follow vLLM (DESIGN.md): id k < L is the residual stream entering decoder layer k,
+Layer ids follow vLLM (docs/formats.md): id k < L is the residual stream entering decoder layer k,
 id L the pre-norm output of the last layer. Heavy packages are imported only when extracting.
 """
 

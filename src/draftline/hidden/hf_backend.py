@@ -1,6 +1,6 @@
 """Hidden states with HF transformers: forward pre-hooks on the decoder layers.
 
-Layer id convention (DESIGN.md): id k < L is the residual stream entering decoder layer k, id L
+Layer ids (docs/formats.md): id k < L is the residual stream entering decoder layer k, id L
 the pre-norm output of the last layer. Both are "the input of a module": layer k's input, and
 the final norm's input for L. So pre-hooks capture exactly the requested states and nothing
 else (``output_hidden_states=True`` would keep all L + 1 states, and its last entry is after

@@ -1,7 +1,7 @@
 """Aux hidden-state layer ids: which target states feed the EAGLE-3 draft, as vLLM reads them.
 
 Id k < L is the residual stream entering decoder layer k, id L the pre-norm output of the last
-layer (DESIGN.md). Every stage that touches the ids (extraction, training, export) checks them
+layer (docs/formats.md). Every stage that touches the ids (extraction, training, export) checks them
 here, so that a draft is never trained on states vLLM will not give it:
 
 * vLLM collects aux states by membership while it walks the layers, so the draft's ``fc``

@@ -1,6 +1,6 @@
 """On-disk format of the hidden-state stage: part files, their sidecars, the index, checks.
 
-Layout under ``out_dir`` (docs/contracts.md, "Hidden states"):
+Layout under ``out_dir`` (docs/formats.md, "Hidden states"):
 
 * ``{split}/part-{k:05d}.safetensors`` - whole samples concatenated along tokens: ``aux [N, 3H]``,
   ``final [N, H]``, ``input_ids [N]`` int64, ``loss_mask [N]`` uint8, ``offsets [n + 1]`` int64,
