@@ -203,7 +203,7 @@ def test_every_prompt_answered_once_with_reasoning_and_ids(tmp_path, vllm_server
 
 
 def replay_seed(base_seed: int, prompt_id: str) -> int:
-    """The per-prompt seed as docs/contracts.md states it, computed here."""
+    """The per-prompt seed as docs/formats.md states it, computed here."""
     digest = hashlib.sha256(f"{base_seed}:{prompt_id}".encode()).digest()
     return int.from_bytes(digest[:4], "big") & 0x7FFFFFFF
 
