@@ -158,3 +158,35 @@ def test_config_readme_is_generated_from_the_schema_and_current(tmp_path):
     for key, _ in leaves(load_schema()):
         assert f"| `{key}` |" in committed
     assert "| `generate.max_retries` | integer, 0 to 100 | `6` | retries of a request" in committed
+
+
+# ---------------------------------------------------------------- defaults only from the schema
+
+
+def test_a_section_alone_takes_the_schema_defaults():
+    """Library calls made with one section (a toy build, a training run) fill and check it from
+    the schema, as the whole config is: no second copy of the defaults to drift."""
+    from draftline.config import load_schema, resolve_section
+
+    schema = load_schema()["properties"]
+    toy = resolve_section("target.toy", {"train_steps": 0})
+    assert toy == {**{k: v["default"] for k, v in
+                      schema["target"]["properties"]["toy"]["properties"].items()},
+                   "train_steps": 0}
+    assert resolve_section("train", None)["ttt_steps"] == \
+        schema["train"]["properties"]["ttt_steps"]["default"]
+    assert load_config(REPO / "config" / "config.yaml")["target"]["toy"] == \
+        resolve_section("target.toy", yaml.safe_load(
+            (REPO / "config" / "config.yaml").read_text())["target"]["toy"])
+
+
+@pytest.mark.parametrize(("section", "values", "key"), [
+    ("target.toy", {"layers": 3}, "target.toy.layers"),
+    ("target.toy", {"num_heads": 0}, "target.toy.num_heads"),
+    ("train", {"lr": -1}, "train.lr"),
+])
+def test_a_bad_section_names_its_key(section, values, key):
+    from draftline.config import resolve_section
+
+    with pytest.raises(ConfigError, match=f"config key '{key}'"):
+        resolve_section(section, values)

@@ -16,7 +16,8 @@ import yaml
 
 from draftline.config_check import ConfigError, check_semantics
 
-__all__ = ["ConfigError", "check_semantics", "load_config", "load_schema", "validate_config"]
+__all__ = ["ConfigError", "check_semantics", "load_config", "load_schema", "resolve_section",
+           "validate_config"]
 
 SCHEMA_PATH = Path(str(resources.files("draftline") / "schemas" / "config.schema.yaml"))
 
@@ -63,6 +64,24 @@ def validate_config(config: dict[str, Any]) -> dict[str, Any]:
         raise ConfigError(f"config key '{key_path(err)}': {err.message}")
     check_semantics(config)
     return config
+
+
+def resolve_section(dotted: str, values: dict | None) -> dict[str, Any]:
+    """One config section given alone (``train``, ``target.toy``), as a library call made
+    without the whole config gets it: a copy with the schema's defaults filled in and the values
+    checked, an error naming the key (``config key 'train.lr': ...``). The schema is the only
+    place defaults are written."""
+    schema = load_schema()
+    for part in dotted.split("."):
+        schema = schema["properties"][part]
+    section = copy.deepcopy(dict(values or {}))
+    errors = sorted(_DefaultFilling(schema).iter_errors(section),
+                    key=lambda e: list(e.absolute_path))
+    if errors:
+        inner = key_path(errors[0])
+        key = dotted if inner == "<root>" else f"{dotted}.{inner}"
+        raise ConfigError(f"config key '{key}': {errors[0].message}")
+    return section
 
 
 def load_config(path: str | Path | None = None, overrides: dict | None = None) -> dict[str, Any]:

@@ -29,6 +29,8 @@ from importlib import resources
 from pathlib import Path
 from typing import Any
 
+from draftline.config import resolve_section
+
 SYSTEM, USER, ASSISTANT = "<|system|>", "<|user|>", "<|assistant|>"
 END, PAD = "<|end|>", "<|pad|>"
 THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
@@ -66,17 +68,6 @@ BATCH_SIZE = 16
 LEARNING_RATE = 3e-3
 WARMUP_STEPS = 20
 CONVERSATIONS_PER_BUILD = 2000
-
-DEFAULT_TOY_CFG = {
-    "seed": 0,
-    "hidden_size": 128,
-    "num_layers": 8,
-    "num_heads": 4,
-    "intermediate_size": 384,
-    "vocab_size": 2048,
-    "train_steps": 400,
-}
-
 
 # ----------------------------------------------------------------------------- chat template
 
@@ -688,10 +679,7 @@ def build_toy_target(out_dir: Path, toy_cfg: dict) -> Path:
     The directory is assembled next to ``out_dir`` and renamed into place at the end, so an
     interrupted build never leaves a half-written target.
     """
-    toy_cfg = {**DEFAULT_TOY_CFG, **toy_cfg}
-    unknown = sorted(set(toy_cfg) - set(DEFAULT_TOY_CFG))
-    if unknown:
-        raise ValueError(f"target.toy: unknown key '{unknown[0]}'")
+    toy_cfg = resolve_section("target.toy", toy_cfg)
     out_dir = Path(out_dir)
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     partial = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.partial-", dir=out_dir.parent))
