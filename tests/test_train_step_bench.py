@@ -126,3 +126,12 @@ def test_cpu_path_runs_at_toy_dims_and_reports_the_table(tmp_path, capsys):
     step = report["step_gradients"]  # the whole fp32 step: fused and eager agree
     assert step["loss_fused"] == pytest.approx(step["loss_eager"], rel=1e-5)
     assert step["max_grad_diff_rel"] < 1e-4
+
+
+def test_cpu_child_reports_its_own_peak_memory_not_its_parents():
+    """Each CPU configuration runs in a fresh process so that its peak memory is its own; the
+    parent here holds 512 MiB (as the CPU path's parent does after its fused-vs-eager check)."""
+    ballast = torch.ones(512 * 2**20 // 4)  # noqa: F841 - touched, so resident
+    args = bench.parse_args(["--dims", "toy", "--repeats", "1", "--threads", "1"])
+    row = bench.child_row(args, "diagonal", 2, 64)
+    assert 1 < row["peak_memory_mib"] < 256
