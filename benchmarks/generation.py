@@ -57,7 +57,7 @@ def write_shards(directory: Path, prompts: list[dict], shards: int) -> None:
                 fh.write(json.dumps(p) + "\n")
 
 
-# ---------------------------------------------------------------- the raw reference
+# ----------------------------------------------------------------------------- the raw reference
 
 
 async def raw_run(endpoint, prompts: list[dict], settings: GenerateSettings) -> dict:
@@ -108,7 +108,7 @@ async def raw_run(endpoint, prompts: list[dict], settings: GenerateSettings) -> 
     return stage
 
 
-# ---------------------------------------------------------------- draftline shard jobs
+# ----------------------------------------------------------------------------- draftline shard jobs
 
 
 def draftline_run(work: Path, endpoint, target: Path, prompts: list[dict], shards: int,

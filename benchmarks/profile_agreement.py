@@ -37,7 +37,7 @@ REPO = Path(__file__).resolve().parents[1]
 
 
 def make_prompts(n: int):
-    from draftline.loadgen import Prompt
+    from draftline.records import Prompt
 
     subjects = ["rivers", "prime numbers", "bread", "comets", "chess openings", "tides",
                 "glass", "owls", "bridges", "volcanoes", "maps", "clocks"]

@@ -47,7 +47,7 @@ NO_DECLINE_RATIO = 0.9
 DEFAULT_CONCURRENCY = 16
 
 
-# ---------------------------------------------------------------- prompts and sinks
+# ----------------------------------------------------------------------------- prompts and sinks
 
 
 def load_bundled_messages(path: Path = BUNDLED_PROMPTS) -> list[list[dict]]:
@@ -70,10 +70,12 @@ def timed_prompts(messages: list[list[dict]], deadline: float):
     The workers of ``ShardRun`` pull from this one generator; once it returns, each worker
     finishes its request in flight and stops.
     """
+    from draftline.records import Prompt
+
     for n, msgs in enumerate(itertools.cycle(messages)):
         if time.monotonic() >= deadline:
             return
-        yield {"id": f"soak-{n:07d}", "messages": msgs}
+        yield Prompt(id=f"soak-{n:07d}", messages=msgs)
 
 
 class CountingSink:
@@ -112,7 +114,7 @@ class CountingSink:
             self.log.close()
 
 
-# ---------------------------------------------------------------- windows
+# ----------------------------------------------------------------------------- windows
 
 
 def rss_mib() -> float:
@@ -228,7 +230,7 @@ def table_row(w: Window) -> str:
             f"{w.rss_mib:>8.1f} {w.gc_objects:>9}")
 
 
-# ---------------------------------------------------------------- summary
+# ----------------------------------------------------------------------------- summary
 
 
 def throughput_trend(windows: list[Window]) -> dict:
@@ -327,7 +329,7 @@ def failed_strict(summary: dict) -> list[str]:
     return reasons
 
 
-# ---------------------------------------------------------------- the run
+# ----------------------------------------------------------------------------- the run
 
 
 def soak(endpoint, settings, messages: list[list[dict]], args,

@@ -1,10 +1,10 @@
 import os
 
-from draftline.bench import run_stage
+from draftline.bench import run_bench
 from draftline.runlog import logged
 
 with logged(snakemake.log[0]):
-    run_stage(
+    run_bench(
         snakemake.input.responses,
         os.path.dirname(snakemake.input.draft),
         snakemake.input.eval,

@@ -1,8 +1,8 @@
-from draftline.profile import run_stage
+from draftline.profile import measure_concurrency_profile
 from draftline.runlog import logged
 
 with logged(snakemake.log[0]):
-    run_stage(
+    measure_concurrency_profile(
         snakemake.input.shards,
         snakemake.output.json,
         snakemake.output.png,

@@ -1,8 +1,8 @@
-from draftline.generate import run_stage
+from draftline.generate import generate_responses
 from draftline.runlog import logged
 
 with logged(snakemake.log[0]):
-    run_stage(
+    generate_responses(
         snakemake.input.shard,
         snakemake.output.responses,
         snakemake.output.errors,

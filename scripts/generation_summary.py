@@ -1,8 +1,8 @@
-from draftline.generation_report import run_stage
+from draftline.generation_report import build_generation_summary
 from draftline.runlog import logged
 
 with logged(snakemake.log[0]):
-    run_stage(
+    build_generation_summary(
         snakemake.input.summaries,
         snakemake.output.json,
         snakemake.output.png,

@@ -1,10 +1,10 @@
 from pathlib import Path
 
-from draftline.prompts import build_shards
+from draftline.prompts import build_prompt_shards
 from draftline.runlog import logged
 
 with logged(snakemake.log[0]):
-    build_shards(
+    build_prompt_shards(
         snakemake.params.sources,
         Path(snakemake.output.summary).parent,
         num_shards=snakemake.params.num_shards,

@@ -2,10 +2,10 @@ from pathlib import Path
 
 from draftline.hub import local_dir
 from draftline.runlog import logged
-from draftline.vocab import target_vocab_size, write_vocab
+from draftline.vocab import build_vocab_map, target_vocab_size
 
 with logged(snakemake.log[0]):
-    write_vocab(
+    build_vocab_map(
         snakemake.input.dataset,
         target_vocab_size(local_dir(snakemake.params.model, snakemake.params.revision)),
         snakemake.params.draft_vocab_size,

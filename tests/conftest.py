@@ -116,7 +116,7 @@ def vllm_server(toy_target, config, tmp_path_factory):
         yield server
 
 
-# ------------------------------------------------------------------------- draft training inputs
+# ---------------------------------------------------------------------------- draft training inputs
 
 
 def build_draft_inputs(root: Path, n_train: int = 24, n_eval: int = 8, seed: int = 0,
@@ -143,7 +143,7 @@ def _build_draft_inputs(root: Path, n_train: int, n_eval: int, seed: int,
     from safetensors.torch import save_file
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from draftline.vocab import build_vocab_map
+    from draftline.vocab import vocab_map_from_counts
 
     torch.manual_seed(seed)
     cfg = LlamaConfig(hidden_size=128, intermediate_size=384, num_hidden_layers=8,
@@ -201,7 +201,7 @@ def _build_draft_inputs(root: Path, n_train: int, n_eval: int, seed: int,
     index = {"target": str(target), "num_layers": num_layers, "hidden_size": cfg.hidden_size,
              "layer_ids": layer_ids, "dtype": "bfloat16", "backend": "hf", "files": files}
     (root / "hidden" / "index.json").write_text(json.dumps(index))
-    d2t, t2d = build_vocab_map(counts.numpy(), draft_vocab)
+    d2t, t2d = vocab_map_from_counts(counts.numpy(), draft_vocab)
     (root / "vocab").mkdir(exist_ok=True)
     save_file({"d2t": d2t, "t2d": t2d}, str(root / "vocab" / "vocab_map.safetensors"))
     return {"target_dir": target, "hidden_dir": root / "hidden",
@@ -214,7 +214,7 @@ def draft_inputs(tmp_path_factory) -> dict:
     return build_draft_inputs(tmp_path_factory.mktemp("draft-inputs"))
 
 
-# ------------------------------------------------------------------------- a small disk
+# ----------------------------------------------------------------------------- a small disk
 
 
 class SmallDisk:

@@ -14,7 +14,7 @@ from draftline.bench import (
     default_levels,
     eval_prompts,
     explain_speedup,
-    run_stage,
+    run_bench,
     simulated_acceptance,
     step_costs,
     summarise,
@@ -145,7 +145,7 @@ def test_eval_prompts_are_the_eval_split_only(tmp_path):
         eval_prompts([path], 0.0, limit=10)
 
 
-# ---------------------------------------------------------------- load and fail-fast
+# ----------------------------------------------------------------------------- load and fail-fast
 
 
 def test_underloaded_cells_are_marked_in_the_summary():
@@ -210,7 +210,7 @@ def test_mla_target_with_eagle3_is_refused_before_anything_runs(tmp_path, config
     target = _mla_target(tmp_path)
     out = tmp_path / "bench"
     with pytest.raises(BenchError) as err:
-        run_stage([], str(tmp_path / "draft"), None, None, str(out), bench_cfg=config["bench"],
+        run_bench([], str(tmp_path / "draft"), None, None, str(out), bench_cfg=config["bench"],
                   generate_cfg=config["generate"], eval_fraction=0.1,
                   server_cfg=config["server"], model=str(target), state_dir=str(tmp_path))
     message = str(err.value)
@@ -254,7 +254,7 @@ def test_speculative_server_starts_first_and_measured_rows_survive_a_failure(
     monkeypatch.setattr(bench, "_measure_one", fake_measure_one)
     out = tmp_path / "bench"
     with pytest.raises(BenchError, match="baseline failed") as err:
-        run_stage([str(responses)], str(tmp_path / "draft"), None, None, str(out),
+        run_bench([str(responses)], str(tmp_path / "draft"), None, None, str(out),
                   bench_cfg=dict(config["bench"], levels=[1]), generate_cfg=config["generate"],
                   eval_fraction=0.2,
                   server_cfg=config["server"], model=str(tmp_path / "no-such"),

@@ -138,8 +138,7 @@ def build(results: Path, cfg: dict | None = None, **kwargs) -> dict:
                           **kwargs)
 
 
-# ---------------------------------------------------------------------------------------------
-# Determinism and layout
+# --------------------------------------------------------------------------- determinism and layout
 
 
 def test_bundle_twice_gives_identical_tar_bytes(results):
@@ -252,8 +251,7 @@ def test_missing_input_is_named(results):
         build(results)
 
 
-# ---------------------------------------------------------------------------------------------
-# Provenance
+# ----------------------------------------------------------------------------- provenance
 
 
 def test_manifest_provenance(results, monkeypatch):
@@ -316,8 +314,7 @@ def test_resolved_config_is_the_config_without_publish_destination(results, tmp_
     assert (results / "bundle.tar").read_bytes() == before
 
 
-# ---------------------------------------------------------------------------------------------
-# Secrets
+# ----------------------------------------------------------------------------- secrets
 
 
 def test_planted_secrets_never_reach_the_bundle(results, monkeypatch):
@@ -365,8 +362,7 @@ def test_scrub_args():
         "--port", "8000", "--api-key-env", "NAME"]
 
 
-# ---------------------------------------------------------------------------------------------
-# Verification
+# ----------------------------------------------------------------------------- verification
 
 
 def test_verify_ok_on_folder_and_archive(results, capsys):
@@ -505,8 +501,7 @@ def test_verify_refuses_symlink_in_folder_and_unsafe_manifest_paths(results):
         B.verify_bundle(root)
 
 
-# ---------------------------------------------------------------------------------------------
-# Model card
+# ----------------------------------------------------------------------------- model card
 
 
 def test_model_card(results):
@@ -558,8 +553,7 @@ def test_vllm_command_parses_with_vllm(results):
                     "num_speculative_tokens": 3}
 
 
-# ---------------------------------------------------------------------------------------------
-# Publishing
+# ----------------------------------------------------------------------------- publishing
 
 
 def test_cli_bundle_publishes_to_a_local_folder(tmp_path, capsys):

@@ -15,7 +15,8 @@ from pathlib import Path
 import pytest
 
 from draftline import toy
-from draftline.dataset import RecordError, build_dataset, is_eval, split_of
+from draftline.dataset import build_dataset, is_eval, split_of
+from draftline.records import RecordError
 
 SPECIALS = ["<|pad|>", "<|system|>", "<|user|>", "<|assistant|>", "<|end|>", "<think>", "</think>"]
 WORDS = ["\n", "\n\n", " ", "be", "brief", ".", "what", "is", "2", "+", "?", "4", "ok", "so"]

@@ -46,7 +46,7 @@ def docker_config(**server) -> dict:
     return load_config(REPO / "config" / "config.yaml", overrides)
 
 
-# ------------------------------------------------------------------------------ unit tests
+# ----------------------------------------------------------------------------- unit tests
 
 
 def test_container_runs_pinned_image_on_loopback_with_read_only_model(tmp_path, monkeypatch):
@@ -150,7 +150,7 @@ def test_spec_round_trip_and_process_fingerprint():
             == spec_from_config(other["server"], "/m").fingerprint())
 
 
-# ------------------------------------------------------------------------------ Docker daemon
+# ----------------------------------------------------------------------------- Docker daemon
 
 
 @pytest.fixture(scope="session")

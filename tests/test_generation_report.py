@@ -5,10 +5,10 @@ import json
 import pytest
 
 from draftline.generation_report import (
+    build_generation_summary,
     compact_timeline,
     counter_increase,
     load_summaries,
-    run_stage,
     server_view,
     stage_summary,
     step_mean,
@@ -85,7 +85,7 @@ def test_stage_summary_puts_every_shard_on_one_time_axis(tmp_path):
     for i, s in enumerate((a, b)):
         paths.append(tmp_path / f"shard-{i}.summary.json")
         paths[-1].write_text(json.dumps(s))
-    run_stage(paths, tmp_path / "summary.json", tmp_path / "running.png")
+    build_generation_summary(paths, tmp_path / "summary.json", tmp_path / "running.png")
     assert json.loads((tmp_path / "summary.json").read_text()) == stage
     assert (tmp_path / "running.png").stat().st_size > 10_000
 

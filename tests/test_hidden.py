@@ -21,7 +21,6 @@ from conftest import requires_vllm, sha256_of, vllm_available
 
 from draftline.atomic import DiskFullError
 from draftline.hidden import (
-    DiskSpaceError,
     HiddenStateError,
     LayerIdError,
     default_layer_ids,
@@ -326,7 +325,7 @@ def test_checksums_catch_corruption(hf_run, tmp_path):
 
 def test_capacity_check_fails_before_writing(tiny_target, dataset, tmp_path):
     out = tmp_path / "hidden"
-    with pytest.raises(DiskSpaceError, match="hidden.free_bytes") as err:
+    with pytest.raises(DiskFullError, match="hidden.free_bytes") as err:
         extract(dataset, tiny_target, out, {**HF_CFG, "free_bytes": 100_000})
     assert "hidden.disk_margin" in str(err.value)
     assert not list(out.rglob("*.safetensors"))

@@ -102,15 +102,16 @@ def test_every_serving_stage_starts_its_server_at_the_revision(tmp_path, config,
     prompts = tmp_path / "shard-0.jsonl"
     prompts.write_text(json.dumps({"id": "p0", "messages": [
         {"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}]}) + "\n")
-    spec = spec_asked_for(generate.run_stage, prompts, tmp_path / "r.jsonl",
+    spec = spec_asked_for(generate.generate_responses, prompts, tmp_path / "r.jsonl",
                           tmp_path / "e.jsonl", tmp_path / "s.json",
                           gen_cfg=dict(config["generate"], concurrency=2),
                           slot_dir=tmp_path / "slots", **common)
     assert spec.revision == "v2"
-    spec = spec_asked_for(profile.run_stage, [prompts], tmp_path / "p.json", tmp_path / "p.png",
-                          profile_cfg=config["profile"], sampling=config["generate"], **common)
+    spec = spec_asked_for(profile.measure_concurrency_profile, [prompts], tmp_path / "p.json",
+                          tmp_path / "p.png", profile_cfg=config["profile"],
+                          sampling=config["generate"], **common)
     assert spec.revision == "v2"
-    spec = spec_asked_for(bench.run_stage, [str(prompts)], str(tmp_path), None, None,
+    spec = spec_asked_for(bench.run_bench, [str(prompts)], str(tmp_path), None, None,
                           str(tmp_path / "bench"), bench_cfg=dict(config["bench"], levels=[1]),
                           generate_cfg=config["generate"], eval_fraction=0.99, **common)
     assert spec.revision == "v2"  # the server of the first configuration measured
@@ -127,7 +128,7 @@ def test_profile_fingerprint_tells_revisions_apart(config):
     assert len({fingerprint("v2"), fingerprint(None), fingerprint(COMMIT_V2)}) == 3
 
 
-# ---------------------------------------------------------------- real loads from a hub cache
+# ---------------------------------------------------------------------- real loads from a hub cache
 
 
 def offline_hub_cache(root: Path, toy_target: Path) -> Path:

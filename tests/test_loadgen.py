@@ -8,7 +8,6 @@ import json
 import pytest
 
 from draftline.loadgen import (
-    Prompt,
     RequestResult,
     SamplingSpec,
     _absorb_chunk,
@@ -24,8 +23,9 @@ from draftline.loadgen import (
     server_latency_means,
     window_stats,
 )
+from draftline.records import Prompt
 
-# ---------------------------------------------------------------- request shape
+# ----------------------------------------------------------------------------- request shape
 
 
 def test_sampling_spec_from_generate_config_builds_streaming_requests():
@@ -65,7 +65,7 @@ def test_a_closed_loop_cycles_prompts_with_a_new_seed_per_pass():
     assert len(seeds) == 5
 
 
-# ---------------------------------------------------------------- chunk accounting
+# ----------------------------------------------------------------------------- chunk accounting
 
 
 def chunk(content=None, reasoning=None, completion_tokens=None, finish=None, token_ids=None,
@@ -167,7 +167,7 @@ def test_without_usage_token_ids_or_text_chunks_are_counted():
     assert r.output_tokens == 6 and r.arrivals[-1] == (0.5, 3)  # the final usage settles it
 
 
-# ---------------------------------------------------------------- window statistics
+# ----------------------------------------------------------------------------- window statistics
 
 
 def finished(start, arrivals, end, error=None) -> RequestResult:
@@ -208,7 +208,7 @@ def test_percentiles_interpolate():
     assert p["mean"] == pytest.approx(50500.0)
 
 
-# ---------------------------------------------------------------- /metrics
+# ----------------------------------------------------------------------------- /metrics
 
 METRICS_TEXT = """\
 # HELP vllm:num_requests_running Number of requests in model execution batches.
@@ -317,7 +317,7 @@ def test_chunks_read_together_are_counted_late():
     assert window_stats([r], r.start, r.end + 1)["late_chunk_frac"] == pytest.approx(2 / 5)
 
 
-# ---------------------------------------------------------------- against a real server
+# ---------------------------------------------------------------------------- against a real server
 
 
 def prompts(n: int) -> list[Prompt]:

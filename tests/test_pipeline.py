@@ -185,7 +185,7 @@ def test_editing_a_stage_library_makes_that_stage_stale(pipeline):
 
 def test_bench_against_external_endpoints(pipeline, vllm_server, tmp_path):
     """``bench.endpoints``: both configurations measured on servers the test started itself."""
-    from draftline.bench import run_stage
+    from draftline.bench import run_bench
     from draftline.server import ManagedServer, spec_from_config
 
     workdir, base = pipeline
@@ -198,7 +198,7 @@ def test_bench_against_external_endpoints(pipeline, vllm_server, tmp_path):
     with ManagedServer(eagle_spec, tmp_path / "eagle.log") as eagle:
         bench_cfg = dict(config["bench"], repetitions=3, levels=[2], num_prompts=6,
                          endpoints={"baseline": vllm_server.url, "eagle3-k3": eagle.url})
-        result = run_stage(
+        result = run_bench(
             sorted(str(p) for p in (results / "responses").glob("shard-?.jsonl")), str(draft),
             str(results / "draft/eval.json"), None, str(tmp_path / "bench"),
             bench_cfg=bench_cfg, generate_cfg=default_config()["generate"],

@@ -36,7 +36,7 @@ RULES = ["prompt_shards", "concurrency_profile", "generate", "dataset", "vocab_m
 SERVING_RULES = {"concurrency_profile", "generate", "hidden_states", "bench"}
 
 
-# ------------------------------------------------------------------------------ the config
+# ----------------------------------------------------------------------------- the config
 
 
 def test_production_config_validates_and_describes_the_run():
@@ -70,7 +70,7 @@ def test_production_plan_sizes_every_stage():
     assert rows["total"]["time_s"] > 3600 * 3  # generation alone takes hours at C=128
 
 
-# ------------------------------------------------------------------------------ images
+# ----------------------------------------------------------------------------- images
 
 
 def test_every_image_is_pinned_locked_and_used():
@@ -128,7 +128,7 @@ def test_registry_addresses():
         "registry-1.docker.io", "vllm/vllm-openai")
 
 
-# ------------------------------------------------------------------------------ dry runs
+# ----------------------------------------------------------------------------- dry runs
 
 
 @pytest.fixture(scope="module")

@@ -7,7 +7,7 @@ import random
 
 import pytest
 
-from draftline.loadgen import Prompt, SamplingSpec
+from draftline.loadgen import SamplingSpec
 from draftline.profile import (
     ProfileError,
     choose_concurrency,
@@ -17,13 +17,13 @@ from draftline.profile import (
     plot_profile,
     profile_is_stale,
     prompt_length_stats,
-    read_prompts,
     run_profile,
     server_info_from_config,
     workload_fingerprint,
 )
+from draftline.records import Prompt
 
-# ---------------------------------------------------------------- the choice rule
+# ----------------------------------------------------------------------------- the choice rule
 
 
 def table(tok_s: dict[int, float], p99_tpot: dict[int, float] | None = None,
@@ -92,7 +92,7 @@ def test_levels_are_capped_by_max_num_seqs():
     assert plan_levels([8, 2, 2], None) == ([2, 8], {})
 
 
-# ---------------------------------------------------------------- fingerprint and staleness
+# ------------------------------------------------------------------------ fingerprint and staleness
 
 
 def test_sweep_extends_while_the_highest_level_is_a_rising_peak():
@@ -147,13 +147,6 @@ def test_prompt_lengths_are_compared_when_given(tmp_path):
     assert not profile_is_stale(path, {**fp_long, "prompt_lengths": None})  # config-only check
 
 
-def test_read_prompts_names_the_bad_line(tmp_path):
-    path = tmp_path / "shard-0.jsonl"
-    path.write_text('{"id": "a", "messages": []}\n{"id": "b"}\n')
-    with pytest.raises(ProfileError, match=r"shard-0.jsonl:2"):
-        read_prompts([path])
-
-
 def test_plot_is_written(tmp_path):
     rows = table({1: 100, 4: 390, 16: 1000, 64: 1010})
     profile = {**choose_concurrency(rows), "levels": rows, "fingerprint": {"model": "toy"},
@@ -164,7 +157,7 @@ def test_plot_is_written(tmp_path):
     assert out.stat().st_size > 10_000
 
 
-# ---------------------------------------------------------------- a server that is gone
+# ---------------------------------------------------------------------------- a server that is gone
 
 
 def test_sweep_stops_when_the_server_stops_answering(tmp_path):
@@ -185,7 +178,7 @@ def test_sweep_stops_when_the_server_stops_answering(tmp_path):
                     tmp_path / "p.json")
 
 
-# ---------------------------------------------------------------- a real sweep
+# ----------------------------------------------------------------------------- a real sweep
 
 
 def write_prompt_shards(directory, n: int = 48) -> list:

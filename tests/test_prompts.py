@@ -14,9 +14,10 @@ import pytest
 
 from draftline.prompts import (
     PromptSourceError,
-    build_shards,
+    build_prompt_shards,
     bundled_prompts_path,
 )
+from draftline.records import RecordError, read_shard
 
 
 def write_jsonl(path: Path, rows: list) -> Path:
@@ -38,7 +39,7 @@ def read_shards(out: Path, summary: dict) -> list[dict]:
 
 def build(tmp_path: Path, sources: list[dict], num_shards=1, max_samples=1000, seed=0, name="out"):
     out = tmp_path / name
-    summary = build_shards(sources, out, num_shards, max_samples, seed)
+    summary = build_prompt_shards(sources, out, num_shards, max_samples, seed)
     return out, summary, read_shards(out, summary)
 
 
@@ -542,3 +543,10 @@ def test_bundled_prompts_load_cleanly(tmp_path, capsys):
     assert sum(sum(t["role"] == "user" for t in m) > 1 for m in conversations) >= 20
     # the toy target has a 1024-token context: keep every turn short
     assert max(len(t["content"].split()) for m in conversations for t in m) < 60
+
+
+def test_read_shard_names_the_bad_line(tmp_path):
+    path = tmp_path / "shard-0.jsonl"
+    path.write_text('{"id": "a", "messages": []}\n{"id": "b"}\n')
+    with pytest.raises(RecordError, match=r"shard-0.jsonl:2"):
+        read_shard(path)

@@ -32,7 +32,7 @@ from draftline.generate import (
 from draftline.hidden.store import write_safetensors
 from draftline.server import Endpoint
 
-# ---------------------------------------------------------------- injected network faults
+# -------------------------------------------------------------------------- injected network faults
 
 RATES = {"status": 0.10, "reset": 0.06, "stall": 0.04, "truncate": 0.06}
 
@@ -95,7 +95,7 @@ def test_generation_completes_every_prompt_once_through_injected_faults(tmp_path
     assert summary["unanswered"] == 0 and summary["endpoint_set_asides"] == 0
 
 
-# ---------------------------------------------------------------- generation interrupted
+# --------------------------------------------------------------------------- generation interrupted
 
 
 def generation_config(tmp_path: Path, toy_target: Path, port: int, name: str) -> Path:
@@ -162,7 +162,7 @@ def test_generation_interrupted_resumes_and_equals_an_uninterrupted_run(
     assert generated(tmp_path / "run") == uninterrupted_generation
 
 
-# ---------------------------------------------------------------- Ctrl-C on Snakemake
+# ----------------------------------------------------------------------------- Ctrl-C on Snakemake
 
 
 def start_snakemake(workdir: Path, *targets: str) -> subprocess.Popen:
@@ -213,7 +213,7 @@ def test_ctrl_c_on_snakemake_mid_generation_then_rerun_resumes(tmp_path, toy_tar
     assert len(ids) == len(set(ids)) == summary["responses"]
 
 
-# ---------------------------------------------------------------- secrets
+# ----------------------------------------------------------------------------- secrets
 
 PLANTED_KEY = "sk-draftline-planted-7f3a9c21e8"
 
@@ -320,7 +320,7 @@ def test_a_planted_pickle_checkpoint_is_refused_unexecuted(tmp_path):
     assert not marker.exists()
 
 
-# ---------------------------------------------------------------- a full disk
+# ----------------------------------------------------------------------------- a full disk
 
 
 def _fill(directory: Path) -> None:

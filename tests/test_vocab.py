@@ -14,7 +14,7 @@ from draftline.vocab import (
     count_tokens,
     coverage_table,
     load_vocab_map,
-    write_vocab,
+    vocab_map_from_counts,
 )
 
 
@@ -29,7 +29,7 @@ def check_map(d2t, t2d, chosen: list[int], target_vocab: int) -> None:
 
 def test_top_tokens_with_ties_to_lower_id():
     counts = np.array([5, 0, 3, 3, 7, 0, 3])
-    d2t, t2d = build_vocab_map(counts, 3)
+    d2t, t2d = vocab_map_from_counts(counts, 3)
     # 4 (7), 0 (5), then the tie 2/3/6 (3 each) goes to the lowest id, 2.
     assert d2t.tolist() == [0, 1, 2]  # draft ids 0,1,2 -> target 0,2,4
     check_map(d2t, t2d, [0, 2, 4], 7)
@@ -37,19 +37,19 @@ def test_top_tokens_with_ties_to_lower_id():
 
 def test_padding_with_lowest_unused_ids():
     counts = np.array([0, 4, 0, 0, 1, 0])
-    d2t, t2d = build_vocab_map(counts, 4)
+    d2t, t2d = vocab_map_from_counts(counts, 4)
     # Seen: 1, 4. Two more needed: the lowest unseen ids 0 and 2.
     assert d2t.tolist() == [0, 0, 0, 1]
     check_map(d2t, t2d, [0, 1, 2, 4], 6)
 
 
 def test_no_counts_gives_first_ids():
-    d2t, t2d = build_vocab_map(np.zeros(5, dtype=np.int64), 2)
+    d2t, t2d = vocab_map_from_counts(np.zeros(5, dtype=np.int64), 2)
     check_map(d2t, t2d, [0, 1], 5)
 
 
 def test_draft_vocab_at_least_target_is_identity():
-    d2t, t2d = build_vocab_map(np.array([1, 0, 2]), 8)
+    d2t, t2d = vocab_map_from_counts(np.array([1, 0, 2]), 8)
     assert d2t.tolist() == [0, 0, 0] and t2d.tolist() == [True, True, True]
 
 
@@ -121,10 +121,10 @@ def test_coverage_table_is_capped_at_target_vocab():
     ]
 
 
-def test_write_vocab_files(tmp_path):
+def test_build_vocab_map_files(tmp_path):
     path = save_dataset(tmp_path / "ds", TRAIN, EVAL)
     out = tmp_path / "vocab"
-    record = write_vocab(path, target_vocab_size=10, draft_vocab_size=3, out_dir=out)
+    record = build_vocab_map(path, target_vocab_size=10, draft_vocab_size=3, out_dir=out)
 
     d2t, t2d = load_vocab_map(out / "vocab_map.safetensors")
     # Train counts: 3 and 4 (4 each), then the tie 1/2/7 (1 each) -> 1.
@@ -140,9 +140,10 @@ def test_write_vocab_files(tmp_path):
     assert record["coverage_by_size"][-1]["train"] == 1.0
 
 
-def test_write_vocab_without_map_needed(tmp_path):
+def test_build_vocab_map_without_map_needed(tmp_path):
     path = save_dataset(tmp_path / "ds", TRAIN, EVAL)
-    record = write_vocab(path, target_vocab_size=10, draft_vocab_size=32, out_dir=tmp_path / "v")
+    record = build_vocab_map(path, target_vocab_size=10, draft_vocab_size=32,
+                             out_dir=tmp_path / "v")
     assert record["map_needed"] is False and record["draft_vocab_size"] == 10
     assert "no map needed" in record["note"]
     d2t, t2d = load_vocab_map(tmp_path / "v" / "vocab_map.safetensors")

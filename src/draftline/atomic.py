@@ -6,7 +6,7 @@ temp name in the same folder, is fsynced, and is renamed into place; on any erro
 is removed and an earlier complete file under the final name is left untouched.
 
 A full disk (ENOSPC, EDQUOT, EFBIG) is reported as :class:`DiskFullError`, which names the file
-being written.
+being written; a stage whose planned output cannot fit raises the same error before writing.
 """
 
 from __future__ import annotations
@@ -35,13 +35,18 @@ UMASK = _read_umask()
 
 
 class DiskFullError(OSError):
-    """No space left while writing ``path``; nothing incomplete was left under its name."""
+    """Not enough disk for ``path``: a write ran out of space (nothing incomplete was left under
+    its name), or a stage's planned output does not fit (raised before anything is written)."""
 
-    def __init__(self, path: Path, cause: OSError):
-        super().__init__(errno.ENOSPC, f"no space left on the device while writing {path} "
-                         f"({cause.strerror or cause}); nothing incomplete is kept as complete and "
-                         "earlier results stay: free space and rerun to continue")
+    def __init__(self, path: str | Path, message: str):
+        super().__init__(errno.ENOSPC, message)
         self.path = Path(path)
+
+    @classmethod
+    def while_writing(cls, path: str | Path, cause: OSError) -> DiskFullError:
+        return cls(path, f"no space left on the device while writing {path} "
+                   f"({cause.strerror or cause}); nothing incomplete is kept as complete and "
+                   "earlier results stay: free space and rerun to continue")
 
 
 @contextlib.contextmanager
@@ -59,7 +64,7 @@ def disk_full_names(path: Path) -> Iterator[None]:
     except Exception as exc:
         if is_disk_full(exc, Path(path).parent):
             cause = exc if isinstance(exc, OSError) else OSError(errno.ENOSPC, str(exc))
-            raise DiskFullError(path, cause) from exc
+            raise DiskFullError.while_writing(path, cause) from exc
         raise
 
 

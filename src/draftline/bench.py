@@ -50,7 +50,6 @@ from pathlib import Path
 from draftline.atomic import write_json, write_text
 from draftline.layout import BENCH_PLOTS, BENCH_RESULTS, BENCH_SUMMARY
 from draftline.loadgen import (
-    Prompt,
     SamplingSpec,
     acceptance_length,
     measure_window,
@@ -58,6 +57,7 @@ from draftline.loadgen import (
 )
 from draftline.machine import serving_machine
 from draftline.profile import resolve_concurrency
+from draftline.records import Prompt
 from draftline.server import Endpoint, endpoints_for, served_version
 
 SCHEMA = "draftline.bench/1"
@@ -65,7 +65,7 @@ PER_POS = "vllm:spec_decode_num_accepted_tokens_per_pos"
 GAP_WARN_PCT = 10.0
 
 
-# ---------------------------------------------------------------- inputs
+# ----------------------------------------------------------------------------- inputs
 
 
 def eval_prompts(response_files: list[Path], eval_fraction: float, limit: int) -> list[Prompt]:
@@ -105,7 +105,7 @@ def speculative_config(draft_dir: str, n: int | None) -> dict | None:
     return {"method": "eagle3", "model": str(draft_dir), "num_speculative_tokens": n}
 
 
-# ---------------------------------------------------------------- measuring
+# ----------------------------------------------------------------------------- measuring
 
 
 def acceptance_fields(counters: dict) -> dict:
@@ -200,7 +200,7 @@ def measure_config(endpoint: Endpoint, *, config: dict, prompts: list[Prompt], l
     return rows
 
 
-# ---------------------------------------------------------------- summarising
+# ----------------------------------------------------------------------------- summarising
 
 
 def _spread(values: list[float]) -> dict | None:
@@ -390,7 +390,7 @@ def best_config(summary: list[dict]) -> dict | None:
             "speedup_throughput": round(statistics.median(by_config[name]), 4)}
 
 
-# ---------------------------------------------------------------- outputs
+# ----------------------------------------------------------------------------- outputs
 
 
 def _cell(spread: dict | None, fmt: str = ".2f", with_range: bool = False) -> str:
@@ -491,7 +491,7 @@ def _write_json(path: Path, obj: dict) -> None:
     write_json(path, obj, indent=2)
 
 
-# ---------------------------------------------------------------- the stage
+# ----------------------------------------------------------------------------- the stage
 
 
 def concurrency_levels(bench_cfg: dict, generate_cfg: dict, profile_json: str | None) -> list[int]:
@@ -548,7 +548,7 @@ def _partial_path(out: Path) -> Path:
     return out / ".partial" / "rows.json"
 
 
-def run_stage(response_files: list[str], draft_dir: str, eval_json: str | None,
+def run_bench(response_files: list[str], draft_dir: str, eval_json: str | None,
               profile_json: str | None, out_dir: str, *, bench_cfg: dict, generate_cfg: dict,
               eval_fraction: float, server_cfg: dict, model: str, state_dir: str,
               trust_remote_code: bool = False, log=print, revision: str | None = None) -> dict:

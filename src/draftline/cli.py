@@ -34,31 +34,31 @@ def cmd_toy(cfg: dict, lay: Layout, args) -> None:
 
 
 def cmd_prompts(cfg: dict, lay: Layout, args) -> None:
-    from draftline.prompts import build_shards
+    from draftline.prompts import build_prompt_shards
 
     p = cfg["prompts"]
-    build_shards(p["sources"], lay.prompts, num_shards=p["num_shards"],
+    build_prompt_shards(p["sources"], lay.prompts, num_shards=p["num_shards"],
                  max_samples=p["max_samples"], seed=p["seed"])
 
 
 def cmd_profile(cfg: dict, lay: Layout, args) -> None:
-    from draftline.profile import run_stage
+    from draftline.profile import measure_concurrency_profile
 
     lay.profile_json.parent.mkdir(parents=True, exist_ok=True)
-    run_stage(lay.prompt_shards(cfg["prompts"]["num_shards"]), lay.profile_json, lay.profile_png,
-              profile_cfg=cfg["profile"], sampling=cfg["generate"], server_cfg=cfg["server"],
-              model=target_model(cfg),
-              state_dir=lay.servers, trust_remote_code=cfg["target"]["trust_remote_code"],
-              revision=cfg["target"]["revision"])
+    measure_concurrency_profile(
+        lay.prompt_shards(cfg["prompts"]["num_shards"]), lay.profile_json, lay.profile_png,
+        profile_cfg=cfg["profile"], sampling=cfg["generate"], server_cfg=cfg["server"],
+        model=target_model(cfg), state_dir=lay.servers,
+        trust_remote_code=cfg["target"]["trust_remote_code"], revision=cfg["target"]["revision"])
 
 
 def cmd_generate(cfg: dict, lay: Layout, args) -> None:
-    from draftline.generate import run_stage
+    from draftline.generate import generate_responses
 
     shards = [args.shard] if args.shard is not None else range(cfg["prompts"]["num_shards"])
     lay.responses.mkdir(parents=True, exist_ok=True)
     for i in shards:
-        run_stage(lay.prompt_shard(i), lay.response_shard(i), lay.response_errors(i),
+        generate_responses(lay.prompt_shard(i), lay.response_shard(i), lay.response_errors(i),
                   lay.response_summary(i), gen_cfg=cfg["generate"],
                   server_cfg=cfg["server"], model=target_model(cfg), state_dir=lay.servers,
                   slot_dir=lay.generate_slots, profile_json=lay.profile_json,
@@ -79,9 +79,9 @@ def cmd_dataset(cfg: dict, lay: Layout, args) -> None:
 
 
 def cmd_vocab(cfg: dict, lay: Layout, args) -> None:
-    from draftline.vocab import target_vocab_size, write_vocab
+    from draftline.vocab import build_vocab_map, target_vocab_size
 
-    write_vocab(lay.dataset, target_vocab_size(target_model(cfg)),
+    build_vocab_map(lay.dataset, target_vocab_size(target_model(cfg)),
                 cfg["vocab"]["draft_vocab_size"], lay.vocab)
 
 
@@ -106,10 +106,10 @@ def cmd_export(cfg: dict, lay: Layout, args) -> None:
 
 
 def cmd_bench(cfg: dict, lay: Layout, args) -> None:
-    from draftline.bench import run_stage
+    from draftline.bench import run_bench
 
     files = lay.response_shards(cfg["prompts"]["num_shards"])
-    run_stage(files, lay.checkpoint, lay.train_eval, lay.profile_json,
+    run_bench(files, lay.checkpoint, lay.train_eval, lay.profile_json,
               lay.bench, bench_cfg=cfg["bench"], generate_cfg=cfg["generate"],
               eval_fraction=cfg["dataset"]["eval_fraction"], server_cfg=cfg["server"],
               model=target_model(cfg), state_dir=lay.servers,

@@ -141,6 +141,8 @@ class ImportCache:
             return
         data = {"version": self.VERSION,
                 "files": {k: v for k, v in self.entries.items() if k in self.used}}
+        # Not draftline.atomic: rules/common.smk loads this module by its file path, where the
+        # draftline package need not be importable; a cache needs no fsync either.
         tmp = self.path.with_name(f".{self.path.name}.{os.getpid()}.tmp")
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True)

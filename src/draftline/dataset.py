@@ -52,8 +52,10 @@ from typing import Any
 
 import numpy as np
 
+from draftline.atomic import atomic_dir
 from draftline.hub import hub_revision, pretrained_kwargs
 from draftline.layout import DATASET_STATS
+from draftline.records import RecordError
 
 log = logging.getLogger(__name__)
 
@@ -65,10 +67,6 @@ TRUNCATION_POLICY = (
     "no supervised token remains"
 )
 _MAX_LISTED_IDS = 20
-
-
-class RecordError(ValueError):
-    """A malformed response record; the message names the file, line and id."""
 
 
 class RenderError(ValueError):
@@ -132,7 +130,7 @@ def _token_ids(value: Any, key: str, where: str) -> list[int] | None:
     if value is None:
         return None
     if not isinstance(value, list) or not all(isinstance(t, int) for t in value):
-        raise RecordError(f"{where}: '{key}' must be a list of integers")
+        raise RecordError("bad_token_ids", f"{where}: '{key}' must be a list of integers")
     return value
 
 
@@ -140,15 +138,17 @@ def parse_response(raw: dict, where: str) -> Response:
     """Validate one JSON record from a responses shard."""
     sample_id = raw.get("id") if isinstance(raw, dict) else None
     if not isinstance(sample_id, str) or not sample_id:
-        raise RecordError(f"{where}: record has no string 'id'")
+        raise RecordError("missing_id", f"{where}: record has no string 'id'")
     where = f"{where} (id {sample_id!r})"
     messages = raw.get("messages")
     if not isinstance(messages, list) or len(messages) < 2:
-        raise RecordError(f"{where}: 'messages' must hold the prompt and the assistant turn")
+        raise RecordError("bad_messages",
+                          f"{where}: 'messages' must hold the prompt and the assistant turn")
     if not all(isinstance(m, dict) and "role" in m for m in messages):
-        raise RecordError(f"{where}: every message needs a 'role'")
+        raise RecordError("missing_role", f"{where}: every message needs a 'role'")
     if messages[-1]["role"] != "assistant":
-        raise RecordError(f"{where}: the last message must be the generated assistant turn")
+        raise RecordError("no_assistant_turn",
+                          f"{where}: the last message must be the generated assistant turn")
     return Response(
         id=sample_id,
         prompt_messages=messages[:-1],
@@ -170,7 +170,7 @@ def iter_responses(paths: list[Path]) -> Iterator[Response]:
                 try:
                     raw = json.loads(line)
                 except json.JSONDecodeError as e:
-                    raise RecordError(f"{where}: invalid JSON: {e}") from e
+                    raise RecordError("invalid_json", f"{where}: invalid JSON: {e}") from e
                 yield parse_response(raw, where)
 
 
@@ -433,13 +433,6 @@ class SplitWriter:
         self._sink.close()
 
 
-def _replace_dir(new: Path, dest: Path, scratch: Path) -> None:
-    """Move ``new`` to ``dest``, replacing an existing ``dest`` (old copy parked in scratch)."""
-    if dest.exists():
-        dest.rename(scratch / "previous")
-    new.rename(dest)
-
-
 # ----------------------------------------------------------------------------- build
 
 
@@ -530,14 +523,13 @@ def build_dataset(
             writer.close()
 
         splits = DatasetDict({s: Dataset.from_file(str(writers[s].path)) for s in SPLITS})
-        final = work / "dataset"
-        # An empty split saved with the automatic shard count (0) cannot be loaded back.
-        shards = {s: 1 for s in SPLITS if splits[s].num_rows == 0}
-        splits.save_to_disk(str(final), num_shards=shards)
-        del splits  # release the memory maps before the scratch files go
         result = stats.to_json()
-        (final / DATASET_STATS).write_text(json.dumps(result, indent=2) + "\n")
-        _replace_dir(final, out_dir, work)
+        with atomic_dir(out_dir) as final:
+            # An empty split saved with the automatic shard count (0) cannot be loaded back.
+            shards = {s: 1 for s in SPLITS if splits[s].num_rows == 0}
+            splits.save_to_disk(str(final), num_shards=shards)
+            del splits  # release the memory maps before the scratch files go
+            (final / DATASET_STATS).write_text(json.dumps(result, indent=2) + "\n")
     finally:
         shutil.rmtree(work, ignore_errors=True)
     _log_summary(result, out_dir)
@@ -613,7 +605,6 @@ __all__ = [
     "load_split",
     "parse_response",
     "render_texts",
-    "RecordError",
     "RenderError",
     "TRUNCATION_POLICY",
 ]

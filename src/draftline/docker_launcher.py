@@ -79,7 +79,7 @@ def options(spec: ServerSpec) -> dict:
     return {**DEFAULT_OPTIONS, **(spec.docker or {})}
 
 
-# ------------------------------------------------------------------------------ ownership
+# ----------------------------------------------------------------------------- ownership
 
 
 def process_start_time(pid: int) -> str | None:
@@ -131,7 +131,7 @@ def remove_container(container_id: str) -> None:
         client.containers.get(container_id).remove(force=True)
 
 
-# ------------------------------------------------------------------------------ the container
+# ----------------------------------------------------------------------------- the container
 
 
 def gpu_device_requests(gpus) -> list:

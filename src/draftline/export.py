@@ -23,8 +23,7 @@ import json
 from pathlib import Path
 
 from draftline.atomic import atomic_dir
-from draftline.hidden.layers import LayerIdError
-from draftline.hidden.layers import check_layer_ids as check_aux_layer_ids
+from draftline.hidden.layers import LayerIdError, check_layer_ids
 from draftline.target import read_teacher_config, text_config
 
 WEIGHTS_FILE, DRAFT_CONFIG_FILE = "model.safetensors", "draft_config.json"
@@ -105,11 +104,11 @@ def vocab_map_needed(draft_cfg) -> bool:
     return draft_cfg.draft_vocab_size != draft_cfg.vocab_size
 
 
-def check_layer_ids(layer_ids, target_cfg: dict) -> list[int]:
+def draft_layer_ids(layer_ids, target_cfg: dict) -> list[int]:
     """The aux ids vLLM will capture for this draft, checked as extraction checked them."""
     num_layers = int(text_config(target_cfg)["num_hidden_layers"])
     try:
-        return check_aux_layer_ids(layer_ids, num_layers, target_cfg, source="layer_ids")
+        return check_layer_ids(layer_ids, num_layers, target_cfg, source="layer_ids")
     except LayerIdError as exc:
         raise ExportError(str(exc)) from exc
 
@@ -184,7 +183,7 @@ def export_draft(best_weights, target_dir, vocab_map, layer_ids, out_dir) -> Pat
     tensors = load_file(str(weights_file))
     check_tensors(tensors, expected_shapes(draft_cfg), weights_file)
     check_vocab_map(d2t, t2d, draft_cfg, Path(vocab_map))
-    ids = check_layer_ids(layer_ids, target_cfg)
+    ids = draft_layer_ids(layer_ids, target_cfg)
 
     dtype = _target_dtype(target_cfg)
     out = {name: tensors[name].to(getattr(torch, dtype)).contiguous()

@@ -51,6 +51,7 @@ from draftline.hub import hub_revision
 from draftline.loadgen import parse_metrics, request_seed
 from draftline.machine import serving_machine
 from draftline.profile import resolve_concurrency
+from draftline.records import Prompt, read_shard
 from draftline.server import Endpoint, served_version
 from draftline.slots import SlotPool
 
@@ -83,9 +84,7 @@ class GenerateSettings:
         return cls(concurrency=concurrency, **{k: gen_cfg[k] for k in keys if k in gen_cfg})
 
 
-prompt_seed = request_seed  # one derivation for generation, profile and benchmark
-
-# ---------------------------------------------------------------- fingerprints
+# ----------------------------------------------------------------------------- fingerprints
 
 # Small files that define the target: architecture, generation defaults, tokenizer, template.
 TARGET_FILES = ("config.json", "generation_config.json", "tokenizer_config.json",
@@ -154,7 +153,7 @@ def request_kwargs(messages: list[dict], settings: GenerateSettings, prompt_id: 
         "temperature": settings.temperature,
         "top_p": settings.top_p,
         "max_tokens": settings.max_tokens,
-        "seed": prompt_seed(settings.seed, prompt_id),
+        "seed": request_seed(settings.seed, prompt_id),  # as the profile and benchmark seed
         "extra_body": extra,
     }
 
@@ -212,7 +211,7 @@ def backoff_delay(attempt: int, settings: GenerateSettings, rng: random.Random) 
     return delay * (0.5 + 0.5 * rng.random())
 
 
-# ---------------------------------------------------------------- endpoints
+# ----------------------------------------------------------------------------- endpoints
 
 
 class EndpointPool:
@@ -280,7 +279,7 @@ class EndpointPool:
                 await client.close()
 
 
-# ---------------------------------------------------------------- durable results
+# ----------------------------------------------------------------------------- durable results
 
 
 def read_jsonl_ids(path: Path, cut_torn: bool = True) -> dict[str, dict]:
@@ -333,7 +332,7 @@ def write_jsonl_atomic(path: Path, records: Iterable[dict]) -> None:
             fh.write(json.dumps(rec, ensure_ascii=False) + "\n")
 
 
-# ---------------------------------------------------------------- the shard run
+# ----------------------------------------------------------------------------- the shard run
 
 
 @dataclass
@@ -420,7 +419,7 @@ class ServerSampler:
 
 
 class ShardRun:
-    def __init__(self, prompts: list[dict], fingerprints: dict[str, str],
+    def __init__(self, prompts: Iterable[Prompt], fingerprints: dict[str, str],
                  endpoints: list[Endpoint], settings: GenerateSettings, slots: SlotPool,
                  results: AppendLog, errors: AppendLog, seed: int = 0):
         self.queue = iter(prompts)
@@ -475,35 +474,35 @@ class ShardRun:
             self.queue_empty = True
             self.stats.t_queue_empty = time.time()
 
-    async def _answer(self, item: dict) -> None:
-        messages = item["messages"]
+    async def _answer(self, item: Prompt) -> None:
+        messages = item.messages
         if self.settings.multi_turn:
             messages = await self._regenerate_history(item, messages)
             if messages is None:
                 return
-        outcome = await self._complete(item["id"], messages)
+        outcome = await self._complete(item.id, messages)
         if outcome is None:
             return
         parsed, latency, endpoint = outcome
         self._record(item, messages, parsed, latency, endpoint)
 
-    async def _regenerate_history(self, item: dict, messages: list[dict]) -> list[dict] | None:
+    async def _regenerate_history(self, item: Prompt, messages: list[dict]) -> list[dict] | None:
         """Regenerate every earlier assistant turn in order, feeding the new history back."""
         history: list[dict] = []
         for msg in messages[:-1]:
             if msg["role"] != "assistant":
                 history.append(msg)
                 continue
-            outcome = await self._complete(item["id"], history)
+            outcome = await self._complete(item.id, history)
             if outcome is None:
                 return None
             history.append(assistant_message(outcome[0]))
         return history + [messages[-1]]
 
-    def _record(self, item: dict, messages: list[dict], parsed: dict, latency: float,
+    def _record(self, item: Prompt, messages: list[dict], parsed: dict, latency: float,
                 endpoint: str) -> None:
         record = {
-            "id": item["id"],
+            "id": item.id,
             "messages": messages + [assistant_message(parsed)],
             "prompt_token_ids": parsed["prompt_token_ids"],
             "output_token_ids": parsed["output_token_ids"],
@@ -511,7 +510,7 @@ class ShardRun:
             "usage": parsed["usage"],
             "latency_s": round(latency, 4),
             "endpoint": endpoint,
-            "fingerprint": self.fingerprints[item["id"]],
+            "fingerprint": self.fingerprints[item.id],
         }
         self.results.write(record)
         self.stats.done += 1
@@ -598,23 +597,18 @@ class ShardRun:
         self._progress()
 
 
-def load_prompts(prompt_file: Path) -> list[dict]:
-    with open(prompt_file, encoding="utf-8") as fh:
-        return [json.loads(line) for line in fh if line.strip()]
-
-
 def partial_paths(out_file: Path) -> tuple[Path, Path]:
     partial = out_file.parent / ".partial"
     stem = out_file.name.removesuffix(".jsonl")
     return partial / f"{stem}.jsonl", partial / f"{stem}.errors.jsonl"
 
 
-def prompt_fingerprints(prompts: list[dict], settings: GenerateSettings,
+def prompt_fingerprints(prompts: list[Prompt], settings: GenerateSettings,
                         endpoints: list[Endpoint], target: dict) -> dict[str, str]:
     """The fingerprint each prompt's kept answer must carry."""
     served = sorted({ep.model for ep in endpoints})
     settings_fp = settings_fingerprint(settings, ",".join(served), target)
-    return {p["id"]: record_fingerprint(settings_fp, p["messages"]) for p in prompts}
+    return {p.id: record_fingerprint(settings_fp, p.messages) for p in prompts}
 
 
 @dataclass
@@ -672,13 +666,13 @@ def generate_shard(prompt_file: Path, out_file: Path, errors_file: Path, summary
     the summary: the vLLM release and GPUs shape the answers.
     """
     job_start = time.time() if job_start is None else job_start
-    prompts = load_prompts(prompt_file)
+    prompts = read_shard(prompt_file)
     if target is None:
         target = target_identity(target_dir) if target_dir else {}
     fingerprints = prompt_fingerprints(prompts, settings, endpoints, target)
     partial, partial_errors = partial_paths(out_file)
     kept = resume_shard(partial, partial_errors, fingerprints)
-    todo = [p for p in prompts if p["id"] not in kept.records and p["id"] not in kept.errors]
+    todo = [p for p in prompts if p.id not in kept.records and p.id not in kept.errors]
     print(f"{prompt_file}: {len(prompts)} prompts, {len(kept.records)} done "
           f"({kept.adopted} from other shards' kept files), {kept.discarded_stale} kept "
           f"answers discarded (made under other settings), {len(kept.errors)} failed before, "
@@ -704,7 +698,7 @@ def generate_shard(prompt_file: Path, out_file: Path, errors_file: Path, summary
 def finish_shard(prompts, fingerprints, kept, partial, partial_errors, out_file, errors_file,
                  summary_file, stats, settings, sent_by_endpoint, timing,
                  machine: dict | None = None) -> dict:
-    order = {p["id"]: i for i, p in enumerate(prompts)}
+    order = {p.id: i for i, p in enumerate(prompts)}
     done = _valid(read_jsonl_ids(partial), fingerprints)
     errors = {k: v for k, v in _valid(read_jsonl_ids(partial_errors), fingerprints).items()
               if k not in done}
@@ -783,10 +777,10 @@ def _count(values: Iterable) -> dict:
     return counts
 
 
-def run_stage(prompt_file: Path, out_file: Path, errors_file: Path, summary_file: Path,
-              gen_cfg: dict, server_cfg: dict, model: str, state_dir: Path, slot_dir: Path,
-              profile_json: Path | None = None, trust_remote_code: bool = False,
-              revision: str | None = None) -> dict:
+def generate_responses(prompt_file: Path, out_file: Path, errors_file: Path,
+                       summary_file: Path, gen_cfg: dict, server_cfg: dict, model: str,
+                       state_dir: Path, slot_dir: Path, profile_json: Path | None = None,
+                       trust_remote_code: bool = False, revision: str | None = None) -> dict:
     """The generate stage: resolve concurrency, get endpoints (shared or external), run."""
     from draftline.server import endpoints_for
 

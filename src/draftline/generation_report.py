@@ -25,7 +25,7 @@ TIMELINE_ROWS = 720  # a shard summary keeps at most this many timeline rows (bu
 TIMELINE_COLUMNS = ["t", "running", "waiting", "generation_tokens", "completed"]
 
 
-# ---------------------------------------------------------------- one shard job
+# ----------------------------------------------------------------------------- one shard job
 
 
 def step_mean(times: list[float], values: list[float], start: float, end: float,
@@ -124,7 +124,7 @@ def compact_timeline(rows: list[list[float]], limit: int = TIMELINE_ROWS) -> lis
     return out
 
 
-# ---------------------------------------------------------------- the stage
+# ----------------------------------------------------------------------------- the stage
 
 
 def load_summaries(paths: list[Path | str]) -> list[dict]:
@@ -335,10 +335,12 @@ def render_mismatches(response_files: list[Path | str], target_dir: str,
     return {"total": sum(per_shard), "per_shard": per_shard}
 
 
-def run_stage(summary_files: list[Path | str], out_json: Path | str, out_png: Path | str,
-              response_files: list[Path | str] = (), target_dir: str | None = None,
-              chat_template_kwargs: dict | None = None, trust_remote_code: bool = False,
-              revision: str | None = None) -> dict:
+def build_generation_summary(summary_files: list[Path | str], out_json: Path | str,
+                             out_png: Path | str, response_files: list[Path | str] = (),
+                             target_dir: str | None = None,
+                             chat_template_kwargs: dict | None = None,
+                             trust_remote_code: bool = False,
+                             revision: str | None = None) -> dict:
     """The stage summary rule: merge the shard summaries, check how the answers render (when
     ``target_dir`` is given), write the JSON and the plot."""
     summaries = load_summaries(summary_files)

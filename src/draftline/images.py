@@ -138,7 +138,7 @@ def unverified(repo: Path = REPO) -> list[str]:
     return [name for name, e in load_lock(repo).items() if not e.get("verified")]
 
 
-# ------------------------------------------------------------------------------ registries
+# ----------------------------------------------------------------------------- registries
 
 
 def _registry_and_path(image: str) -> tuple[str, str]:
@@ -184,7 +184,7 @@ def _token(client, challenge, path: str) -> str:
     return body.get("token") or body["access_token"]
 
 
-# ------------------------------------------------------------------------------ updating
+# ----------------------------------------------------------------------------- updating
 
 
 def _rewrite_entry(lock_text: str, name: str, fields: dict) -> str:

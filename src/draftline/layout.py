@@ -16,12 +16,19 @@ from __future__ import annotations
 from pathlib import Path
 
 # Files a stage writes inside its own folder (the stage names them by these constants).
+PROMPTS_REJECTED = "rejected.jsonl"
+PROMPTS_SUMMARY = "summary.json"
 BENCH_RESULTS = "results.json"
 BENCH_SUMMARY = "summary.md"
 BENCH_PLOTS = ("throughput.png", "acceptance.png")
 DATASET_STATS = "stats.json"
 HIDDEN_INDEX = "index.json"
 HIDDEN_STATS = "extract_stats.json"
+
+
+def shard_file(i: int | str) -> str:
+    """The file name of shard ``i`` (prompt and response shards alike)."""
+    return f"shard-{i}.jsonl"
 
 
 class Layout:
@@ -34,32 +41,32 @@ class Layout:
     def from_config(cls, config: dict) -> Layout:
         return cls(config["results"])
 
-    # ---------------------------------------------------------------- the target
+    # ----------------------------------------------------------------------------- the target
     @property
     def target(self) -> Path:
         """The built toy target (only when ``target.model`` is ``toy``)."""
         return self.root / "target"
 
-    # ---------------------------------------------------------------- prompts
+    # ----------------------------------------------------------------------------- prompts
     @property
     def prompts(self) -> Path:
         return self.root / "prompts"
 
     def prompt_shard(self, i: int | str) -> Path:
-        return self.prompts / f"shard-{i}.jsonl"
+        return self.prompts / shard_file(i)
 
     def prompt_shards(self, num_shards: int) -> list[Path]:
         return [self.prompt_shard(i) for i in range(num_shards)]
 
     @property
     def prompts_rejected(self) -> Path:
-        return self.prompts / "rejected.jsonl"
+        return self.prompts / PROMPTS_REJECTED
 
     @property
     def prompts_summary(self) -> Path:
-        return self.prompts / "summary.json"
+        return self.prompts / PROMPTS_SUMMARY
 
-    # ---------------------------------------------------------------- concurrency profile
+    # -------------------------------------------------------------------------- concurrency profile
     @property
     def profile_json(self) -> Path:
         return self.root / "profile" / "concurrency.json"
@@ -68,13 +75,13 @@ class Layout:
     def profile_png(self) -> Path:
         return self.root / "profile" / "concurrency.png"
 
-    # ---------------------------------------------------------------- generation
+    # ----------------------------------------------------------------------------- generation
     @property
     def responses(self) -> Path:
         return self.root / "responses"
 
     def response_shard(self, i: int | str) -> Path:
-        return self.responses / f"shard-{i}.jsonl"
+        return self.responses / shard_file(i)
 
     def response_shards(self, num_shards: int) -> list[Path]:
         return [self.response_shard(i) for i in range(num_shards)]
@@ -93,7 +100,7 @@ class Layout:
     def generation_plot(self) -> Path:
         return self.responses / "server_running.png"
 
-    # ---------------------------------------------------------------- dataset and vocab
+    # ---------------------------------------------------------------------------- dataset and vocab
     @property
     def dataset(self) -> Path:
         return self.root / "dataset"
@@ -114,7 +121,7 @@ class Layout:
     def vocab_coverage(self) -> Path:
         return self.vocab / "coverage.json"
 
-    # ---------------------------------------------------------------- hidden states
+    # ----------------------------------------------------------------------------- hidden states
     @property
     def hidden(self) -> Path:
         return self.root / "hidden"
@@ -127,7 +134,7 @@ class Layout:
     def hidden_stats(self) -> Path:
         return self.hidden / HIDDEN_STATS
 
-    # ---------------------------------------------------------------- the draft
+    # ----------------------------------------------------------------------------- the draft
     @property
     def draft(self) -> Path:
         """Training's output folder (its resumable state lives below it too)."""
@@ -158,7 +165,7 @@ class Layout:
     def checkpoint_weights(self) -> Path:
         return self.checkpoint / "model.safetensors"
 
-    # ---------------------------------------------------------------- deployment benchmark
+    # ------------------------------------------------------------------------- deployment benchmark
     @property
     def bench(self) -> Path:
         return self.root / "bench"
@@ -175,7 +182,7 @@ class Layout:
     def bench_plots(self) -> list[Path]:
         return [self.bench / name for name in BENCH_PLOTS]
 
-    # ---------------------------------------------------------------- the bundle
+    # ----------------------------------------------------------------------------- the bundle
     @property
     def bundle(self) -> Path:
         return self.root / "bundle"
@@ -205,7 +212,7 @@ class Layout:
     def model_card_html(self) -> Path:
         return self.root / "report" / "model_card.html"
 
-    # ---------------------------------------------------------------- run-time state
+    # ----------------------------------------------------------------------------- run-time state
     @property
     def servers(self) -> Path:
         """State of the run's shared vLLM servers (draftline.server)."""

@@ -47,6 +47,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from draftline.records import Prompt
+
 if TYPE_CHECKING:  # aiohttp is imported where used: fingerprints need only the standard library
     import aiohttp
 
@@ -55,7 +57,7 @@ if TYPE_CHECKING:  # aiohttp is imported where used: fingerprints need only the 
 PERCENTILES = (50, 90, 99)
 
 
-# ---------------------------------------------------------------- request shape
+# ----------------------------------------------------------------------------- request shape
 
 
 @dataclass(frozen=True)
@@ -137,13 +139,7 @@ def request_seed(base_seed: int, prompt_id: str) -> int:
     return int.from_bytes(digest[:4], "big") & 0x7FFFFFFF
 
 
-@dataclass(frozen=True)
-class Prompt:
-    id: str
-    messages: list[dict]
-
-
-# ---------------------------------------------------------------- one streamed request
+# ----------------------------------------------------------------------------- one streamed request
 
 
 @dataclass
@@ -323,7 +319,7 @@ class ChatStreamer:
         raise RuntimeError("stream ended without [DONE]")
 
 
-# ---------------------------------------------------------------- closed loop
+# ----------------------------------------------------------------------------- closed loop
 
 
 def _cycled(prompts: Sequence[Prompt]):
@@ -383,7 +379,7 @@ async def _cancel(tasks: list[asyncio.Task]) -> None:
     await asyncio.gather(*tasks, return_exceptions=True)
 
 
-# ---------------------------------------------------------------- window statistics
+# ----------------------------------------------------------------------------- window statistics
 
 
 def percentiles(values: Sequence[float], scale: float = 1.0) -> dict | None:
@@ -455,7 +451,7 @@ def window_stats(results: Sequence[RequestResult], t0: float, t1: float) -> dict
     }
 
 
-# ---------------------------------------------------------------- Prometheus /metrics
+# ----------------------------------------------------------------------------- Prometheus /metrics
 
 _SAMPLE = re.compile(r'^([a-zA-Z_:][a-zA-Z0-9_:]*)(?:\{(.*)\})?\s+(\S+)')
 _LABEL = re.compile(r'([a-zA-Z_][a-zA-Z0-9_]*)="((?:[^"\\]|\\.)*)"')
@@ -579,7 +575,7 @@ def acceptance_length(deltas: dict) -> float | None:
     return 1.0 + deltas.get("vllm:spec_decode_num_accepted_tokens", 0.0) / drafts
 
 
-# ---------------------------------------------------------------- public runs
+# ----------------------------------------------------------------------------- public runs
 
 
 @dataclass

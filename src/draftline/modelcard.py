@@ -15,8 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-# ---------------------------------------------------------------------------------------------
-# Card structure
+# ----------------------------------------------------------------------------- card structure
 
 
 @dataclass
@@ -77,8 +76,7 @@ def fmt(value: Any) -> str:
     return str(value)
 
 
-# ---------------------------------------------------------------------------------------------
-# Serving commands
+# ----------------------------------------------------------------------------- serving commands
 
 
 def vllm_command(target: str, draft: str, k: int, server_cfg: dict, revision: str | None,
@@ -122,8 +120,7 @@ def _multiline(args: list[str]) -> str:
     return " \\\n".join(lines)
 
 
-# ---------------------------------------------------------------------------------------------
-# Rendering
+# ----------------------------------------------------------------------------- rendering
 
 
 def render_markdown(card: Card) -> str:
@@ -196,8 +193,7 @@ def _html_block(block: Any, root: Path) -> str:
     raise TypeError(f"unknown card block {block!r}")
 
 
-# ---------------------------------------------------------------------------------------------
-# Content
+# ----------------------------------------------------------------------------- content
 
 
 def build_card(facts: dict[str, Any]) -> Card:

@@ -23,7 +23,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from draftline import atomic
-from draftline.loadgen import Prompt, SamplingSpec, measure_window, server_healthy
+from draftline.loadgen import SamplingSpec, measure_window, server_healthy
+from draftline.records import Prompt, read_shard
 
 if TYPE_CHECKING:
     from draftline.server import Endpoint
@@ -40,7 +41,7 @@ class ProfileError(RuntimeError):
     """The profile could not be measured (no prompts, no answering level, bad file)."""
 
 
-# ---------------------------------------------------------------- the choice rule
+# ----------------------------------------------------------------------------- the choice rule
 
 
 def _p99_tpot(row: dict) -> float | None:
@@ -168,7 +169,7 @@ def sweep_cap(profile_cfg: dict, max_num_seqs: int | None) -> int:
     return min(caps) if caps else MAX_SWEEP_CONCURRENCY
 
 
-# ---------------------------------------------------------------- workload fingerprint
+# ----------------------------------------------------------------------------- workload fingerprint
 
 
 def _digest(payload: Any) -> str:
@@ -263,24 +264,7 @@ def resolve_concurrency(setting: int | str, profile_json: Path | str | None) -> 
                          f"({type(exc).__name__}: {exc})") from exc
 
 
-# ---------------------------------------------------------------- prompts
-
-
-def read_prompts(prompt_files: Sequence[Path | str]) -> list[Prompt]:
-    """All records of the prompt shards; errors name the file and line."""
-    prompts = []
-    for path in map(Path, prompt_files):
-        with open(path) as f:
-            for lineno, line in enumerate(f, 1):
-                if not line.strip():
-                    continue
-                try:
-                    rec = json.loads(line)
-                    prompts.append(Prompt(id=str(rec["id"]), messages=list(rec["messages"])))
-                except (ValueError, KeyError, TypeError) as exc:
-                    raise ProfileError(f"{path}:{lineno}: not a prompt record with 'id' and "
-                                       f"'messages' ({exc})") from exc
-    return prompts
+# ----------------------------------------------------------------------------- prompts
 
 
 def sample_prompts(prompts: Sequence[Prompt], num_prompts: int, seed: int = 0) -> list[Prompt]:
@@ -290,7 +274,7 @@ def sample_prompts(prompts: Sequence[Prompt], num_prompts: int, seed: int = 0) -
     return random.Random(seed).sample(list(prompts), num_prompts)
 
 
-# ---------------------------------------------------------------- the sweep
+# ----------------------------------------------------------------------------- the sweep
 
 
 def _get_json(url: str, api_key: str, timeout_s: float) -> Any:
@@ -376,7 +360,7 @@ def run_profile(prompt_files: Sequence[Path | str], endpoints: Sequence[Endpoint
     if not endpoints:
         raise ProfileError("run_profile: no endpoint to profile")
     endpoint = endpoints[0]  # identical replicas: the per-endpoint optimum is the same
-    all_prompts = read_prompts(prompt_files)
+    all_prompts = [p for path in prompt_files for p in read_shard(path)]
     if not all_prompts:
         raise ProfileError(f"no prompts in {', '.join(map(str, prompt_files))}")
     seed = generate_cfg.get("seed", 0)
@@ -476,10 +460,11 @@ def plot_profile(profile: dict, out_png: Path | str) -> None:
     plt.close(fig)
 
 
-def run_stage(prompt_files: Sequence[Path | str], out_json: Path | str, out_png: Path | str, *,
-              profile_cfg: dict, sampling: dict, server_cfg: dict, model: str,
-              state_dir: Path | str, trust_remote_code: bool = False,
-              revision: str | None = None) -> dict:
+def measure_concurrency_profile(prompt_files: Sequence[Path | str], out_json: Path | str,
+                                out_png: Path | str, *, profile_cfg: dict, sampling: dict,
+                                server_cfg: dict, model: str, state_dir: Path | str,
+                                trust_remote_code: bool = False,
+                                revision: str | None = None) -> dict:
     """The profile stage: get the run's server (shared or external) and sweep it."""
     from draftline.server import endpoints_for
 

@@ -1,8 +1,9 @@
 """Prompt shards: read prompt sources, normalize them to OpenAI chat messages, shard them.
 
-Stage 1 of the pipeline. ``build_shards`` reads every configured source, turns each record into
-``{"id": str, "messages": [...]}`` whose last message is a user turn, drops duplicates, keeps at
-most ``max_samples`` and splits the rest into ``num_shards`` balanced, deterministic shards.
+Stage 1 of the pipeline. ``build_prompt_shards`` reads every configured source, turns each
+record into ``{"id": str, "messages": [...]}`` whose last message is a user turn, drops
+duplicates, keeps at most ``max_samples`` and splits the rest into ``num_shards`` balanced,
+deterministic shards.
 
 Rules (see docs/formats.md for the file formats):
 
@@ -35,20 +36,21 @@ Rules (see docs/formats.md for the file formats):
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import json
-import os
 import re
-import secrets
 from collections import Counter
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
-from typing import IO, Any
+from typing import Any
 
 from tqdm import tqdm
+
+from draftline.atomic import write_text
+from draftline.layout import PROMPTS_REJECTED, PROMPTS_SUMMARY, shard_file
+from draftline.records import Prompt, RecordError, write_jsonl, write_shard
 
 BUNDLED = "bundled"
 HF_PREFIX = "hf:"
@@ -81,15 +83,6 @@ _SHARD_NAME = re.compile(r"shard-(\d+)\.jsonl")
 
 class PromptSourceError(ValueError):
     """A prompt source that cannot be read as a whole (bad format, unreadable file, bad split)."""
-
-
-class RecordError(Exception):
-    """One record that cannot be used; ``reason`` is a short code, ``detail`` explains it."""
-
-    def __init__(self, reason: str, detail: str):
-        super().__init__(f"{reason}: {detail}")
-        self.reason = reason
-        self.detail = detail
 
 
 class _RepeatedKeyObject(dict):
@@ -171,15 +164,7 @@ class RawRecord:
     error: RecordError | None = None
 
 
-@dataclass(frozen=True)
-class Prompt:
-    id: str
-    messages: list[dict[str, str]]
-    content_hash: str  # full sha256 hex digest of the canonical messages
-
-
-# ---------------------------------------------------------------------------------------------
-# Reading sources
+# ----------------------------------------------------------------------------- reading sources
 
 
 def bundled_prompts_path() -> Path:
@@ -310,8 +295,7 @@ def _iter_dataset_rows(loaded: Any, split: str, name: str) -> Iterator[RawRecord
         yield RawRecord(index, None, value=row)
 
 
-# ---------------------------------------------------------------------------------------------
-# Normalizing records
+# ----------------------------------------------------------------------------- normalizing records
 
 
 def normalize_messages(record: Any, spec: SourceSpec) -> list[dict[str, str]]:
@@ -531,8 +515,7 @@ def to_prompt(record: Any, spec: SourceSpec) -> Prompt:
     return Prompt(prompt_id, messages, digest)
 
 
-# ---------------------------------------------------------------------------------------------
-# Collecting, selecting, sharding
+# ------------------------------------------------------------------ collecting, selecting, sharding
 
 
 def _excerpt(raw: RawRecord) -> str:
@@ -615,37 +598,12 @@ def assign_shards(prompts: list[Prompt], num_shards: int, seed: int) -> list[lis
     return [ordered[i::num_shards] for i in range(num_shards)]
 
 
-# ---------------------------------------------------------------------------------------------
-# Writing
-
-
-@contextlib.contextmanager
-def atomic_writer(path: Path) -> Iterator[IO[str]]:
-    """Write to a temp file next to ``path`` and move it into place only when complete."""
-    tmp_name = path.parent / f".{path.name}.{os.getpid()}.{secrets.token_hex(4)}.tmp"
-    # os.open with 0o666 honours the umask (mkstemp would leave the result readable only by us).
-    fd = os.open(tmp_name, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8", newline="\n") as f:
-            yield f
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp_name, path)
-    except BaseException:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(tmp_name)
-        raise
-
-
-def _write_jsonl(path: Path, rows: Iterable[dict[str, Any]]) -> None:
-    with atomic_writer(path) as f:
-        for row in rows:
-            f.write(json.dumps(row, ensure_ascii=False) + "\n")
+# ----------------------------------------------------------------------------- writing
 
 
 def _remove_stale_shards(out_dir: Path, num_shards: int) -> None:
     """A previous run with more shards must not leave extra shard files behind."""
-    for path in out_dir.glob("shard-*.jsonl"):
+    for path in out_dir.glob(shard_file("*")):
         match = _SHARD_NAME.fullmatch(path.name)
         if match and int(match.group(1)) >= num_shards:
             path.unlink()
@@ -684,7 +642,7 @@ def format_summary(summary: dict[str, Any]) -> str:
     )
 
 
-def build_shards(
+def build_prompt_shards(
     sources: list[dict[str, Any]],
     out_dir: Path,
     num_shards: int,
@@ -716,15 +674,12 @@ def build_shards(
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     for i, shard in enumerate(shards):
-        _write_jsonl(
-            out_dir / f"shard-{i}.jsonl", ({"id": p.id, "messages": p.messages} for p in shard)
-        )
+        write_shard(out_dir / shard_file(i), shard)
     _remove_stale_shards(out_dir, num_shards)
-    _write_jsonl(out_dir / "rejected.jsonl", collector.rejected)
+    write_jsonl(out_dir / PROMPTS_REJECTED, collector.rejected)
     summary = _summary(collector, shards, max_samples, seed)
-    with atomic_writer(out_dir / "summary.json") as f:
-        f.write(json.dumps(summary, indent=2, ensure_ascii=False) + "\n")
+    write_text(out_dir / PROMPTS_SUMMARY, json.dumps(summary, indent=2, ensure_ascii=False) + "\n")
     print(format_summary(summary))
     if collector.rejected:
-        print(f"prompts: rejected records with reason and detail: {out_dir / 'rejected.jsonl'}")
+        print(f"prompts: rejected records with reason and detail: {out_dir / PROMPTS_REJECTED}")
     return summary

@@ -33,6 +33,7 @@ from pathlib import Path
 
 import httpx
 
+from draftline.atomic import write_json
 from draftline.hub import hub_revision
 
 API_SERVER_MODULE = "vllm.entrypoints.openai.api_server"
@@ -342,7 +343,7 @@ def wait_healthy(url: str, timeout_s: float, proc: subprocess.Popen | None = Non
     )
 
 
-# ---------------------------------------------------------------- shared server per run
+# ---------------------------------------------------------------------------- shared server per run
 
 
 @contextlib.contextmanager
@@ -446,9 +447,7 @@ def _spawn_supervisor(spec: ServerSpec, paths: _Paths, idle_timeout_s: float) ->
 
 
 def _write_state(path: Path, state: dict) -> None:
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(state))
-    os.replace(tmp, path)
+    write_json(path, state, indent=None)
 
 
 def supervise(spec_path: Path, idle_timeout_s: float) -> int:
@@ -582,7 +581,7 @@ def stop_all(state_dir: Path) -> int:
     return stopped
 
 
-# ---------------------------------------------------------------- endpoints from config
+# ---------------------------------------------------------------------------- endpoints from config
 
 
 def served_version(endpoint: Endpoint, timeout_s: float = 10.0) -> str | None:

@@ -20,15 +20,13 @@ from __future__ import annotations
 import functools
 import json
 import math
-import os
 import random
-import shutil
-import tempfile
 from collections.abc import Callable, Iterator
 from importlib import resources
 from pathlib import Path
 from typing import Any
 
+from draftline.atomic import atomic_dir
 from draftline.config import resolve_section
 
 SYSTEM, USER, ASSISTANT = "<|system|>", "<|user|>", "<|assistant|>"
@@ -661,17 +659,6 @@ def _write_model_dir(directory: Path, toy_cfg: dict) -> None:
     })
 
 
-def _replace_dir(new: Path, target: Path) -> None:
-    """Move the finished ``new`` into place; an old ``target`` is removed only afterwards."""
-    old = None
-    if target.exists():
-        old = Path(tempfile.mkdtemp(prefix=f".{target.name}.old-", dir=target.parent))
-        os.rename(target, old / target.name)
-    os.rename(new, target)
-    if old is not None:
-        shutil.rmtree(old)
-
-
 def build_toy_target(out_dir: Path, toy_cfg: dict) -> Path:
     """Build the toy reasoning target into ``out_dir`` and return it.
 
@@ -681,13 +668,6 @@ def build_toy_target(out_dir: Path, toy_cfg: dict) -> Path:
     """
     toy_cfg = resolve_section("target.toy", toy_cfg)
     out_dir = Path(out_dir)
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    partial = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.partial-", dir=out_dir.parent))
-    try:
-        partial.chmod(0o755)  # mkdtemp makes it private; the target is an ordinary directory
+    with atomic_dir(out_dir) as partial:
         _write_model_dir(partial, toy_cfg)
-        _replace_dir(partial, out_dir)
-    except BaseException:
-        shutil.rmtree(partial, ignore_errors=True)
-        raise
     return out_dir

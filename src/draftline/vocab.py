@@ -117,7 +117,7 @@ def rank_tokens(counts: np.ndarray) -> np.ndarray:
     return np.argsort(-counts, kind="stable")
 
 
-def build_vocab_map(counts: np.ndarray, draft_vocab_size: int):
+def vocab_map_from_counts(counts: np.ndarray, draft_vocab_size: int):
     """(d2t int64 ``[draft]``, t2d bool ``[target]``) for the top-``draft_vocab_size`` tokens.
 
     ``counts`` is ``[target_vocab]``. A draft vocab at least the target vocab gives the
@@ -182,7 +182,7 @@ def counts_summary(counts: np.ndarray, top: int = 20) -> dict:
 # ----------------------------------------------------------------------------- write
 
 
-def write_vocab(
+def build_vocab_map(
     dataset_dir: Path, target_vocab_size: int, draft_vocab_size: int, out_dir: Path
 ) -> dict:
     """Count train/eval tokens, write ``vocab_map.safetensors`` and ``coverage.json``.
@@ -197,7 +197,7 @@ def write_vocab(
     train_counts = count_tokens(dataset_dir, target_vocab_size, split="train")
     eval_counts = count_tokens(dataset_dir, target_vocab_size, split="eval")
     needed = map_needed(target_vocab_size, draft_vocab_size)
-    d2t, t2d = build_vocab_map(train_counts, draft_vocab_size)
+    d2t, t2d = vocab_map_from_counts(train_counts, draft_vocab_size)
     mask = t2d.numpy()
     chosen_size = int(d2t.shape[0])
     padded = int(np.count_nonzero(mask & (train_counts == 0)))

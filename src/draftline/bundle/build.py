@@ -4,7 +4,6 @@ card and ``manifest.json``, then the deterministic archive and the build record 
 from __future__ import annotations
 
 import json
-import shutil
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -12,6 +11,7 @@ from typing import Any
 from tqdm import tqdm
 
 from draftline import modelcard
+from draftline.atomic import atomic_dir
 from draftline.bundle.archive import (
     BUNDLE_FORMAT,
     CHUNK,
@@ -112,17 +112,9 @@ def build_bundle(inputs: BundleInputs, out_dir: str | Path, tar_path: str | Path
     bundled_config = scrub_obj(bundled_config, secrets)
     draft_ref = draft_ref or config.get("bundle", {}).get("hf_repo") or out_dir.as_posix()
 
-    staging = out_dir.with_name(f".{out_dir.name}.staging")
-    shutil.rmtree(staging, ignore_errors=True)
-    staging.mkdir(parents=True)
-    try:
+    with atomic_dir(out_dir) as staging:
         manifest, card = _fill_staging(staging, layout, bundled_config, provenance, draft_ref,
                                        secrets)
-    except BaseException:
-        shutil.rmtree(staging, ignore_errors=True)
-        raise
-    shutil.rmtree(out_dir, ignore_errors=True)
-    staging.rename(out_dir)
     write_deterministic_tar(out_dir, tar_path)
 
     record = build_record_facts(tar_path, out_dir / MANIFEST, config)

@@ -29,7 +29,6 @@ from draftline.hidden.layers import (
 )
 from draftline.hidden.store import (
     FORMAT_VERSION,
-    DiskSpaceError,
     PartSpec,
     check_capacity,
     human_bytes,
@@ -276,7 +275,7 @@ def extract(dataset_dir: str | Path, target_dir: str | Path, out_dir: str | Path
     servers recorded in ``server_state_dir`` (they would hold the accelerators' memory).
     Parts already complete from an earlier, interrupted run with the same target, layers,
     dtype, backend, tokens and loss masks are kept.
-    Raises DiskSpaceError before writing anything when the disk is too small.
+    Raises DiskFullError before writing anything when the disk is too small.
     """
     from tqdm import tqdm
 
@@ -372,7 +371,6 @@ def _build_index(target_dir: Path, info: dict, layer_ids: list[int], backend: st
 
 __all__ = [
     "DEFAULTS",
-    "DiskSpaceError",
     "HiddenStateError",
     "LayerIdError",
     "capture_ids",

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from draftline.atomic import atomic_open
+from draftline.atomic import DiskFullError, atomic_open
 from draftline.layout import HIDDEN_INDEX
 from draftline.target import DTYPE_SIZES, NUM_AUX_LAYERS
 
@@ -45,10 +45,6 @@ _SAFETENSORS_DTYPES = {
     "int8": "I8",
     "bool": "BOOL",
 }
-
-
-class DiskSpaceError(RuntimeError):
-    """Not enough free disk for the planned output (raised before anything is written)."""
 
 
 # ----------------------------------------------------------------------------- sizes
@@ -83,7 +79,8 @@ def check_capacity(need_bytes: int, out_dir: Path, free_bytes: int | None, margi
                "margin": margin, "free_source": "measured" if measured else "hidden.free_bytes"}
     if required > free:
         where = f"free on the disk of {out_dir}" if measured else "free (config hidden.free_bytes)"
-        raise DiskSpaceError(
+        raise DiskFullError(
+            out_dir,
             f"hidden states need {human_bytes(need_bytes)} ({need_bytes:,} bytes), "
             f"{human_bytes(required)} with the margin hidden.disk_margin={margin}, but only "
             f"{human_bytes(free)} ({free:,} bytes) are {where}. Free disk space, point "

@@ -28,7 +28,6 @@ Only tensor-parallel rank 0 writes (the states are replicated across ranks).
 
 from __future__ import annotations
 
-import os
 import re
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -44,6 +43,8 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     SupportsHMA,
 )
 from vllm.logger import init_logger
+
+from draftline.atomic import atomic_path
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -134,7 +135,7 @@ class DraftlineHiddenStatesConnector(KVConnectorBase_V1, SupportsHMA):
             self._executor = ThreadPoolExecutor(
                 max_workers=int(extra.get("writer_threads", 2)), thread_name_prefix="hs-write")
 
-    # ------------------------------------------------------------------ scheduler side
+    # ----------------------------------------------------------------------------- scheduler side
 
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int):
         return 0, False  # never loads anything
@@ -164,7 +165,7 @@ class DraftlineHiddenStatesConnector(KVConnectorBase_V1, SupportsHMA):
             return False, None
         return self.request_finished(request, block_ids[self.group_id])
 
-    # ------------------------------------------------------------------ worker side
+    # ----------------------------------------------------------------------------- worker side
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]):
         from vllm.config import get_layers_from_vllm_config
@@ -224,11 +225,9 @@ class DraftlineHiddenStatesConnector(KVConnectorBase_V1, SupportsHMA):
 
     def _write_file(self, tensors: dict, name: str) -> None:
         path = spool_file(self.spool_dir, name)
-        tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
         try:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            save_file(tensors, str(tmp))
-            os.replace(tmp, path)
+            with atomic_path(path) as tmp:
+                save_file(tensors, str(tmp))
         except Exception as exc:
             logger.exception("hidden states file %s not written", path)
             self._write_error(name, f"write failed: {exc!r}")
