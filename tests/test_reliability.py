@@ -27,7 +27,6 @@ from draftline.generate import (
     GenerateSettings,
     generate_shard,
     read_jsonl_ids,
-    write_jsonl_atomic,
 )
 from draftline.hidden.store import write_safetensors
 from draftline.server import Endpoint
@@ -338,7 +337,7 @@ def _write_bytes(path):
 
 
 def _write_jsonl(path):
-    write_jsonl_atomic(path, [{"id": str(i), "text": "y" * 1000} for i in range(200)])
+    atomic.write_jsonl(path, [{"id": str(i), "text": "y" * 1000} for i in range(200)])
 
 
 def _write_safetensors(path):

@@ -17,7 +17,7 @@ import json
 import os
 import secrets
 import shutil
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import IO, Any
 
@@ -147,6 +147,13 @@ def write_json(path: str | Path, obj: Any, indent: int | None = 1) -> None:
     with atomic_open(path) as fh:
         json.dump(obj, fh, indent=indent)
         fh.write("\n")
+
+
+def write_jsonl(path: str | Path, rows: Iterable[dict]) -> None:
+    """One JSON object per line (UTF-8 kept as is)."""
+    with atomic_open(path) as fh:
+        for row in rows:
+            fh.write(json.dumps(row, ensure_ascii=False) + "\n")
 
 
 def copy_file(src: str | Path, dst: str | Path) -> None:

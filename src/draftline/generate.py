@@ -45,7 +45,7 @@ import httpx
 import openai
 from tqdm import tqdm
 
-from draftline.atomic import atomic_open, disk_full_names, write_json
+from draftline.atomic import disk_full_names, write_json, write_jsonl
 from draftline.generation_report import server_view
 from draftline.hub import hub_revision
 from draftline.loadgen import parse_metrics, request_seed
@@ -324,12 +324,6 @@ class AppendLog:
             os.fsync(self.fh.fileno())
         with contextlib.suppress(OSError):
             self.fh.close()
-
-
-def write_jsonl_atomic(path: Path, records: Iterable[dict]) -> None:
-    with atomic_open(path) as fh:
-        for rec in records:
-            fh.write(json.dumps(rec, ensure_ascii=False) + "\n")
 
 
 # ----------------------------------------------------------------------------- the shard run
@@ -644,11 +638,11 @@ def resume_shard(partial: Path, partial_errors: Path,
         adopted += len(new)
     foreign = {k: r for k, r in own.items() if k not in fingerprints}
     if discarded or adopted:
-        write_jsonl_atomic(partial, [*records.values(), *foreign.values()])
+        write_jsonl(partial, [*records.values(), *foreign.values()])
     # Final errors (e.g. 400: prompt too long) stay; retryable ones get another chance.
     errors = {k: e for k, e in _valid(read_jsonl_ids(partial_errors), fingerprints).items()
               if not e.get("retryable") and k not in records}
-    write_jsonl_atomic(partial_errors, errors.values())
+    write_jsonl(partial_errors, errors.values())
     return Resumed(records, errors, discarded, adopted)
 
 
@@ -702,8 +696,8 @@ def finish_shard(prompts, fingerprints, kept, partial, partial_errors, out_file,
     done = _valid(read_jsonl_ids(partial), fingerprints)
     errors = {k: v for k, v in _valid(read_jsonl_ids(partial_errors), fingerprints).items()
               if k not in done}
-    write_jsonl_atomic(out_file, sorted(done.values(), key=lambda r: order[r["id"]]))
-    write_jsonl_atomic(errors_file, sorted(errors.values(), key=lambda r: order[r["id"]]))
+    write_jsonl(out_file, sorted(done.values(), key=lambda r: order[r["id"]]))
+    write_jsonl(errors_file, sorted(errors.values(), key=lambda r: order[r["id"]]))
     fill = stats.fill_seconds
     summary = {
         "prompts": len(prompts),

@@ -22,6 +22,8 @@ BENCH_RESULTS = "results.json"
 BENCH_SUMMARY = "summary.md"
 BENCH_PLOTS = ("throughput.png", "acceptance.png")
 DATASET_STATS = "stats.json"
+VOCAB_MAP = "vocab_map.safetensors"
+VOCAB_COVERAGE = "coverage.json"
 HIDDEN_INDEX = "index.json"
 HIDDEN_STATS = "extract_stats.json"
 
@@ -115,11 +117,11 @@ class Layout:
 
     @property
     def vocab_map(self) -> Path:
-        return self.vocab / "vocab_map.safetensors"
+        return self.vocab / VOCAB_MAP
 
     @property
     def vocab_coverage(self) -> Path:
-        return self.vocab / "coverage.json"
+        return self.vocab / VOCAB_COVERAGE
 
     # ----------------------------------------------------------------------------- hidden states
     @property

@@ -48,9 +48,9 @@ from typing import Any
 
 from tqdm import tqdm
 
-from draftline.atomic import write_text
+from draftline.atomic import write_jsonl, write_text
 from draftline.layout import PROMPTS_REJECTED, PROMPTS_SUMMARY, shard_file
-from draftline.records import Prompt, RecordError, write_jsonl, write_shard
+from draftline.records import Prompt, RecordError, write_shard
 
 BUNDLED = "bundled"
 HF_PREFIX = "hf:"

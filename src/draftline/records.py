@@ -17,7 +17,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
-from draftline.atomic import atomic_open
+from draftline.atomic import write_jsonl
 
 
 class RecordError(ValueError):
@@ -39,13 +39,6 @@ class Prompt:
     # full sha256 hex digest of the canonical messages; set when built from a source (it finds
     # duplicates), not kept in the shards
     content_hash: str | None = None
-
-
-def write_jsonl(path: str | Path, rows: Iterable[dict]) -> None:
-    """One JSON object per line (UTF-8 kept as is), published atomically."""
-    with atomic_open(path) as f:
-        for row in rows:
-            f.write(json.dumps(row, ensure_ascii=False) + "\n")
 
 
 def write_shard(path: str | Path, prompts: Iterable[Prompt]) -> None:

@@ -31,6 +31,7 @@ from typing import Any
 import numpy as np
 
 from draftline.atomic import write_bytes
+from draftline.layout import VOCAB_COVERAGE, VOCAB_MAP
 
 COVERAGE_SIZES = (8192, 16384, 32768, 65536)
 TIE_BREAK = "descending count, ties by lower token id; unseen tokens pad from the lowest id"
@@ -230,11 +231,11 @@ def build_vocab_map(
         "map_needed": str(needed).lower(),
     }
     write_bytes(
-        out_dir / "vocab_map.safetensors",
+        out_dir / VOCAB_MAP,
         save({"d2t": d2t.contiguous(), "t2d": t2d.contiguous()}, metadata=metadata),
     )
     write_bytes(
-        out_dir / "coverage.json", (json.dumps(record, indent=2) + "\n").encode("utf-8")
+        out_dir / VOCAB_COVERAGE, (json.dumps(record, indent=2) + "\n").encode("utf-8")
     )
     return record
 

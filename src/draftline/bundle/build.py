@@ -27,8 +27,7 @@ from draftline.bundle.archive import (
 from draftline.bundle.card import collect_card_facts
 from draftline.bundle.inputs import BundleInputs
 from draftline.bundle.provenance import collect_provenance
-from draftline.bundle.record import build_record as build_record_facts
-from draftline.bundle.record import build_record_path, write_build_record
+from draftline.bundle.record import build_record_path, collect_build_record, write_build_record
 from draftline.bundle.scrub import scrub_config, scrub_obj, scrub_text, secret_values
 
 TEXT_SUFFIXES = {".json", ".jsonl", ".md", ".yaml", ".yml", ".txt", ".csv", ".tsv", ".html",
@@ -117,7 +116,7 @@ def build_bundle(inputs: BundleInputs, out_dir: str | Path, tar_path: str | Path
                                        secrets)
     write_deterministic_tar(out_dir, tar_path)
 
-    record = build_record_facts(tar_path, out_dir / MANIFEST, config)
+    record = collect_build_record(tar_path, out_dir / MANIFEST, config)
     write_build_record(build_record or build_record_path(tar_path), record, secrets)
     if card_html is not None:  # the report's card may show this build; the bundle's may not
         modelcard.add_build_record(card, record)

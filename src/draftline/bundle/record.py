@@ -104,8 +104,9 @@ def local_images(config: Mapping[str, Any]) -> list[dict[str, Any]]:
     return images
 
 
-def build_record(tar_path: str | Path, manifest_path: str | Path, config: Mapping[str, Any],
-                 argv: Sequence[str] | None = None) -> dict[str, Any]:
+def collect_build_record(tar_path: str | Path, manifest_path: str | Path,
+                         config: Mapping[str, Any],
+                         argv: Sequence[str] | None = None) -> dict[str, Any]:
     return {
         "format": RECORD_FORMAT,
         "bundle": Path(tar_path).name,
