@@ -132,7 +132,7 @@ def test_snakemake_dry_run_lists_the_pipeline(tmp_path):
     assert sorted(declared) == sorted(jobs)
 
 
-# ---------------------------------------------------------------- the config as documentation
+# ---------------------------------------------------------------------- the config as documentation
 
 
 def test_every_config_key_has_a_description():
