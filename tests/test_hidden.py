@@ -337,8 +337,8 @@ def test_capacity_check_fails_before_writing(tiny_target, dataset, tmp_path):
 
 
 _KILL_AFTER_TWO_PARTS = """
-import json, os, signal, sys
-import draftline.hidden as hidden
+import importlib, json, os, signal, sys
+hidden = importlib.import_module("draftline.hidden.extract")  # the module, not the function
 
 original = hidden.write_part
 written = []
@@ -359,9 +359,9 @@ hidden.extract(*json.loads(sys.argv[1]))
 
 
 _INTERRUPT_INSIDE_THIRD_PART = """
-import json, os, signal, sys
-import draftline.hidden as hidden
+import importlib, json, os, signal, sys
 import draftline.hidden.store as store
+hidden = importlib.import_module("draftline.hidden.extract")  # the module, not the function
 
 original_write, original_bytes = hidden.write_part, store._tensor_bytes
 written = []
