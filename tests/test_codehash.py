@@ -132,7 +132,7 @@ def test_real_stages_reach_the_modules_they_run():
     generate = closure("generate.py")
     assert {"generate.py", "loadgen.py", "slots.py", "server.py", "atomic.py",
             "docker_launcher.py", "dataset.py"} <= generate
-    assert {"train.py", "model.py", "prompts.py", "toy.py"}.isdisjoint(generate)
+    assert {"train/loop.py", "model.py", "prompts.py", "toy.py"}.isdisjoint(generate)
     assert {"export.py", "target.py", "model.py"} <= closure("export_draft.py")
     assert {"bench.py", "dataset.py", "loadgen.py", "server.py"} <= closure("bench.py")
     assert {"hidden/__init__.py", "hidden/store.py", "hidden/hf_backend.py",
@@ -242,7 +242,7 @@ def test_editing_the_docker_launcher_makes_the_serving_stages_stale(completed_wo
 
 
 def test_editing_train_makes_export_stale_too(completed_workflow):
-    assert jobs_after_editing(completed_workflow, "train.py") == {
+    assert jobs_after_editing(completed_workflow, "train/loop.py") == {
         "train_draft", "export_draft", "bench", "bundle", "all"}
 
 

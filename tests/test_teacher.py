@@ -60,7 +60,8 @@ def teacher_and_hf_logp(model, target_dir: Path, tensors: dict | None = None):
     """(teacher log-probs, HF log-probs) over the full vocab for one random sequence; the
     teacher's norm and lm_head as training loads them from ``target_dir`` unless given."""
     from draftline.model import DraftConfig, TargetHead
-    from draftline.train import load_target_tensors, read_target_config
+    from draftline.target import read_target_config
+    from draftline.train import load_target_tensors
 
     vocab = model.config.vocab_size
     captured = {}

@@ -9,6 +9,9 @@ Layout under ``out_dir`` (docs/formats.md, "Hidden states"):
   of everything that determines its content; it makes resuming cheap (no re-hashing).
 * ``index.json`` - written last: target facts and one entry per part file.
 
+``HiddenStates`` (at the end) is the reader training uses: it opens the index and reads one
+sample's slices at a time.
+
 Part files are written by our own small safetensors writer: the Rust writer stores metadata in a
 hash map whose order changes from process to process, so the same tensors would not give the
 same bytes (and checksums) twice. Ours is deterministic and hashes while it writes.
@@ -325,3 +328,80 @@ def verify_index(out_dir: Path) -> list[str]:
             problems.append(f"{entry['path']}: sample ids stored twice: {sorted(duplicates)[:5]}")
         seen.update(entry["sample_ids"])
     return problems
+
+
+# ----------------------------------------------------------------------------- reader
+
+
+@dataclass(frozen=True)
+class SampleRef:
+    """Where one sample's tokens lie in a part file: rows ``start:end``."""
+
+    file: Path
+    start: int
+    end: int
+    sample_id: str
+
+    @property
+    def length(self) -> int:
+        return self.end - self.start
+
+
+class HiddenStates:
+    """The store of docs/formats.md, read lazily one sample slice at a time (training)."""
+
+    MAX_OPEN = 8
+
+    def __init__(self, hidden_dir: Path):
+        from safetensors import safe_open
+
+        self.root = Path(hidden_dir)
+        index_path = self.root / HIDDEN_INDEX
+        if not index_path.exists():
+            raise FileNotFoundError(f"hidden-state index not found: {index_path}")
+        self.index = json.loads(index_path.read_text())
+        for key in ("hidden_size", "layer_ids", "files"):
+            if key not in self.index:
+                raise ValueError(f"{index_path}: missing key '{key}'")
+        self.hidden_size = int(self.index["hidden_size"])
+        self.layer_ids = [int(i) for i in self.index["layer_ids"]]
+        self.samples: dict[str, list[SampleRef]] = {}
+        for entry in self.index["files"]:
+            path = self.root / entry["path"]
+            if not path.exists():
+                raise FileNotFoundError(f"hidden-state part listed in {index_path} is missing: "
+                                        f"{path}")
+            with safe_open(str(path), framework="pt") as f:
+                offsets = f.get_tensor("offsets").tolist()  # [n_samples + 1]
+            ids = entry.get("sample_ids") or [str(i) for i in range(len(offsets) - 1)]
+            if len(ids) != len(offsets) - 1:
+                raise ValueError(f"{path}: {len(offsets) - 1} samples in offsets, "
+                                 f"{len(ids)} sample_ids in the index")
+            split = self.samples.setdefault(entry["split"], [])
+            split += [SampleRef(path, a, b, sid)
+                      for a, b, sid in zip(offsets[:-1], offsets[1:], ids, strict=True)]
+        self._open: dict[Path, Any] = {}
+
+    def __getstate__(self):  # data-loader workers open their own handles
+        return {**self.__dict__, "_open": {}}
+
+    def _handle(self, path: Path):
+        from safetensors import safe_open
+
+        if path not in self._open:
+            if len(self._open) >= self.MAX_OPEN:
+                self._open.pop(next(iter(self._open)))
+            self._open[path] = safe_open(str(path), framework="pt")
+        return self._open[path]
+
+    def read(self, ref: SampleRef) -> dict:
+        """aux ``[n, 3Ht]``, final ``[n, Ht]``, input_ids ``[n]``, loss_mask ``[n]`` of a sample."""
+        f = self._handle(ref.file)
+        out = {name: f.get_slice(name)[ref.start:ref.end]
+               for name in ("aux", "final", "input_ids", "loss_mask")}
+        if out["aux"].shape[-1] != NUM_AUX_LAYERS * self.hidden_size or out["final"].shape[-1] != (
+                self.hidden_size):
+            raise ValueError(f"{ref.file}: sample {ref.sample_id}: aux/final widths "
+                             f"{out['aux'].shape[-1]}/{out['final'].shape[-1]} do not match "
+                             f"hidden_size {self.hidden_size} x {NUM_AUX_LAYERS} aux layers")
+        return out

@@ -1,0 +1,32 @@
+"""``python -m draftline.train``: one training run, or under torchrun one process of it."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import draftline.train
+from draftline.train.loop import train
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m draftline.train",
+                                     description=draftline.train.__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--hidden-dir", required=True)
+    parser.add_argument("--vocab-map", required=True)
+    parser.add_argument("--target-dir", required=True)
+    parser.add_argument("--out-dir", required=True)
+    parser.add_argument("--config-json", default="{}",
+                        help="the train config section: JSON text or a JSON file path")
+    args = parser.parse_args(argv)
+    text = args.config_json
+    cfg = json.loads(text if text.lstrip().startswith("{") else Path(text).read_text())
+    train(args.hidden_dir, args.vocab_map, args.target_dir, args.out_dir, cfg)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

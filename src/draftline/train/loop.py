@@ -1,0 +1,235 @@
+"""The training loop, top to bottom: config, processes, draft and teacher, optimizer, batches,
+resume, then optimizer steps with evaluation, best weights, checkpoints and stop requests.
+
+One optimizer step consumes ``grad_accum`` micro-batches on each of the ``world_size``
+processes, so one process with ``grad_accum = 2`` and two processes with ``grad_accum = 1``
+take the same steps. The batches come from a batch source (``draftline.train.data``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import random
+import sys
+import time
+from pathlib import Path
+
+import jsonschema
+import torch
+from tqdm import tqdm
+
+from draftline.config import ConfigError, load_schema
+from draftline.hidden.store import HiddenStates
+from draftline.model import COUNT_KEYS, metrics_from_counts, on_greedy_path, ttt_loss
+from draftline.target import read_teacher_config
+from draftline.train.checkpoint import (
+    STATE_DIR,
+    fingerprint,
+    publish,
+    resume,
+    save_best,
+    save_checkpoint,
+)
+from draftline.train.data import StoredBatches
+from draftline.train.distributed import (
+    Runtime,
+    all_reduce_sum,
+    barrier,
+    close_runtime,
+    gradient_sync,
+    init_runtime,
+    launch_torchrun,
+    under_torchrun,
+    wrap_model,
+)
+from draftline.train.draft import build_draft, check_inputs
+from draftline.train.metrics import RunLog, train_record
+from draftline.train.signals import StopRequest
+
+
+def resolve_train_cfg(train_cfg: dict | None) -> dict:
+    """The ``train`` section with schema defaults filled in and validated (errors name keys)."""
+    schema = load_schema()["properties"]["train"]
+    cfg = {k: v["default"] for k, v in schema["properties"].items() if "default" in v}
+    cfg.update(train_cfg or {})
+    errors = sorted(jsonschema.Draft202012Validator(schema).iter_errors(cfg),
+                    key=lambda e: list(e.absolute_path))
+    if errors:
+        err = errors[0]
+        where = ".".join(str(p) for p in err.absolute_path)
+        raise ConfigError(f"config key 'train{'.' + where if where else ''}': {err.message}")
+    return cfg
+
+
+def train(hidden_dir, vocab_map, target_dir, out_dir, train_cfg: dict | None = None) -> dict:
+    """Train the draft; returns the eval.json record (also written to ``out_dir``)."""
+    cfg = resolve_train_cfg(train_cfg)
+    hidden_dir, vocab_map, target_dir, out_dir = map(Path, (hidden_dir, vocab_map, target_dir,
+                                                          out_dir))
+    read_teacher_config(target_dir)  # refuse an unsupported target before any process starts
+    processes = cfg["nproc_per_node"] * cfg["nnodes"]
+    if processes > 1 and not under_torchrun():
+        if cfg["nnodes"] > 1:
+            raise ValueError("train.nnodes > 1: start `torchrun ... -m draftline.train` on every "
+                             "node (see the draftline.train docstring)")
+        return launch_torchrun(hidden_dir, vocab_map, target_dir, out_dir, cfg)
+    rt = init_runtime()
+    try:
+        return run(rt, hidden_dir, vocab_map, target_dir, out_dir, cfg)
+    finally:
+        close_runtime(rt)
+
+
+def run(rt: Runtime, hidden_dir: Path, vocab_map: Path, target_dir: Path, out_dir: Path,
+        cfg: dict) -> dict:
+    """One process of a training run (rank ``rt.rank`` of ``rt.world``)."""
+    torch.manual_seed(cfg["seed"])
+    random.seed(cfg["seed"])
+    out_dir.mkdir(parents=True, exist_ok=True)
+
+    # the draft, its teacher (the target's final norm and lm_head) and the optimizer
+    store = HiddenStates(hidden_dir)
+    check_inputs(store, hidden_dir, vocab_map, target_dir, cfg["draft"])  # before big reads
+    model, head, draft_cfg = build_draft(target_dir, vocab_map, cfg["seed"], rt.device,
+                                         cfg["draft"])
+    wrapped = wrap_model(model, cfg["strategy"], rt)
+    params = [p for p in model.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(params, lr=cfg["lr"], weight_decay=cfg["weight_decay"],
+                                  betas=(0.9, 0.95))
+
+    # the batches and the schedule
+    workers = 2 if rt.device.type == "cuda" else 0
+    data = StoredBatches(store, cfg, rt.rank, rt.world, workers)
+    total = sum(data.steps_per_epoch)
+    if cfg["max_steps"]:
+        total = min(total, cfg["max_steps"])
+    scheduler = torch.optim.lr_scheduler.LambdaLR(
+        optimizer, lambda s: lr_factor(s, cfg["warmup_steps"], total))
+
+    # resume this run's latest checkpoint, or start afresh
+    state_root = out_dir / STATE_DIR
+    run_id = fingerprint(cfg, rt.world, hidden_dir, vocab_map, target_dir)
+    trainer = resume(state_root, run_id, model, optimizer, scheduler, rt)
+    resumed = None if trainer is None else trainer["step"]
+    # "group" is the optimizer step within the epoch to continue from
+    trainer = trainer or {"run_id": run_id, "step": 0, "epoch": 0, "group": 0, "tokens": 0,
+                          "best": None, "last_eval": None}
+    log = RunLog(state_root, out_dir, resumed, rt)
+    progress = tqdm(total=total, initial=trainer["step"], disable=not rt.is_main,
+                    unit="step", dynamic_ncols=True, desc="draft")
+    meta = {"layer_ids": data.layer_ids, "ttt_steps": cfg["ttt_steps"],
+            "draft_config": draft_cfg.to_dict(), "world_size": rt.world,
+            "eval_split": data.eval_split}
+    accum = cfg["grad_accum"]
+
+    # the bar and the log are closed however the loop ends (a signal, a full disk, ...)
+    with StopRequest() as stop, contextlib.closing(progress), contextlib.closing(log):
+        step = trainer["step"]
+        for epoch in range(trainer["epoch"], len(data.steps_per_epoch)):
+            if step >= total:
+                break
+            first = trainer["group"] if epoch == trainer["epoch"] else 0
+            batches = data.train_batches(epoch, first)
+            for g in range(first, data.steps_per_epoch[epoch]):
+                # one optimizer step: accumulate gradients over `accum` micro-batches
+                started = time.perf_counter()
+                loss_sum, counts, tokens = 0.0, 0, 0
+                for a in range(accum):
+                    batch = next(batches)
+                    with gradient_sync(wrapped, cfg["strategy"], rt, a == accum - 1):
+                        loss, c = run_micro_batch(wrapped, head, batch, cfg, rt)
+                        (loss / accum).backward()
+                    loss_sum += float(loss.detach()) / accum
+                    counts = counts + c
+                    tokens += batch["tokens"]
+                grad_norm = torch.nn.utils.clip_grad_norm_(params, cfg["grad_clip"])
+                optimizer.step()
+                scheduler.step()
+                optimizer.zero_grad(set_to_none=True)
+                step += 1
+
+                # log the step (sums over all ranks)
+                totals = torch.tensor([loss_sum, float(tokens)], dtype=torch.float64)
+                totals = all_reduce_sum(totals, rt)
+                counts = all_reduce_sum(counts, rt)
+                trainer.update(step=step, epoch=epoch, group=g + 1,
+                               tokens=trainer["tokens"] + int(totals[1]))
+                elapsed = time.perf_counter() - started
+                record = train_record(step, epoch, scheduler, totals, counts, grad_norm, elapsed,
+                                      rt)
+                log.write(record, "train")
+                progress.update(1)
+                progress.set_postfix(loss=f"{record['loss']:.3f}",
+                                     acc0=f"{record['accuracy'][0]:.2f}",
+                                     tok_s=f"{record['tokens_per_s']:.0f}")
+
+                # evaluate; keep the weights of the best evaluation
+                if step % cfg["eval_every"] == 0 or step == total:
+                    result = {"step": step, **evaluate(model, head, data, cfg, rt)}
+                    log.write(result, "eval")
+                    trainer["last_eval"] = result
+                    best = trainer["best"]
+                    if best is None or (result["simulated_acceptance_length"]
+                                        > best["simulated_acceptance_length"]):
+                        trainer["best"] = result
+                        save_best(state_root, model, draft_cfg, {**result, **meta}, rt)
+
+                # checkpoint; stop here when asked to
+                signum = stop.requested(rt)
+                if signum or step % cfg["checkpoint_every"] == 0 or step == total:
+                    save_checkpoint(state_root, step, model, optimizer, scheduler, trainer, rt)
+                if signum and step < total:
+                    print(f"stopped by signal {signum} after step {step}/{total}; the checkpoint "
+                          f"in {state_root} resumes it", file=sys.stderr, flush=True)
+                    raise SystemExit(128 + signum)
+                if step >= total:
+                    break
+            if step >= total:
+                break
+            trainer.update(epoch=epoch + 1, group=0)
+
+    record = {**trainer["best"], "best_step": trainer["best"]["step"], "steps": total,
+              "train_tokens": trainer["tokens"], "final_eval": trainer["last_eval"], **meta}
+    record.pop("step")
+    if rt.is_main:
+        publish(state_root, out_dir, record)
+    barrier(rt)
+    return record
+
+
+def run_micro_batch(model, head, batch: dict, cfg: dict, rt: Runtime):
+    """Forward one micro-batch: (loss, counts ``[6, K]``)."""
+    cuda = rt.device.type == "cuda"
+    dtype = torch.bfloat16 if cuda else torch.float32
+    aux = batch["aux"].to(rt.device, dtype, non_blocking=True)  # [B, T, 3Ht]
+    final = batch["final"].to(rt.device, dtype, non_blocking=True)  # [B, T, Ht]
+    input_ids = batch["input_ids"].to(rt.device, non_blocking=True)  # [B, T]
+    loss_mask = batch["loss_mask"].to(rt.device, non_blocking=True)  # [B, T]
+    amp = torch.autocast("cuda", dtype=torch.bfloat16) if cuda else contextlib.nullcontext()
+    with amp:
+        target_logp, target_in_draft, argmax = head(final, with_argmax=True)  # [B, T, (D)]
+        logits = model(aux, input_ids, cfg["ttt_steps"])  # K x [B, T, D]
+        return ttt_loss(logits, target_logp, target_in_draft, loss_mask, cfg["loss_decay"],
+                        greedy_path=on_greedy_path(input_ids, argmax))
+
+
+def evaluate(model, head, data, cfg: dict, rt: Runtime) -> dict:
+    """Metrics over the whole eval split; micro-batches are spread over the ranks."""
+    counts = torch.zeros(len(COUNT_KEYS), cfg["ttt_steps"], dtype=torch.float64)
+    model.eval()
+    with torch.no_grad():
+        for batch, keep in data.eval_batches():
+            _, c = run_micro_batch(model, head, batch, cfg, rt)
+            if keep:
+                counts += c
+    model.train()
+    return metrics_from_counts(all_reduce_sum(counts, rt))
+
+
+def lr_factor(step: int, warmup: int, total: int) -> float:
+    """Linear warmup to 1 over ``warmup`` steps, then cosine to 0 at ``total``."""
+    if step < warmup:
+        return (step + 1) / warmup
+    progress = (step - warmup) / max(1, total - warmup)
+    return 0.5 * (1.0 + math.cos(math.pi * min(1.0, progress)))
