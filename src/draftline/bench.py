@@ -59,6 +59,7 @@ from draftline.machine import serving_machine
 from draftline.profile import resolve_concurrency
 from draftline.records import Prompt
 from draftline.server import Endpoint, endpoints_for, served_version
+from draftline.target import text_config
 
 SCHEMA = "draftline.bench/1"
 PER_POS = "vllm:spec_decode_num_accepted_tokens_per_pos"
@@ -513,8 +514,7 @@ def target_architecture(model: str) -> dict | None:
     path = Path(model) / "config.json"
     if not path.is_file():
         return None
-    cfg = json.loads(path.read_text())
-    return cfg.get("text_config") or cfg
+    return text_config(json.loads(path.read_text()))
 
 
 def uses_mla(target_cfg: dict) -> bool:

@@ -32,6 +32,7 @@ import numpy as np
 
 from draftline.atomic import write_bytes
 from draftline.layout import VOCAB_COVERAGE, VOCAB_MAP
+from draftline.target import text_config
 
 COVERAGE_SIZES = (8192, 16384, 32768, 65536)
 TIE_BREAK = "descending count, ties by lower token id; unseen tokens pad from the lowest id"
@@ -251,7 +252,7 @@ def load_vocab_map(path: Path):
 def target_vocab_size(target_dir: str | Path) -> int:
     """The target's vocabulary size from its config.json (multimodal configs nest it)."""
     config = json.loads((Path(target_dir) / "config.json").read_text())
-    size = config.get("vocab_size") or config.get("text_config", {}).get("vocab_size")
+    size = config.get("vocab_size") or text_config(config).get("vocab_size")
     if not size:
         raise ValueError(f"{target_dir}/config.json has no vocab_size")
     return int(size)
