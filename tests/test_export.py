@@ -20,7 +20,7 @@ from conftest import requires_vllm
 from safetensors.torch import load_file, save_file
 
 from draftline.export import ExportError, export_draft
-from draftline.train import save_untrained, train
+from draftline.train import save_untrained
 
 
 def untrained(inputs: dict, directory: Path) -> Path:
@@ -156,47 +156,6 @@ def test_export_refuses_bad_layer_ids(draft_inputs, tmp_path):
 # ----------------------------------------------------------------------------- served by vLLM
 
 
-def sampled_dataset(target_dir: Path, out_dir: Path, n_train: int, n_eval: int,
-                    seed: int = 1234) -> tuple[Path, list[list[dict]]]:
-    """Toy conversations answered by the toy target itself (sampled, T=0.7, as the pipeline
-    generates), saved in the dataset contract; returns (dataset dir, eval prompts)."""
-    from datasets import Dataset, DatasetDict
-    from tokenizers import Tokenizer
-    from transformers import AutoModelForCausalLM
-
-    from draftline.dataset import dataset_features
-    from draftline.toy import END, render_chat, synthetic_conversations
-
-    conversations = synthetic_conversations(n_train + n_eval, seed)
-    tokenizer = Tokenizer.from_file(str(target_dir / "tokenizer.json"))
-    end_id, pad_id = tokenizer.token_to_id(END), 0
-    model = AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.float32).eval()
-    torch.manual_seed(seed)
-    rows = {"train": [], "eval": []}
-    prompts = [tokenizer.encode(render_chat(c[:-1], add_generation_prompt=True)).ids
-               for c in conversations]
-    for start in range(0, len(prompts), 32):
-        batch = prompts[start:start + 32]
-        width = max(map(len, batch))
-        ids = torch.tensor([[pad_id] * (width - len(p)) + p for p in batch])  # left padding
-        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in batch])
-        with torch.no_grad():
-            out = model.generate(ids, attention_mask=mask, do_sample=True, temperature=0.7,
-                                 top_p=0.95, max_new_tokens=160, eos_token_id=end_id,
-                                 pad_token_id=pad_id)
-        for i, prompt in enumerate(batch):
-            reply = out[i, width:].tolist()
-            reply = reply[:reply.index(end_id) + 1] if end_id in reply else reply
-            n = start + i
-            split = "train" if n < n_train else "eval"
-            rows[split].append({"id": f"s{n}", "input_ids": prompt + reply,
-                                "loss_mask": [0] * len(prompt) + [1] * len(reply)})
-    data = DatasetDict({split: Dataset.from_list(r, features=dataset_features())
-                        for split, r in rows.items()})
-    data.save_to_disk(str(out_dir))
-    return out_dir, [c[:-1] for c in conversations[n_train:]]
-
-
 def spec_counters(url: str) -> dict[str, float]:
     """Pooled spec-decode counters from vLLM's Prometheus /metrics."""
     import httpx
@@ -214,71 +173,42 @@ def spec_counters(url: str) -> dict[str, float]:
     return totals
 
 
-def served_acceptance(target: Path, draft: Path, server_cfg: dict, prompts: list, log: Path,
-                      num_speculative_tokens: int = 3) -> dict:
-    """Start vLLM with the draft, send the prompts at temperature 0, 1 + accepted / drafts."""
+def served_acceptance(server, prompts: list) -> dict:
+    """The prompts at temperature 0 to a server with a draft: 1 + accepted / drafts."""
     import httpx
 
-    from draftline.server import ManagedServer, spec_from_config
+    before = spec_counters(server.url)
 
-    spec = spec_from_config(server_cfg, str(target), speculative_config={
-        "method": "eagle3", "model": str(draft),
-        "num_speculative_tokens": num_speculative_tokens})
-    started = time.monotonic()
-    with ManagedServer(spec, log) as server:
-        startup_s = time.monotonic() - started
-        before = spec_counters(server.url)
+    def ask(messages):
+        body = {"model": server.spec.served_name, "messages": messages, "temperature": 0,
+                "max_tokens": 128}
+        reply = httpx.post(f"{server.url}/v1/chat/completions", json=body, timeout=300)
+        reply.raise_for_status()
+        return reply.json()["usage"]["completion_tokens"]
 
-        def ask(messages):
-            body = {"model": spec.served_name, "messages": messages, "temperature": 0,
-                    "max_tokens": 128}
-            reply = httpx.post(f"{server.url}/v1/chat/completions", json=body, timeout=300)
-            reply.raise_for_status()
-            return reply.json()["usage"]["completion_tokens"]
-
-        with ThreadPoolExecutor(8) as pool:
-            tokens = sum(pool.map(ask, prompts))
-        after = spec_counters(server.url)
+    with ThreadPoolExecutor(8) as pool:
+        tokens = sum(pool.map(ask, prompts))
+    after = spec_counters(server.url)
     drafts = after["vllm:spec_decode_num_drafts"] - before["vllm:spec_decode_num_drafts"]
     accepted = (after["vllm:spec_decode_num_accepted_tokens"]
                 - before["vllm:spec_decode_num_accepted_tokens"])
-    assert drafts > 0, f"no drafts counted; log {log}"
+    assert drafts > 0, f"no drafts counted; log {server.log_path}"
     return {"acceptance_length": 1 + accepted / drafts, "drafts": drafts, "accepted": accepted,
-            "completion_tokens": tokens, "startup_s": round(startup_s, 1)}
-
-
-# The trained draft's own sizes (train.draft), none of them the target's: grouped-query
-# attention, a wider head, another MLP width and YaRN rotary, which vLLM must serve as trained.
-DRAFT_ARCHITECTURE = {"intermediate_size": 512, "num_key_value_heads": 2, "head_dim": 64,
-                      "rope_scaling": {"rope_type": "yarn", "factor": 2.0,
-                                       "original_max_position_embeddings": 256}}
+            "completion_tokens": tokens}
 
 
 @pytest.mark.vllm
 @pytest.mark.slow
 @requires_vllm
-def test_trained_draft_serves_and_beats_an_untrained_one(toy_target, config, tmp_path):
-    from draftline.hidden import extract
+def test_trained_draft_serves_and_beats_an_untrained_one(trained_toy_draft, trained_eagle_server,
+                                                         toy_target, config, tmp_path):
+    from draftline.server import ManagedServer, spec_from_config
     from draftline.vocab import build_vocab_map
 
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # tiny matmuls: one thread is as fast, and steady on a busy host
-    try:
-        started = time.monotonic()
-        dataset, eval_prompts = sampled_dataset(toy_target, tmp_path / "dataset", 360, 40)
-        index = extract(dataset, toy_target, tmp_path / "hidden", {"backend": "hf"})
-        build_vocab_map(dataset, 2048, config["vocab"]["draft_vocab_size"], tmp_path / "vocab")
-        vocab_map = tmp_path / "vocab" / "vocab_map.safetensors"
-        data_s = time.monotonic() - started
-        record = train(tmp_path / "hidden", vocab_map, toy_target, tmp_path / "draft",
-                       {**config["train"], "eval_every": 20, "checkpoint_every": 100,
-                        "draft": DRAFT_ARCHITECTURE})
-        train_s = time.monotonic() - started - data_s
-    finally:
-        torch.set_num_threads(threads)
-    assert record["layer_ids"] == index["layer_ids"]
-    trained = export_draft(tmp_path / "draft" / "best", toy_target, vocab_map,
-                           record["layer_ids"], tmp_path / "trained")
+    draft = trained_toy_draft
+    record, dataset, eval_prompts = draft["record"], draft["dataset"], draft["eval_prompts"]
+    assert record["layer_ids"] == draft["index"]["layer_ids"]
+    trained = draft["checkpoint"]
     served_config = json.loads((trained / "config.json").read_text())
     assert (served_config["head_dim"], served_config["num_key_value_heads"],
             served_config["intermediate_size"]) == (64, 2, 512)
@@ -293,12 +223,17 @@ def test_trained_draft_serves_and_beats_an_untrained_one(toy_target, config, tmp
                             toy_target, identity_map, record["layer_ids"], tmp_path / "untrained")
     assert json.loads((baseline / "config.json").read_text())["draft_vocab_size"] == 2048
 
-    results = {name: served_acceptance(toy_target, ckpt, config["server"], eval_prompts,
-                                       tmp_path / f"{name}.log")
-               for name, ckpt in (("untrained", baseline), ("trained", trained))}
+    spec = spec_from_config(config["server"], str(toy_target), speculative_config={
+        "method": "eagle3", "model": str(baseline), "num_speculative_tokens": 3})
+    started = time.monotonic()
+    with ManagedServer(spec, tmp_path / "untrained.log") as untrained_server:
+        startup_s = time.monotonic() - started
+        results = {"untrained": served_acceptance(untrained_server, eval_prompts)}
+    results["trained"] = served_acceptance(trained_eagle_server, eval_prompts)
     simulated = record["simulated_acceptance_length_by_num_drafts"][2]  # 3 drafts, as served
-    summary = {"served": results, "simulated_3_drafts": simulated, "data_s": round(data_s),
-               "train_s": round(train_s),
+    summary = {"served": results, "simulated_3_drafts": simulated,
+               "data_s": round(draft["data_s"]), "train_s": round(draft["train_s"]),
+               "untrained_startup_s": round(startup_s, 1),
                "simulated": record["simulated_acceptance_length"], "ttt_steps":
                record["ttt_steps"], "eval_accuracy": record["accuracy"]}
     print(json.dumps(summary, indent=1))
