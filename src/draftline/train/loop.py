@@ -15,11 +15,10 @@ import sys
 import time
 from pathlib import Path
 
-import jsonschema
 import torch
 from tqdm import tqdm
 
-from draftline.config import ConfigError, load_schema
+from draftline.config import resolve_section
 from draftline.hidden.store import HiddenStates
 from draftline.model import COUNT_KEYS, metrics_from_counts, on_greedy_path, ttt_loss
 from draftline.target import read_teacher_config
@@ -49,17 +48,9 @@ from draftline.train.signals import StopRequest
 
 
 def resolve_train_cfg(train_cfg: dict | None) -> dict:
-    """The ``train`` section with schema defaults filled in and validated (errors name keys)."""
-    schema = load_schema()["properties"]["train"]
-    cfg = {k: v["default"] for k, v in schema["properties"].items() if "default" in v}
-    cfg.update(train_cfg or {})
-    errors = sorted(jsonschema.Draft202012Validator(schema).iter_errors(cfg),
-                    key=lambda e: list(e.absolute_path))
-    if errors:
-        err = errors[0]
-        where = ".".join(str(p) for p in err.absolute_path)
-        raise ConfigError(f"config key 'train{'.' + where if where else ''}': {err.message}")
-    return cfg
+    """The ``train`` section with the schema's defaults filled in and validated (errors name
+    keys): the schema is the only place its defaults are written."""
+    return resolve_section("train", train_cfg)
 
 
 def train(hidden_dir, vocab_map, target_dir, out_dir, train_cfg: dict | None = None) -> dict:
