@@ -94,7 +94,10 @@ def make_results(root: Path, bench: bool = True) -> Path:
         json.dumps({"step": s, "loss": 5.0 / s, "acc_0": 0.1 * s}) + "\n" for s in (1, 2, 3)))
     write_json(root / "draft" / "eval.json", {
         "simulated_acceptance_length": 2.4375, "accuracy": [0.71, 0.52, 0.38],
-        "layer_ids": [2, 4, 5], "ttt_steps": 3})
+        "layer_ids": [2, 4, 5], "ttt_steps": 3,
+        "machine": {"training": {"device": "cuda", "gpus": {"NVIDIA H200": 2}},
+                    "hidden_states": {"backend": "hf", "device": "cuda",
+                                      "gpus": {"NVIDIA H200": 8}}}})
     write_json(root / "prompts" / "summary.json", {
         "read": 250, "accepted": 240, "duplicates": 4, "rejected_total": 6, "written": 240,
         "num_shards": 2, "shard_sizes": [120, 120], "max_samples": 240, "seed": 0,
@@ -203,6 +206,8 @@ def test_a_stage_run_on_other_gpus_changes_the_bytes_and_the_card_shows_it(resul
     first = (results / "bundle.tar").read_bytes()
     readme = (results / "bundle" / "README.md").read_text()
     assert "| generation | 8 x NVIDIA H200 | 0.32.0 | managed, process |" in readme
+    assert "| hidden states | 8 x NVIDIA H200 | - | in process, cuda |" in readme
+    assert "| training | 2 x NVIDIA H200 | - | in process, cuda |" in readme
     assert (f"| deployment benchmark | 1 x NVIDIA H200 | 0.32.0 | managed, docker, "
             f"{BENCH_MACHINE['image']} |") in readme
 

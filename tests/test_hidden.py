@@ -14,6 +14,7 @@ import shutil
 import signal
 import subprocess
 import sys
+from importlib import metadata
 from pathlib import Path
 
 import pytest
@@ -293,6 +294,9 @@ def test_index_and_parts_follow_the_contract(hf_run, dataset):
     assert index["final_layer_id"] == LAYERS and index["hidden_size"] == HIDDEN
     assert index["dtype"] == "bfloat16" and index["backend"] == "hf"
     assert index["rejected"] == []
+    gpus = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
+    assert index["machine"] == {"backend": "hf", "device": "cuda" if gpus else "cpu",
+                                "gpus": {name: gpus.count(name) for name in sorted(set(gpus))}}
     rows = dataset_rows(dataset)
     stored = stored_samples(hf_run)
     assert sorted(stored) == sorted(rows)
@@ -550,6 +554,9 @@ def test_vllm_states_equal_direct_forward_pass(vllm_run, vllm_dataset, toy_targe
     assert os.environ[ENV_PROBE] == "engine"  # the engine ran in this process with server.env
     assert index["backend"] == "vllm" and index["rejected"] == []
     assert index["layer_ids"] == VLLM_LAYER_IDS and index["num_layers"] == 8
+    installed = metadata.version(metadata.packages_distributions()["vllm"][0])
+    assert index["machine"] == {"backend": "vllm", "engine": "vllm",  # the CPU build: no GPU
+                                "vllm_versions": [installed], "gpus": {}}
     assert len(index["files"]) == 4
     assert not (vllm_run / ".spool").exists()
     assert verify_index(vllm_run) == []

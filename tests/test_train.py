@@ -91,6 +91,10 @@ def test_training_learns_and_writes_its_outputs(draft_inputs, tmp_path):
     saved = json.loads((out / "eval.json").read_text())
     assert saved == json.loads(json.dumps(record))
     assert saved["layer_ids"] == draft_inputs["layer_ids"] and saved["ttt_steps"] == 3
+    # what trained it (one process here), and the extraction's record (none in this fixture)
+    trained_on = ({"device": "cuda", "gpus": {torch.cuda.get_device_name(0): 1}}
+                  if torch.cuda.is_available() else {"device": "cpu", "gpus": {}})
+    assert saved["machine"] == {"training": trained_on, "hidden_states": None}
     assert len(saved["accuracy"]) == 3 and len(saved["cond_accuracy"]) == 3
     best = max(eval_rows, key=lambda r: r["simulated_acceptance_length"])
     assert saved["simulated_acceptance_length"] == best["simulated_acceptance_length"]

@@ -34,6 +34,7 @@ from draftline.hidden.store import (
     write_safetensors,
 )
 from draftline.layout import HIDDEN_INDEX, HIDDEN_STATS
+from draftline.machine import engine_machine, torch_gpus
 from draftline.server import release_other_servers
 from draftline.target import DTYPE_SIZES, check_teacher_head, text_config
 
@@ -324,7 +325,7 @@ def extract(dataset_dir: str | Path, target_dir: str | Path, out_dir: str | Path
     elapsed = time.monotonic() - started
 
     index = _build_index(target_dir, info, layer_ids, cfg["backend"],
-                         [records[p.path] for p in parts])
+                         [records[p.path] for p in parts], _machine(cfg["backend"], server_cfg))
     write_json(out_dir / HIDDEN_INDEX, index)
     write_json(out_dir / HIDDEN_STATS, {
         "computed_tokens": todo_tokens, "computed_files": len(todo),
@@ -338,8 +339,19 @@ def extract(dataset_dir: str | Path, target_dir: str | Path, out_dir: str | Path
     return index
 
 
+def _machine(backend: str, server_cfg: dict | None) -> dict:
+    """What ran the target: its GPUs (and vLLM release) shape the states training learns from.
+    The hf backend spreads the target over every CUDA device torch sees."""
+    if backend == "vllm":
+        return {"backend": "vllm", **engine_machine(server_cfg)}
+    import torch
+
+    return {"backend": "hf", "device": "cuda" if torch.cuda.is_available() else "cpu",
+            "gpus": torch_gpus(torch)}
+
+
 def _build_index(target_dir: Path, info: dict, layer_ids: list[int], backend: str,
-                 records: list[dict]) -> dict:
+                 records: list[dict], machine: dict) -> dict:
     files = [r["entry"] for r in records]
     return {
         "format_version": FORMAT_VERSION,
@@ -351,6 +363,7 @@ def _build_index(target_dir: Path, info: dict, layer_ids: list[int], backend: st
         "final_layer_id": info["num_layers"],
         "dtype": info["dtype"],
         "backend": backend,
+        "machine": machine,
         "num_samples": sum(len(f["sample_ids"]) for f in files),
         "num_tokens": sum(f["num_tokens"] for f in files),
         "bytes": sum(f["bytes"] for f in files),

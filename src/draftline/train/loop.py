@@ -20,6 +20,7 @@ from tqdm import tqdm
 
 from draftline.config import resolve_section
 from draftline.hidden.store import HiddenStates
+from draftline.machine import torch_machine
 from draftline.model import COUNT_KEYS, metrics_from_counts, on_greedy_path, ttt_loss
 from draftline.target import read_teacher_config
 from draftline.train.checkpoint import (
@@ -111,7 +112,10 @@ def run(rt: Runtime, hidden_dir: Path, vocab_map: Path, target_dir: Path, out_di
                     unit="step", dynamic_ncols=True, desc="draft")
     meta = {"layer_ids": data.layer_ids, "ttt_steps": cfg["ttt_steps"],
             "draft_config": draft_cfg.to_dict(), "world_size": rt.world,
-            "eval_split": data.eval_split}
+            "eval_split": data.eval_split,
+            # what trained the draft and what extracted its inputs (the bundle carries this)
+            "machine": {"training": torch_machine(torch, rt.device, rt.world),
+                        "hidden_states": store.index.get("machine")}}
     accum = cfg["grad_accum"]
 
     # the bar and the log are closed however the loop ends (a signal, a full disk, ...)
