@@ -77,6 +77,38 @@ def target_path(wildcards, input):
     )
 
 
+def hidden_online():
+    return config["hidden"]["mode"] == "online"
+
+
+def train_states_input(wildcards):
+    """Offline, training reads the stored states; online, it produces them from the dataset
+    (and the hidden_states rule is not in the DAG)."""
+    if hidden_online():
+        return {"dataset": rules.dataset.output.dataset}
+    return {"hidden": rules.hidden_states.output.index}
+
+
+# hidden keys that only online training reads, and those only extraction reads
+_ONLINE_ONLY = ("mode", "online")
+_EXTRACT_ONLY = ("samples_per_file", "max_file_bytes", "free_bytes", "disk_margin")
+
+
+def offline_hidden_params():
+    """What extraction reads: the hidden section but its online-only keys."""
+    hidden = {k: v for k, v in config["hidden"].items() if k not in _ONLINE_ONLY}
+    return {**hidden, "trust_remote_code": config["target"]["trust_remote_code"]}
+
+
+def online_hidden_params():
+    """What online training reads of the hidden section (None offline: no hidden key makes
+    an offline training stale, the stored index stands for them)."""
+    if not hidden_online():
+        return None
+    hidden = {k: v for k, v in config["hidden"].items() if k not in _EXTRACT_ONLY}
+    return {**hidden, "trust_remote_code": config["target"]["trust_remote_code"]}
+
+
 def target_input():
     """The toy target is an artifact of this workflow; a real target is not."""
     return rules.toy_target.output.target if config["target"]["model"] == "toy" else []

@@ -1,6 +1,6 @@
 rule train_draft:
     input:
-        hidden=rules.hidden_states.output.index,
+        unpack(train_states_input),
         vocab_map=rules.vocab_map.output.vocab_map,
         target=target_input(),
     output:
@@ -14,6 +14,7 @@ rule train_draft:
     threads: workflow.cores
     params:
         train=config["train"],
+        online=online_hidden_params(),
         model=target_path,
         revision=config["target"]["revision"],
         out_dir=lambda wildcards, output: os.path.dirname(output.eval),
@@ -25,7 +26,7 @@ rule train_draft:
 rule export_draft:
     input:
         best=rules.train_draft.output.best,
-        hidden=rules.hidden_states.output.index,
+        eval=rules.train_draft.output.eval,
         vocab_map=rules.vocab_map.output.vocab_map,
         target=target_input(),
     output:

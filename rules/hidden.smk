@@ -12,10 +12,7 @@ rule hidden_states:
         serving_container()
     threads: workflow.cores
     params:
-        hidden={
-            **config["hidden"],
-            "trust_remote_code": config["target"]["trust_remote_code"],
-        },
+        hidden=offline_hidden_params(),
         server=hidden_engine_params(),
         model=target_path,
         revision=config["target"]["revision"],

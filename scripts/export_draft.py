@@ -6,7 +6,8 @@ from draftline.hub import local_dir
 from draftline.runlog import logged
 
 with logged(snakemake.log[0]):
-    layer_ids = json.loads(Path(snakemake.input.hidden).read_text())["layer_ids"]
+    # the layers training read (from the stored index or produced online)
+    layer_ids = json.loads(Path(snakemake.input.eval).read_text())["layer_ids"]
     export_draft(
         snakemake.input.best,
         local_dir(snakemake.params.model, snakemake.params.revision),

@@ -4,11 +4,13 @@ from draftline.hub import local_dir
 from draftline.runlog import logged
 from draftline.train import train
 
+online = snakemake.params.online
 with logged(snakemake.log[0]):
     train(
-        Path(snakemake.input.hidden).parent,
+        None if online else Path(snakemake.input.hidden).parent,
         snakemake.input.vocab_map,
         local_dir(snakemake.params.model, snakemake.params.revision),
         snakemake.params.out_dir,
         snakemake.params.train,
+        online={"dataset_dir": snakemake.input.dataset, "hidden": online} if online else None,
     )

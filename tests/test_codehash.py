@@ -258,6 +258,7 @@ def test_an_unused_module_makes_nothing_stale(completed_workflow):
 # rules that read part of a section (or of another stage's section), by one output each
 PARTIAL_READERS = {"generate": "results/responses/shard-0.jsonl",
                    "hidden_states": "results/hidden/index.json",
+                   "train_draft": "results/draft/eval.json",
                    "bench": "results/bench/results.json"}
 
 
@@ -288,6 +289,9 @@ def rules_whose_params_change(workdir: Path, **changes: dict) -> set[str]:
     ({"generate": {"top_p": 0.9}}, {"generate", "bench"}),
     # the hf backend of hidden-state extraction starts no vLLM: server settings are not its own
     ({"server": {"max_num_seqs": 128}}, {"generate", "bench"}),
+    # offline, online-mode settings are nobody's; the stored index stands for the hidden keys
+    ({"hidden": {"online": {"prefetch": 4, "max_buffer_bytes": 1 << 24}}}, set()),
+    ({"hidden": {"samples_per_file": 8}}, {"hidden_states"}),
 ])
 def test_a_rule_gets_only_the_config_keys_it_reads(completed_workflow, changes, expected):
     assert rules_whose_params_change(completed_workflow, **changes) == expected

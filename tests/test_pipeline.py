@@ -273,6 +273,54 @@ def test_editing_a_stage_library_makes_that_stage_stale(pipeline):
     assert jobs == {"vocab_map", "train_draft", "export_draft", "bench", "bundle", "all"}
 
 
+def test_online_mode_runs_end_to_end_without_stored_states(pipeline, tmp_path):
+    """hidden.mode online: no hidden_states job; training, export, bench and bundle run for
+    real on states the training job produces, and the draft equals the offline one."""
+    from safetensors.torch import load_file
+
+    workdir, base = pipeline
+    online_dir = tmp_path / "online"
+    shutil.copytree(workdir, online_dir, symlinks=True)
+    online = deep_update(base, {"hidden": {"mode": "online",
+                                           "online": {"max_buffer_bytes": 1 << 20}}})
+    assert jobs_to_run(online_dir, online) == {"train_draft", "export_draft", "bench",
+                                               "bundle", "all"}
+    shutil.rmtree(online_dir / "results" / "hidden")  # nothing stored may be read
+    write_config(online_dir, online)
+    result = snakemake(online_dir, "--cores", "2")
+    log = result.stdout + result.stderr
+    assert result.returncode == 0, log[-5000:]
+    assert set(re.findall(r"rule (\w+):", log)) == {"train_draft", "export_draft", "bench",
+                                                      "bundle", "all"}
+    results = online_dir / "results"
+    assert not (results / "hidden").exists()
+    stats = json.loads((results / "draft/hidden_stats.json").read_text())
+    assert stats["mode"] == "online" and 0 < stats["peak_buffer_bytes"] <= 1 << 20
+    assert json.loads((results / "draft/eval.json").read_text())["hidden_mode"] == "online"
+    # the same draft as offline: bucketed hf states, same data order and seed
+    got = load_file(str(results / "draft/best/model.safetensors"))
+    ref = load_file(str(workdir / "results/draft/best/model.safetensors"))
+    assert got.keys() == ref.keys() and all(torch_equal(got[k], ref[k]) for k in ref)
+    bench = json.loads((results / "bench/results.json").read_text())
+    assert all(s["acceptance_length"] > 1.0 for s in bench["summary"]
+               if s["config"] == "eagle3-k3")
+    assert "Hidden states: online" in _bundle_readme(results / "bundle.tar")
+
+
+def torch_equal(a, b) -> bool:
+    import torch
+
+    return torch.equal(a, b)
+
+
+def _bundle_readme(tar_path: Path) -> str:
+    import tarfile
+
+    with tarfile.open(tar_path) as tar:
+        name = next(n for n in tar.getnames() if n.endswith("README.md"))
+        return tar.extractfile(name).read().decode()
+
+
 SPEC_DECODE = ("vllm:spec_decode_num_drafts", "vllm:spec_decode_num_accepted_tokens")
 
 

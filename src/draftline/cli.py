@@ -95,13 +95,19 @@ def cmd_hidden(cfg: dict, lay: Layout, args) -> None:
 def cmd_train(cfg: dict, lay: Layout, args) -> None:
     from draftline.train import train
 
-    train(lay.hidden, lay.vocab_map, target_model(cfg), lay.draft, cfg["train"])
+    online = None
+    if cfg["hidden"]["mode"] == "online":  # states produced while training, from the dataset
+        hidden = {**cfg["hidden"], "trust_remote_code": cfg["target"]["trust_remote_code"]}
+        online = {"dataset_dir": lay.dataset, "hidden": hidden}
+    train(None if online else lay.hidden, lay.vocab_map, target_model(cfg), lay.draft,
+          cfg["train"], online=online)
 
 
 def cmd_export(cfg: dict, lay: Layout, args) -> None:
     from draftline.export import export_draft
 
-    layer_ids = json.loads(lay.hidden_index.read_text())["layer_ids"]
+    # the layers training read (from the stored index or produced online)
+    layer_ids = json.loads(lay.train_eval.read_text())["layer_ids"]
     export_draft(lay.draft_best, target_model(cfg), lay.vocab_map, layer_ids, lay.checkpoint)
 
 

@@ -64,6 +64,9 @@ def check_semantics(config: dict[str, Any], base: Path | None = None) -> None:
         # vLLM feeds the aux states to the draft in layer order, whatever the config says.
         raise ConfigError(f"config key 'hidden.layer_ids': ids must be ascending (vLLM passes "
                           f"the states in layer order), got {layer_ids}")
+    if config["hidden"]["mode"] == "online" and config["hidden"]["backend"] != "hf":
+        raise ConfigError("config key 'hidden.backend': hidden.mode online produces states with "
+                          f"the hf backend only, got {config['hidden']['backend']!r}")
     if config["server"]["mode"] == "external" and not config["server"]["external"]["base_urls"]:
         raise ConfigError(
             "config key 'server.external.base_urls': required when server.mode is external")

@@ -26,6 +26,7 @@ VOCAB_MAP = "vocab_map.safetensors"
 VOCAB_COVERAGE = "coverage.json"
 HIDDEN_INDEX = "index.json"
 HIDDEN_STATS = "extract_stats.json"
+ONLINE_STATS = "hidden_stats.json"  # training's producer figures in online mode
 
 
 def shard_file(i: int | str) -> str:
@@ -153,6 +154,11 @@ class Layout:
     @property
     def train_eval(self) -> Path:
         return self.draft / "eval.json"
+
+    @property
+    def online_stats(self) -> Path:
+        """The hidden-state producer's figures of an online training (hidden.mode online)."""
+        return self.draft / ONLINE_STATS
 
     @property
     def checkpoint(self) -> Path:

@@ -43,6 +43,8 @@ log = logging.getLogger(__name__)
 # Defaults of the schema's `hidden` section, for callers that pass a partial dict.
 DEFAULTS = {
     "backend": "hf",
+    "mode": "offline",
+    "hf_batching": "bucketed",
     "layer_ids": None,
     "batch_tokens": 8192,
     "samples_per_file": 256,
@@ -236,7 +238,7 @@ def _make_backend(backend: str, target_dir: Path, captured: list[int], info: dic
         from draftline.hidden.hf_backend import HFBackend
 
         return HFBackend(target_dir, captured, info["num_layers"], info["dtype"],
-                         cfg["batch_tokens"], cfg["trust_remote_code"])
+                         cfg["batch_tokens"], cfg["trust_remote_code"], cfg["hf_batching"])
     if backend == "vllm":
         from draftline.hidden.vllm_backend import VLLMBackend
 
@@ -284,6 +286,8 @@ def extract(dataset_dir: str | Path, target_dir: str | Path, out_dir: str | Path
     settings = {"format_version": FORMAT_VERSION, "target": info["fingerprint"],
                 "layer_ids": layer_ids, "final_layer_id": num_layers, "dtype": info["dtype"],
                 "hidden_size": hidden, "backend": cfg["backend"]}
+    if cfg["backend"] == "hf":  # bucketed and packed batching round differently
+        settings["hf_batching"] = cfg["hf_batching"]
 
     out_dir.mkdir(parents=True, exist_ok=True)
     remove_stale_temp_files(out_dir)

@@ -43,6 +43,39 @@ def token_budget_batches(lengths: Sequence[int], batch_tokens: int,
     return batches
 
 
+# hf_batching "bucketed": every forward pads to a multiple of this many tokens.
+PAD_MULTIPLE = 32
+
+
+def padded_length(n: int, multiple: int = PAD_MULTIPLE) -> int:
+    return -(-n // multiple) * multiple
+
+
+def bucketed_batches(lengths: Sequence[int], batch_tokens: int,
+                     multiple: int = PAD_MULTIPLE) -> list[list[int]]:
+    """Batches whose samples all pad to the same length (a multiple of ``multiple``), with
+    ``rows * padded <= batch_tokens`` (a longer sample goes alone).
+
+    With bf16 kernels a sample's states depend on the padded length of its forward (another
+    length rounds differently) and on whether the batch has one row or more, but not on the
+    other rows: with the length fixed by the sample itself and at least two rows (``_forward``
+    runs a lone sample with a copy of itself), its states do not depend on which samples share
+    its forward. So states produced for any grouping of samples (online training's micro-
+    batches, offline extraction's parts) are the same bits.
+    """
+    padded = [padded_length(n, multiple) for n in lengths]
+    order = sorted(range(len(lengths)), key=lambda i: (-padded[i], i))
+    batches: list[list[int]] = []
+    for i in order:
+        if batches:
+            batch = batches[-1]
+            if padded[batch[0]] == padded[i] and (len(batch) + 1) * padded[i] <= batch_tokens:
+                batch.append(i)
+                continue
+        batches.append([i])
+    return batches
+
+
 def _decoder_parts(model, num_layers: int):
     """(decoder, layers, final_norm) of a causal LM, found without knowing its class."""
     import torch.nn as nn
@@ -72,12 +105,17 @@ class HFBackend:
     name = "hf"
 
     def __init__(self, target_dir: Path, capture_ids: Sequence[int], num_layers: int,
-                 dtype: str, batch_tokens: int, trust_remote_code: bool = False):
+                 dtype: str, batch_tokens: int, trust_remote_code: bool = False,
+                 batching: str = "packed"):
         import torch
         from transformers import AutoModelForCausalLM
 
+        if batching not in ("packed", "bucketed"):
+            raise ValueError(f"hidden.hf_batching must be 'packed' or 'bucketed', got "
+                             f"{batching!r}")
         self.capture_ids = list(capture_ids)
         self.batch_tokens = batch_tokens
+        self.bucketed = batching == "bucketed"
         kwargs = {"dtype": getattr(torch, dtype)}
         if trust_remote_code:
             kwargs["trust_remote_code"] = True
@@ -107,8 +145,13 @@ class HFBackend:
         import torch
 
         longest = max(len(ids) for ids in batch)
-        padded = np.full((len(batch), longest), PAD_TOKEN_ID, dtype=np.int64)  # [B, T]
-        for row, ids in enumerate(batch):
+        rows = list(batch)
+        if self.bucketed:
+            longest = padded_length(longest)
+            if len(rows) == 1:  # a one-row batch takes other kernels: run it as two
+                rows.append(rows[0])
+        padded = np.full((len(rows), longest), PAD_TOKEN_ID, dtype=np.int64)  # [B, T]
+        for row, ids in enumerate(rows):
             padded[row, : len(ids)] = ids
         self._captured.clear()
         self.decoder(input_ids=torch.from_numpy(padded).to(self.input_device), use_cache=False)
@@ -128,7 +171,8 @@ class HFBackend:
         out: list = [None] * len(samples)
         lengths = [len(ids) for ids in samples]
         with torch.inference_mode():
-            for batch in token_budget_batches(lengths, self.batch_tokens):
+            plan = bucketed_batches if self.bucketed else token_budget_batches
+            for batch in plan(lengths, self.batch_tokens):
                 for i, states in zip(batch, self._forward([samples[i] for i in batch]),
                                      strict=True):
                     out[i] = states

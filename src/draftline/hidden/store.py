@@ -382,6 +382,21 @@ class HiddenStates:
                       for a, b, sid in zip(offsets[:-1], offsets[1:], ids, strict=True)]
         self._open: dict[Path, Any] = {}
 
+    @property
+    def origin(self) -> Path:
+        """What error messages name for these states."""
+        return self.root / HIDDEN_INDEX
+
+    def identity(self) -> bytes:
+        """What fixes the states: a training checkpoint resumes only with the same."""
+        return (self.root / HIDDEN_INDEX).read_bytes()
+
+    def report(self) -> dict:
+        return {"mode": "offline"}
+
+    def close(self) -> None:
+        self._open.clear()
+
     def __getstate__(self):  # data-loader workers open their own handles
         return {**self.__dict__, "_open": {}}
 

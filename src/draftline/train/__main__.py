@@ -15,7 +15,10 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m draftline.train",
                                      description=draftline.train.__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--hidden-dir", required=True)
+    source = parser.add_mutually_exclusive_group(required=True)
+    source.add_argument("--hidden-dir")
+    source.add_argument("--online-json",
+                        help="hidden.mode online: {dataset_dir, hidden (the config section)}")
     parser.add_argument("--vocab-map", required=True)
     parser.add_argument("--target-dir", required=True)
     parser.add_argument("--out-dir", required=True)
@@ -24,7 +27,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     text = args.config_json
     cfg = json.loads(text if text.lstrip().startswith("{") else Path(text).read_text())
-    train(args.hidden_dir, args.vocab_map, args.target_dir, args.out_dir, cfg)
+    online = json.loads(args.online_json) if args.online_json else None
+    train(args.hidden_dir, args.vocab_map, args.target_dir, args.out_dir, cfg, online)
     return 0
 
 

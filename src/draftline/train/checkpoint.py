@@ -40,13 +40,15 @@ WEIGHTS_FILE, DRAFT_CONFIG_FILE = "model.safetensors", "draft_config.json"
 METRICS_FILE = "metrics.jsonl"
 
 
-def fingerprint(cfg: dict, world: int, hidden_dir: Path, vocab_map: Path,
+def fingerprint(cfg: dict, world: int, states: bytes | str, vocab_map: Path,
                 target_dir: Path) -> str:
-    """Identity of a run: a checkpoint is resumed only by a run with the same fingerprint."""
+    """Identity of a run: a checkpoint is resumed only by a run with the same fingerprint.
+    ``states`` is the batch source's identity (the stored index, or what online states are
+    produced from)."""
     digest = hashlib.sha256()
     digest.update(json.dumps({"cfg": cfg, "world": world}, sort_keys=True).encode())
-    for path in (Path(hidden_dir) / "index.json", Path(vocab_map),
-                 Path(target_dir) / "config.json"):
+    digest.update(states.encode() if isinstance(states, str) else states)
+    for path in (Path(vocab_map), Path(target_dir) / "config.json"):
         digest.update(path.read_bytes())
     return digest.hexdigest()[:16]
 

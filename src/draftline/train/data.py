@@ -1,8 +1,9 @@
 """Training batches: samples grouped by length into padded micro-batches.
 
 The loop takes its batches from a *batch source* through two calls and three attributes
-(``StoredBatches`` is the one that reads the hidden-state store written by extraction; a
-producer that computes the target's states on the fly can take its place):
+(``StoredBatches`` reads the hidden-state store written by extraction; ``ProducedBatches``,
+the source of online mode, has the target's states produced on the fly by
+``draftline.hidden.online.OnlineStates``, with the same plans):
 
 * ``steps_per_epoch``: optimizer steps of each epoch (its length is the number of epochs);
 * ``train_batches(epoch, first_step)``: an iterator over this rank's micro-batches of
@@ -115,7 +116,7 @@ class StoredBatches:
         self.eval_refs = store.samples.get("eval") or self.train_refs
         self.eval_split = "eval" if store.samples.get("eval") else "train"
         if not self.train_refs:
-            raise ValueError(f"{store.root / 'index.json'}: no samples in split 'train'")
+            raise ValueError(f"{store.origin}: no samples in split 'train'")
         self.step_size = world * self.grad_accum  # micro-batches per optimizer step, all ranks
         lengths = [r.length for r in self.train_refs]
         self.plans = [plan_micro_batches(lengths, self.batch_tokens, seed=cfg["seed"] * 1000 + e)
@@ -126,12 +127,19 @@ class StoredBatches:
                              f"{self.step_size} per step (world {world} x grad_accum "
                              f"{self.grad_accum})")
 
-    def train_batches(self, epoch: int, first_step: int) -> Iterator[dict]:
+    def mine(self, epoch: int, first_step: int) -> list[list[int]]:
+        """This rank's micro-batches of ``epoch`` from optimizer step ``first_step`` on."""
         plan = self.plans[epoch]
-        mine = [plan[s * self.step_size + a * self.world + self.rank]
+        return [plan[s * self.step_size + a * self.world + self.rank]
                 for s in range(first_step, self.steps_per_epoch[epoch])
                 for a in range(self.grad_accum)]
-        return micro_batch_loader(self.store, self.train_refs, mine, self.workers)
+
+    def train_batches(self, epoch: int, first_step: int) -> Iterator[dict]:
+        return micro_batch_loader(self.store, self.train_refs, self.mine(epoch, first_step),
+                                  self.workers)
+
+    def eval_batch(self, indices: list[int]) -> dict:
+        return collate([self.store.read(self.eval_refs[j]) for j in indices])
 
     def eval_batches(self) -> Iterator[tuple[dict, bool]]:
         batches = plan_micro_batches([r.length for r in self.eval_refs], self.batch_tokens,
@@ -141,4 +149,15 @@ class StoredBatches:
         for r in range(math.ceil(len(batches) / self.world)):
             i = self.rank + self.world * r
             refs = batches[min(i, len(batches) - 1)]
-            yield collate([self.store.read(self.eval_refs[j]) for j in refs]), i < len(batches)
+            yield self.eval_batch(refs), i < len(batches)
+
+
+class ProducedBatches(StoredBatches):
+    """Online mode's batch source: ``StoredBatches``' plans over the dataset's samples, each
+    micro-batch's states produced when the loop needs it (prefetched by the source)."""
+
+    def train_batches(self, epoch: int, first_step: int) -> Iterator[dict]:
+        return self.store.loader(self.train_refs, self.mine(epoch, first_step))
+
+    def eval_batch(self, indices: list[int]) -> dict:
+        return self.store.collated(self.eval_refs, indices)

@@ -66,12 +66,14 @@ def close_runtime(rt: Runtime) -> None:
         dist.destroy_process_group()
 
 
-def launch_torchrun(hidden_dir: Path, vocab_map: Path, target_dir: Path, out_dir: Path,
-                    cfg: dict) -> dict:
+def launch_torchrun(hidden_dir: Path | None, vocab_map: Path, target_dir: Path, out_dir: Path,
+                    cfg: dict, online: dict | None = None) -> dict:
     """Run ``python -m draftline.train`` under torchrun on this node; the eval.json record."""
+    source = (["--hidden-dir", str(hidden_dir)] if online is None else
+              ["--online-json", json.dumps({**online, "dataset_dir": str(online["dataset_dir"])})])
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nnodes", "1",
            "--nproc_per_node", str(cfg["nproc_per_node"]), "-m", "draftline.train",
-           "--hidden-dir", str(hidden_dir), "--vocab-map", str(vocab_map),
+           *source, "--vocab-map", str(vocab_map),
            "--target-dir", str(target_dir), "--out-dir", str(out_dir),
            "--config-json", json.dumps(cfg)]
     subprocess.run(cmd, check=True)

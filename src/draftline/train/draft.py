@@ -91,8 +91,8 @@ def save_untrained(target_dir: Path, vocab_map: Path, out_dir: Path, seed: int =
     return out_dir
 
 
-def check_inputs(store: HiddenStates, hidden_dir: Path, vocab_map: Path,
-                 target_dir: Path, architecture: dict | None = None) -> None:
+def check_inputs(store: HiddenStates, vocab_map: Path, target_dir: Path,
+                 architecture: dict | None = None) -> None:
     """Hidden states, vocab map and target agree on widths, layer count and vocab size."""
     with safe_open(str(vocab_map), framework="pt") as f:
         missing = {"d2t", "t2d"} - set(f.keys())
@@ -103,14 +103,14 @@ def check_inputs(store: HiddenStates, hidden_dir: Path, vocab_map: Path,
     target_cfg = read_teacher_config(target_dir)
     draft_cfg = DraftConfig.from_target(target_cfg, draft_vocab, architecture)
     if store.hidden_size != draft_cfg.target_hidden_size:
-        raise ValueError(f"{hidden_dir / 'index.json'}: hidden_size {store.hidden_size} != "
+        raise ValueError(f"{store.origin}: hidden_size {store.hidden_size} != "
                          f"target hidden_size {draft_cfg.target_hidden_size}")
     if len(store.layer_ids) != draft_cfg.num_aux_hidden_states:
-        raise ValueError(f"{hidden_dir / 'index.json'}: {len(store.layer_ids)} layer_ids, the "
+        raise ValueError(f"{store.origin}: {len(store.layer_ids)} layer_ids, the "
                          f"draft takes {draft_cfg.num_aux_hidden_states}")
     # States concatenated in another order than vLLM's would train fc on a permutation.
     check_layer_ids(store.layer_ids, int(text_config(target_cfg)["num_hidden_layers"]), target_cfg,
-                    source=f"{hidden_dir / 'index.json'}: layer_ids")
+                    source=f"{store.origin}: layer_ids")
     if t2d_size != draft_cfg.vocab_size:
         raise ValueError(f"{vocab_map}: t2d has {t2d_size} entries, target vocab_size is "
                          f"{draft_cfg.vocab_size}")

@@ -18,8 +18,10 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
+from draftline.atomic import write_json
 from draftline.config import resolve_section
 from draftline.hidden.store import HiddenStates
+from draftline.layout import ONLINE_STATS
 from draftline.machine import torch_machine
 from draftline.model import COUNT_KEYS, metrics_from_counts, on_greedy_path, ttt_loss
 from draftline.target import read_teacher_config
@@ -31,7 +33,7 @@ from draftline.train.checkpoint import (
     save_best,
     save_checkpoint,
 )
-from draftline.train.data import StoredBatches
+from draftline.train.data import ProducedBatches, StoredBatches
 from draftline.train.distributed import (
     Runtime,
     all_reduce_sum,
@@ -54,35 +56,53 @@ def resolve_train_cfg(train_cfg: dict | None) -> dict:
     return resolve_section("train", train_cfg)
 
 
-def train(hidden_dir, vocab_map, target_dir, out_dir, train_cfg: dict | None = None) -> dict:
-    """Train the draft; returns the eval.json record (also written to ``out_dir``)."""
+def train(hidden_dir, vocab_map, target_dir, out_dir, train_cfg: dict | None = None,
+          online: dict | None = None) -> dict:
+    """Train the draft; returns the eval.json record (also written to ``out_dir``).
+
+    Offline, the states are read from the store in ``hidden_dir``. Online (``online`` =
+    ``{"dataset_dir": ..., "hidden": <the hidden config section>}``, ``hidden_dir`` None),
+    they are produced while training (``draftline.hidden.online``).
+    """
     cfg = resolve_train_cfg(train_cfg)
-    hidden_dir, vocab_map, target_dir, out_dir = map(Path, (hidden_dir, vocab_map, target_dir,
-                                                          out_dir))
+    vocab_map, target_dir, out_dir = map(Path, (vocab_map, target_dir, out_dir))
+    hidden_dir = Path(hidden_dir) if online is None else None
     read_teacher_config(target_dir)  # refuse an unsupported target before any process starts
     processes = cfg["nproc_per_node"] * cfg["nnodes"]
     if processes > 1 and not under_torchrun():
         if cfg["nnodes"] > 1:
             raise ValueError("train.nnodes > 1: start `torchrun ... -m draftline.train` on every "
                              "node (see the draftline.train docstring)")
-        return launch_torchrun(hidden_dir, vocab_map, target_dir, out_dir, cfg)
+        return launch_torchrun(hidden_dir, vocab_map, target_dir, out_dir, cfg, online)
     rt = init_runtime()
+    store = open_states(hidden_dir, online, target_dir, cfg)
     try:
-        return run(rt, hidden_dir, vocab_map, target_dir, out_dir, cfg)
+        return run(rt, store, vocab_map, target_dir, out_dir, cfg)
     finally:
+        store.close()
         close_runtime(rt)
 
 
-def run(rt: Runtime, hidden_dir: Path, vocab_map: Path, target_dir: Path, out_dir: Path,
+def open_states(hidden_dir: Path | None, online: dict | None, target_dir: Path, cfg: dict):
+    """The stored hidden states, or (online) the producer of them from the dataset."""
+    if online is None:
+        return HiddenStates(hidden_dir)
+    from draftline.hidden.online import OnlineStates
+
+    return OnlineStates(Path(online["dataset_dir"]), target_dir, online.get("hidden") or {},
+                        cfg["batch_tokens"])
+
+
+def run(rt: Runtime, store, vocab_map: Path, target_dir: Path, out_dir: Path,
         cfg: dict) -> dict:
-    """One process of a training run (rank ``rt.rank`` of ``rt.world``)."""
+    """One process of a training run (rank ``rt.rank`` of ``rt.world``) on the states of
+    ``store`` (``open_states``)."""
     torch.manual_seed(cfg["seed"])
     random.seed(cfg["seed"])
     out_dir.mkdir(parents=True, exist_ok=True)
 
     # the draft, its teacher (the target's final norm and lm_head) and the optimizer
-    store = HiddenStates(hidden_dir)
-    check_inputs(store, hidden_dir, vocab_map, target_dir, cfg["draft"])  # before big reads
+    check_inputs(store, vocab_map, target_dir, cfg["draft"])  # before big reads
     model, head, draft_cfg = build_draft(target_dir, vocab_map, cfg["seed"], rt.device,
                                          cfg["draft"])
     wrapped = wrap_model(model, cfg["strategy"], rt)
@@ -92,7 +112,8 @@ def run(rt: Runtime, hidden_dir: Path, vocab_map: Path, target_dir: Path, out_di
 
     # the batches and the schedule
     workers = 2 if rt.device.type == "cuda" else 0
-    data = StoredBatches(store, cfg, rt.rank, rt.world, workers)
+    online = store.report()["mode"] == "online"
+    data = (ProducedBatches if online else StoredBatches)(store, cfg, rt.rank, rt.world, workers)
     total = sum(data.steps_per_epoch)
     if cfg["max_steps"]:
         total = min(total, cfg["max_steps"])
@@ -101,7 +122,7 @@ def run(rt: Runtime, hidden_dir: Path, vocab_map: Path, target_dir: Path, out_di
 
     # resume this run's latest checkpoint, or start afresh
     state_root = out_dir / STATE_DIR
-    run_id = fingerprint(cfg, rt.world, hidden_dir, vocab_map, target_dir)
+    run_id = fingerprint(cfg, rt.world, store.identity(), vocab_map, target_dir)
     trainer = resume(state_root, run_id, model, optimizer, scheduler, rt)
     resumed = None if trainer is None else trainer["step"]
     # "group" is the optimizer step within the epoch to continue from
@@ -110,12 +131,13 @@ def run(rt: Runtime, hidden_dir: Path, vocab_map: Path, target_dir: Path, out_di
     log = RunLog(state_root, out_dir, resumed, rt)
     progress = tqdm(total=total, initial=trainer["step"], disable=not rt.is_main,
                     unit="step", dynamic_ncols=True, desc="draft")
-    meta = {"layer_ids": data.layer_ids, "ttt_steps": cfg["ttt_steps"],
+    meta = {"layer_ids": data.layer_ids, "hidden_mode": "online" if online else "offline",
+            "ttt_steps": cfg["ttt_steps"],
             "draft_config": draft_cfg.to_dict(), "world_size": rt.world,
             "eval_split": data.eval_split,
             # what trained the draft and what extracted its inputs (the bundle carries this)
             "machine": {"training": torch_machine(torch, rt.device, rt.world),
-                        "hidden_states": store.index.get("machine")}}
+                        "hidden_states": None if online else store.index.get("machine")}}
     accum = cfg["grad_accum"]
 
     # the bar and the log are closed however the loop ends (a signal, a full disk, ...)
@@ -189,6 +211,8 @@ def run(rt: Runtime, hidden_dir: Path, vocab_map: Path, target_dir: Path, out_di
     record.pop("step")
     if rt.is_main:
         publish(state_root, out_dir, record)
+        if online:  # the producer's figures of this process's run (resumed: since the resume)
+            write_json(out_dir / ONLINE_STATS, store.report())
     barrier(rt)
     return record
 

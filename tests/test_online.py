@@ -1,0 +1,183 @@
+"""Online hidden states (hidden.mode online): the draft trained on states produced while it
+trains equals the draft trained on stored hf states, bit for bit on CPU; the buffer bound
+holds; a killed online run resumes to the weights of an uninterrupted one.
+
+Inputs: the ``draft_inputs`` fixture's tiny Llama target and vocab map, and a tokenized
+dataset made from its samples, from which the offline store is extracted with the hf backend.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from test_train import (
+    SMALL,
+    assert_resumed_run_equals,
+    final_weights,
+    one_thread,
+    records,
+    remove_outputs,
+    signal_when,
+)
+
+from draftline.hidden import extract
+from draftline.hidden.online import OnlineStates, OnlineStatesError
+from draftline.hidden.store import HiddenStates
+
+CFG = {**SMALL, "epochs": 2, "max_steps": 10, "checkpoint_every": 3, "eval_every": 5}
+
+
+def dataset_from_store(hidden_dir: Path, out: Path) -> Path:
+    """The tokenized dataset (id, input_ids, loss_mask) of a hidden-state store's samples."""
+    from datasets import Dataset, DatasetDict
+
+    from draftline.dataset import dataset_features
+
+    store = HiddenStates(hidden_dir)
+    splits = {}
+    for split, refs in store.samples.items():
+        rows = {"id": [], "input_ids": [], "loss_mask": []}
+        for ref in refs:
+            sample = store.read(ref)
+            rows["id"].append(ref.sample_id)
+            rows["input_ids"].append(sample["input_ids"].tolist())
+            rows["loss_mask"].append(sample["loss_mask"].tolist())
+        splits[split] = Dataset.from_dict(rows, features=dataset_features())
+    DatasetDict(splits).save_to_disk(str(out))
+    return out
+
+
+@pytest.fixture(scope="module")
+def online_inputs(draft_inputs, tmp_path_factory) -> dict:
+    """draft_inputs plus a dataset of its samples and the hf backend's offline store of it."""
+    root = tmp_path_factory.mktemp("online-inputs")
+    dataset = dataset_from_store(draft_inputs["hidden_dir"], root / "dataset")
+    with one_thread():
+        extract(dataset, draft_inputs["target_dir"], root / "hidden",
+                {"backend": "hf", "layer_ids": draft_inputs["layer_ids"]})
+    return {**draft_inputs, "dataset_dir": dataset, "hidden_dir": root / "hidden",
+            "online": {"dataset_dir": str(dataset),
+                       "hidden": {"layer_ids": draft_inputs["layer_ids"],
+                                  "online": {"max_buffer_bytes": 1 << 20, "prefetch": 2}}}}
+
+
+def run_offline(inputs: dict, out: Path, cfg: dict) -> dict:
+    from draftline.train import train
+
+    with one_thread():
+        return train(inputs["hidden_dir"], inputs["vocab_map"], inputs["target_dir"], out, cfg)
+
+
+def run_online(inputs: dict, out: Path, cfg: dict, online: dict | None = None) -> dict:
+    from draftline.train import train
+
+    with one_thread():
+        return train(None, inputs["vocab_map"], inputs["target_dir"], out, cfg,
+                     online=online or inputs["online"])
+
+
+def assert_same_weights(a: Path, b: Path) -> None:
+    wa, wb = final_weights(a), final_weights(b)
+    assert wa.keys() == wb.keys()
+    for name in wa:
+        assert torch.equal(wa[name], wb[name]), name
+
+
+def test_online_hf_training_is_bit_identical_to_offline(online_inputs, tmp_path):
+    offline = run_offline(online_inputs, tmp_path / "offline", CFG)
+    online = run_online(online_inputs, tmp_path / "online", CFG)
+    assert_same_weights(tmp_path / "offline", tmp_path / "online")
+    assert online["hidden_mode"] == "online" and offline["hidden_mode"] == "offline"
+    strip = ("hidden_mode",)
+    assert {k: v for k, v in online.items() if k not in strip} == \
+        {k: v for k, v in offline.items() if k not in strip}
+    for got, ref in zip(records(tmp_path / "online", "train"),
+                        records(tmp_path / "offline", "train"), strict=True):
+        assert {**got, "tokens_per_s": 0} == {**ref, "tokens_per_s": 0}
+    stats = json.loads((tmp_path / "online" / "hidden_stats.json").read_text())
+    # 10 steps of train micro-batches (2 epochs re-produced) plus two evaluations
+    assert stats["mode"] == "online" and stats["produced_batches"] >= 10
+    assert 0 < stats["peak_buffer_bytes"] <= 1 << 20
+    assert not (tmp_path / "online" / "hidden").exists()
+
+
+def test_bucketed_states_do_not_depend_on_the_samples_beside_them(online_inputs):
+    """The same samples in other company (alone, in pairs, all together) give the same bits
+    with bucketed batching; packed batching does not (which is why bucketed is the default)."""
+    from draftline.hidden.hf_backend import HFBackend
+
+    gen = torch.Generator().manual_seed(0)
+    samples = [torch.randint(0, 2048, (int(n),), generator=gen).tolist()
+               for n in torch.randint(5, 200, (24,), generator=gen)]
+    with one_thread():
+        backend = HFBackend(online_inputs["target_dir"], [2, 4, 5, 8], 8, "bfloat16", 8192,
+                            batching="bucketed")
+        together = backend.states(samples)
+        alone = [backend.states([s])[0] for s in samples]
+        pairs = [st for i in range(0, 24, 2) for st in backend.states(samples[i:i + 2])]
+        backend.close()
+        packed = HFBackend(online_inputs["target_dir"], [2, 4, 5, 8], 8, "bfloat16", 8192)
+        packed_together = packed.states(samples)
+        packed_alone = [packed.states([s])[0] for s in samples]
+        packed.close()
+    assert all(torch.equal(a, b) for a, b in zip(together, alone, strict=True))
+    assert all(torch.equal(a, b) for a, b in zip(together, pairs, strict=True))
+    assert not all(torch.equal(a, b) for a, b in zip(packed_together, packed_alone, strict=True))
+
+
+def test_the_buffer_bound_must_hold_a_micro_batch(online_inputs):
+    with pytest.raises(OnlineStatesError, match="hidden.online.max_buffer_bytes"):
+        OnlineStates(online_inputs["dataset_dir"], online_inputs["target_dir"],
+                     {"online": {"max_buffer_bytes": 1 << 20}}, train_batch_tokens=4096)
+
+
+def test_producer_stays_within_prefetch_and_buffer(online_inputs):
+    """The producer never holds more than `prefetch` batches nor the byte bound ahead."""
+    from draftline.train import plan_micro_batches
+
+    source = OnlineStates(online_inputs["dataset_dir"], online_inputs["target_dir"],
+                          {"layer_ids": online_inputs["layer_ids"],
+                           "online": {"max_buffer_bytes": 1 << 20, "prefetch": 3}}, 256)
+    refs = source.samples["train"]
+    batches = plan_micro_batches([r.length for r in refs], 256, seed=0)
+    seen = []
+    with one_thread():
+        for batch in source.loader(refs, batches):
+            seen.append(batch["tokens"])
+    source.close()
+    assert seen == [sum(refs[i].length for i in b) for b in batches]
+    per_batch = max(256 * source.per_token, 0)
+    assert source.stats["peak_buffer_bytes"] <= min(3 * per_batch, 1 << 20)
+
+
+def train_process(inputs: dict, out: Path, cfg: dict) -> subprocess.Popen:
+    cmd = [sys.executable, "-m", "draftline.train", "--online-json", json.dumps(inputs["online"]),
+           "--vocab-map", str(inputs["vocab_map"]), "--target-dir", str(inputs["target_dir"]),
+           "--out-dir", str(out), "--config-json", json.dumps(cfg)]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    return subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+
+
+def test_online_resume_after_sigkill_equals_uninterrupted_run(online_inputs, tmp_path):
+    cfg = {**CFG, "max_steps": 12}
+    reference = run_online(online_inputs, tmp_path / "reference", cfg)
+
+    out = tmp_path / "killed"
+    proc = train_process(online_inputs, out, cfg)
+    latest = out / "state" / "latest.json"
+    signal_when(proc, lambda: latest.exists() and json.loads(latest.read_text())["step"] >= 3,
+                signal.SIGKILL)
+    assert proc.returncode == -signal.SIGKILL, proc.stderr.read().decode()[-2000:]
+    killed_at = json.loads(latest.read_text())["step"]
+    assert 3 <= killed_at < 12
+    remove_outputs(out)
+
+    resumed = run_online(online_inputs, out, cfg)
+    assert_resumed_run_equals(out, resumed, tmp_path / "reference", reference, 12)
