@@ -531,6 +531,17 @@ def test_model_card(results):
     assert "Build record" not in readme and socket.gethostname() not in readme
 
 
+def test_model_card_records_the_hidden_state_mode(results):
+    build(results)
+    assert "Hidden states: offline" in (results / "bundle" / "README.md").read_text()
+    eval_path = results / "draft" / "eval.json"
+    write_json(eval_path, {**json.loads(eval_path.read_text()), "hidden_mode": "online"})
+    build(results, bundle_config(results, **{"hidden.mode": "online"}))
+    readme = (results / "bundle" / "README.md").read_text()
+    assert "Hidden states: online (the target produced its states while the draft trained" \
+        in readme
+
+
 def _command(readme: str, first: str) -> list[str]:
     block = readme.split(first, 1)[1].split("```", 1)[0]
     return shlex.split(first + block.replace("\\\n", " "))

@@ -89,6 +89,32 @@ def test_measured_inputs_are_read_from_the_results_root(tmp_path):
     assert rows["generate"]["tok_s"] == 2500.0 and rows["hidden"]["tok_s"] == 500.0
 
 
+def test_plan_shows_disk_and_time_per_hidden_state_mode():
+    measured = {"dataset": {"tokens": {"train": 9_000, "eval": 1_000},
+                            "samples_out": {"train": 90, "eval": 10},
+                            "supervised_tokens": {"train": 5_000, "eval": 500}},
+                "online": {"producer_tok_s": 500.0}}
+    offline = by_stage(plan(default_config(), measured))
+    modes = offline["total"]["modes"]
+    epochs = default_config()["train"]["epochs"]
+    assert modes["offline"]["peak_disk_bytes"] == offline["hidden"]["disk_bytes"] == \
+        10_000 * (4 * 128 * 2 + 9)
+    assert "online training's producer" in offline["hidden"]["basis"]
+    assert modes["online"]["peak_disk_bytes"] == 0
+    assert modes["online"]["produce_s"] == epochs * 10_000 / 500.0  # every epoch again
+    # buffer: prefetch 2 + the batch in training, each train.batch_tokens x 1 KiB of states
+    assert modes["online"]["buffer_bytes"] == 3 * 1024 * 4 * 128 * 2
+    online = by_stage(plan(default_config(**{"hidden.mode": "online"}), measured))
+    assert online["hidden"]["disk_bytes"] == 0 and online["hidden"]["time_s"] == 0
+    assert online["train"]["time_s"] == offline["train"]["time_s"] + epochs * 20.0
+    assert online["total"]["disk_bytes"] == offline["total"]["disk_bytes"] - \
+        offline["hidden"]["disk_bytes"]
+    text = format_plan(list(online.values()))
+    assert "hidden.mode offline: peak disk 10.3 MB of states" in text
+    assert "hidden.mode online:  peak disk 0 (at most 3.1 MB buffered)" in text
+    assert f"states produced {epochs}x, once per epoch" in text
+
+
 def test_too_little_disk_is_flagged():
     config = default_config(**{"hidden.free_bytes": 1_000_000})
     rows = plan(config, None)

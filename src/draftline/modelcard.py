@@ -291,9 +291,20 @@ def _data(card: Card, facts: dict) -> None:
                  Table(["", ""], scalars))
 
 
+HIDDEN_MODES = {
+    "offline": "Hidden states: offline (the target's states were extracted and stored before "
+               "training, then read by it).",
+    "online": "Hidden states: online (the target produced its states while the draft trained, "
+              "again in every epoch; none were stored).",
+}
+
+
 def _training(card: Card, facts: dict) -> None:
     train = facts["config"]["train"]
+    mode = (facts.get("eval") or {}).get("hidden_mode") or \
+        facts["config"].get("hidden", {}).get("mode", "offline")
     card.add(Heading(2, "Training settings"),
+             Para(HIDDEN_MODES.get(mode, f"Hidden states: {mode}")),
              Table(["setting", "value"], [[k, train[k]] for k in sorted(train)]))
     metrics = facts["metrics"]
     if metrics:

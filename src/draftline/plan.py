@@ -102,7 +102,7 @@ def measured_from_results(config: dict) -> dict:
     """Measured inputs found under the results root (profile, dataset stats, hidden stats)."""
     lay = Layout.from_config(config)
     sources = {"profile": lay.profile_json, "dataset": lay.dataset_stats,
-               "hidden": lay.hidden_stats}
+               "hidden": lay.hidden_stats, "online": lay.online_stats}
     measured = {}
     for key, path in sources.items():
         if path.is_file():
@@ -185,8 +185,47 @@ def plan(config: dict, measured: dict | None = None) -> list[dict]:
         _hidden_row(config, measured, dims, kind, tokens, token_basis),
         *_train_rows(config, measured, dims, kind, out_tokens),
     ]
+    modes = hidden_modes(config, rows)
+    if modes and config["hidden"]["mode"] == "online":  # the extraction moves into training
+        online = modes["online"]
+        hidden, train = rows[-4], rows[-3]
+        rows[-4] = _row("hidden", 0, 0.0, "hidden.mode online: no stored states; produced by "
+                        f"the training job (at most {_bytes(online['buffer_bytes'])} buffered)")
+        train["time_s"] += online["produce_s"]
+        train["basis"] += (f"; + {config['train']['epochs']} x "
+                           f"{online['produce_s'] / config['train']['epochs']:,.0f} s producing "
+                           f"the states at {hidden['tok_s']:,.0f} tok/s (online, every epoch)")
     rows.append(_total_row(config, rows))
+    if modes:
+        rows[-1]["modes"] = modes
     return rows
+
+
+def hidden_modes(config: dict, rows: list[dict]) -> dict | None:
+    """Peak disk of the hidden states and time of extraction + training, per hidden.mode.
+
+    Offline stores every sample's states once (disk: the hidden row) and extracts once.
+    Online stores none (at most the buffer, in memory with the hf producer) but runs the
+    target again in every epoch: ``epochs x`` the extraction time, without a server start
+    (the hf producer runs inside the training job).
+    """
+    hidden = next(r for r in rows if r["stage"] == "hidden")
+    train = next(r for r in rows if r["stage"] == "train")
+    if hidden["disk_bytes"] is None or train["time_s"] is None:
+        return None
+    epochs = config["train"]["epochs"]
+    online_cfg = config["hidden"].get("online") or {}
+    batch_bytes = config["train"]["batch_tokens"] * hidden["state_bytes_per_token"]
+    buffer = min(online_cfg.get("max_buffer_bytes", 256 << 20),
+                 (online_cfg.get("prefetch", 2) + 1) * batch_bytes)
+    produce_s = epochs * hidden["tokens"] / hidden["tok_s"]
+    return {
+        "offline": {"peak_disk_bytes": hidden["disk_bytes"],
+                    "time_s": hidden["time_s"] + train["time_s"], "extractions": 1},
+        "online": {"peak_disk_bytes": 0, "buffer_bytes": buffer, "produce_s": produce_s,
+                   "backend": config["hidden"]["backend"],
+                   "time_s": train["time_s"] + produce_s, "extractions": epochs},
+    }
 
 
 def _target_row(config: dict, dims: dict | None, kind: str) -> dict:
@@ -247,7 +286,11 @@ def _hidden_row(config: dict, measured: dict, dims: dict | None, kind: str, toke
     state_bytes = layers * dims["hidden_size"] * DTYPE_SIZES.get(dtype, 2)
     per_token = state_bytes + ARROW_BYTES_PER_TOKEN
     rate = measured.get("hidden_tok_s") or (measured.get("hidden") or {}).get("tokens_per_s")
-    rate_basis = "measured by an earlier extraction" if rate else "assumed"
+    rate_basis = "measured by an earlier extraction"
+    if not rate and (measured.get("online") or {}).get("producer_tok_s"):
+        rate = measured["online"]["producer_tok_s"]
+        rate_basis = "measured by an online training's producer (draft/hidden_stats.json)"
+    rate_basis = rate_basis if rate else "assumed"
     rate = rate or HIDDEN_TOK_S[kind]
     seconds = tokens / rate + (SERVER_START_S[kind] if hidden_cfg["backend"] == "vllm" else 30)
     return _row("hidden", tokens * per_token, seconds,
@@ -255,7 +298,8 @@ def _hidden_row(config: dict, measured: dict, dims: dict | None, kind: str, toke
                 f"{dims['hidden_size']:,} x {DTYPE_SIZES.get(dtype, 2)} B {dtype} + "
                 f"{ARROW_BYTES_PER_TOKEN} B ids/mask); "
                 f"{rate:,.0f} tok/s ({rate_basis}, backend {hidden_cfg['backend']}); {token_basis}",
-                state_bytes_per_token=state_bytes, bytes_per_token=per_token, tok_s=rate)
+                state_bytes_per_token=state_bytes, bytes_per_token=per_token, tok_s=rate,
+                tokens=tokens)
 
 
 def _train_rows(config: dict, measured: dict, dims: dict | None, kind: str,
@@ -335,6 +379,17 @@ def format_plan(rows: list[dict]) -> str:
         lines.append(f"hidden states: {hidden['state_bytes_per_token']:,} B/token of states "
                      f"({hidden['state_bytes_per_token'] / 1024:,.1f} KiB), "
                      f"{hidden['bytes_per_token']:,} B/token stored")
+    modes = rows[-1].get("modes")
+    if modes:
+        off, on = modes["offline"], modes["online"]
+        lines.append(f"hidden.mode offline: peak disk {_bytes(off['peak_disk_bytes'])} of "
+                     f"states, extraction + training {_duration(off['time_s'])} (states "
+                     "extracted once)")
+        lines.append(f"hidden.mode online:  peak disk 0 (at most {_bytes(on['buffer_bytes'])} "
+                     f"buffered), training {_duration(on['time_s'])} (states produced "
+                     f"{on['extractions']}x, once per epoch: {_duration(on['produce_s'])})"
+                     + ("; online mode produces with backend hf only today"
+                        if on["backend"] != "hf" else ""))
     return "\n".join(lines)
 
 

@@ -137,7 +137,10 @@ def run(rt: Runtime, store, vocab_map: Path, target_dir: Path, out_dir: Path,
             "eval_split": data.eval_split,
             # what trained the draft and what extracted its inputs (the bundle carries this)
             "machine": {"training": torch_machine(torch, rt.device, rt.world),
-                        "hidden_states": None if online else store.index.get("machine")}}
+                        # online, this process ran the target (the hf producer)
+                        "hidden_states": ({"backend": "hf", **torch_machine(torch, rt.device,
+                                                                            rt.world)}
+                                          if online else store.index.get("machine"))}}
     accum = cfg["grad_accum"]
 
     # the bar and the log are closed however the loop ends (a signal, a full disk, ...)
