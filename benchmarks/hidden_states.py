@@ -28,7 +28,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from draftline.hidden import capture_ids, extract, resolve_layer_ids, target_info
+from draftline.hidden import capture_ids, extract_hidden_states, resolve_layer_ids, target_info
 from draftline.hidden.hf_backend import HFBackend, token_budget_batches
 from draftline.hidden.store import state_bytes_per_token, stored_bytes_per_token
 
@@ -117,7 +117,7 @@ def bench_vllm(target: Path, samples: list[list[int]], batch_tokens: int, work: 
 
 def bench_bytes(target: Path, samples: list[list[int]], batch_tokens: int, work: Path) -> dict:
     dataset = save_dataset(work / "dataset", samples)
-    index = extract(dataset, target, work / "hidden", {"batch_tokens": batch_tokens,
+    index = extract_hidden_states(dataset, target, work / "hidden", {"batch_tokens": batch_tokens,
                                                        "samples_per_file": 64})
     info = target_info(target)
     minimum = state_bytes_per_token(info["hidden_size"], info["dtype"])

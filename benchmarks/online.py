@@ -29,8 +29,8 @@ import time
 from pathlib import Path
 
 from draftline.config import load_config
-from draftline.hidden import extract
-from draftline.train import train
+from draftline.hidden import extract_hidden_states
+from draftline.train import train_draft
 
 
 def folder_bytes(path: Path) -> int:
@@ -54,18 +54,19 @@ def run(results: Path, out: Path, config: dict) -> dict:
     out.mkdir(parents=True)
 
     started = time.perf_counter()  # packed batching: the cost of bucketing, for reference
-    extract(dataset, target, out / "hidden-packed", {**hidden_cfg, "hf_batching": "packed"})
+    extract_hidden_states(dataset, target, out / "hidden-packed",
+                          {**hidden_cfg, "hf_batching": "packed"})
     packed_s = time.perf_counter() - started
     started = time.perf_counter()
-    extract(dataset, target, out / "hidden", {**hidden_cfg, "mode": "offline"})
+    extract_hidden_states(dataset, target, out / "hidden", {**hidden_cfg, "mode": "offline"})
     extract_s = time.perf_counter() - started
     stored = folder_bytes(out / "hidden")
     started = time.perf_counter()
-    offline = train(out / "hidden", vocab_map, target, out / "offline", train_cfg)
+    offline = train_draft(out / "hidden", vocab_map, target, out / "offline", train_cfg)
     offline_train_s = time.perf_counter() - started
 
     started = time.perf_counter()
-    online = train(None, vocab_map, target, out / "online", train_cfg,
+    online = train_draft(None, vocab_map, target, out / "online", train_cfg,
                    online={"dataset_dir": dataset, "hidden": {**hidden_cfg, "mode": "online"}})
     online_s = time.perf_counter() - started
     stats = json.loads((out / "online" / "hidden_stats.json").read_text())

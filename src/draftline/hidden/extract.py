@@ -1,8 +1,8 @@
 """Hidden-state extraction: run the target over the tokenized dataset and store its states.
 
-``extract`` reads the tokenized dataset, runs the target (backend ``hf``: transformers with
-forward pre-hooks; backend ``vllm``: vLLM's ``extract_hidden_states`` method with our KV
-connector) and writes part files plus ``index.json`` (formats: ``store.py`` and
+``extract_hidden_states`` reads the tokenized dataset, runs the target (backend ``hf``:
+transformers with forward pre-hooks; backend ``vllm``: vLLM's ``extract_hidden_states`` method
+with our KV connector) and writes part files plus ``index.json`` (formats: ``store.py`` and
 docs/formats.md). It checks the disk first, resumes at part-file granularity, and rejects
 samples whose states are not finite.
 
@@ -257,7 +257,7 @@ def _disk_need(parts: list[PartSpec], splits: dict[str, SplitData], per_token: i
     return need
 
 
-def extract(dataset_dir: str | Path, target_dir: str | Path, out_dir: str | Path,
+def extract_hidden_states(dataset_dir: str | Path, target_dir: str | Path, out_dir: str | Path,
             hidden_cfg: dict, server_cfg: dict | None = None,
             server_state_dir: str | Path | None = None) -> dict:
     """Extract hidden states for every sample of the dataset; return the index.

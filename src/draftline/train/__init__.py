@@ -2,11 +2,11 @@
 
 Library::
 
-    from draftline.train import train
-    record = train(hidden_dir, vocab_map, target_dir, out_dir, train_cfg)
+    from draftline.train import train_draft
+    record = train_draft(hidden_dir, vocab_map, target_dir, out_dir, train_cfg)
 
 ``train_cfg`` is the ``train`` config section (missing keys take the schema defaults). With
-``nproc_per_node > 1`` and no torchrun environment, ``train`` launches itself under torchrun
+``nproc_per_node > 1`` and no torchrun environment, ``train_draft`` launches itself under torchrun
 (``--standalone``) and returns when all processes are done. Multi-node runs (``nnodes > 1``)
 are launched by the user on every node::
 
@@ -36,7 +36,7 @@ inputs and config continues from it (on CPU the final weights equal an uninterru
 rerun with anything changed starts afresh. SIGINT or SIGTERM stops the run after the current
 optimizer step, with a checkpoint of that step (exit status 128 + signal).
 
-Modules: ``loop`` (``train``: the loop, top to bottom), ``data`` (micro-batches and the batch
+Modules: ``loop`` (``train_draft``: the loop, top to bottom), ``data`` (micro-batches and the batch
 source the loop reads), ``draft`` (the draft and its teacher from the target), ``distributed``
 (processes, DDP/FSDP, torchrun), ``checkpoint`` (checkpoints, resume, outputs), ``signals``
 (stop requests), ``metrics`` (the metrics log). This file only re-exports.
@@ -46,7 +46,7 @@ from draftline.train.checkpoint import load_checkpoint
 from draftline.train.data import StoredBatches, plan_micro_batches
 from draftline.train.distributed import Runtime
 from draftline.train.draft import build_draft, load_target_tensors, save_untrained
-from draftline.train.loop import resolve_train_cfg, run_micro_batch, train
+from draftline.train.loop import resolve_train_cfg, run_micro_batch, train_draft
 
 __all__ = [
     "Runtime",
@@ -58,5 +58,5 @@ __all__ = [
     "resolve_train_cfg",
     "run_micro_batch",
     "save_untrained",
-    "train",
+    "train_draft",
 ]

@@ -8,7 +8,7 @@ import sys
 from pathlib import Path
 
 import draftline.train
-from draftline.train.loop import train
+from draftline.train.loop import train_draft
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -28,7 +28,7 @@ def main(argv: list[str] | None = None) -> int:
     text = args.config_json
     cfg = json.loads(text if text.lstrip().startswith("{") else Path(text).read_text())
     online = json.loads(args.online_json) if args.online_json else None
-    train(args.hidden_dir, args.vocab_map, args.target_dir, args.out_dir, cfg, online)
+    train_draft(args.hidden_dir, args.vocab_map, args.target_dir, args.out_dir, cfg, online)
     return 0
 
 

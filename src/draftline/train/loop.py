@@ -56,8 +56,8 @@ def resolve_train_cfg(train_cfg: dict | None) -> dict:
     return resolve_section("train", train_cfg)
 
 
-def train(hidden_dir, vocab_map, target_dir, out_dir, train_cfg: dict | None = None,
-          online: dict | None = None) -> dict:
+def train_draft(hidden_dir, vocab_map, target_dir, out_dir, train_cfg: dict | None = None,
+                online: dict | None = None) -> dict:
     """Train the draft; returns the eval.json record (also written to ``out_dir``).
 
     Offline, the states are read from the store in ``hidden_dir``. Online (``online`` =
