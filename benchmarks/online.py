@@ -70,8 +70,9 @@ def run(results: Path, out: Path, config: dict) -> dict:
                    online={"dataset_dir": dataset, "hidden": {**hidden_cfg, "mode": "online"}})
     online_s = time.perf_counter() - started
     stats = json.loads((out / "online" / "hidden_stats.json").read_text())
-    online_disk = folder_bytes(out / "online") - folder_bytes(out / "online" / "state") \
-        - folder_bytes(out / "online" / "best") - folder_bytes(out / "online" / "tb")
+    # state files of the online run: any safetensors besides the draft's own weights
+    online_disk = sum(p.stat().st_size for p in (out / "online").rglob("*.safetensors")
+                      if not {"state", "best"} & set(p.relative_to(out / "online").parts))
     epochs = train_cfg["epochs"]
     return {
         "config": {"train": train_cfg, "hidden": hidden_cfg},
