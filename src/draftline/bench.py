@@ -1,5 +1,8 @@
 """Deployment benchmark: the target alone vs the target with the trained EAGLE-3 draft.
 
+Kept whole (about 620 lines): measuring, summarising, step costs and the gap table share
+the one row schema written out below, and read best beside it.
+
 For each configuration (``eagle3-k{n}`` for every ``num_speculative_tokens``, then
 ``baseline``) a vLLM server is started (or an external endpoint used); the speculative ones go
 first, so a server that cannot start fails before baseline time is spent, and pairs known not

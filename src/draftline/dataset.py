@@ -1,5 +1,8 @@
 """Tokenized training dataset: responses -> ``results/dataset/`` (HF DatasetDict on disk).
 
+Kept whole (about 630 lines): the tokenization rules, the mismatch accounting and the split
+all serve the one record format this stage writes, and read in that order.
+
 Each sample is one conversation: the prompt messages the target saw plus the assistant turn it
 generated. ``input_ids`` is the token stream the target processed; ``loss_mask`` is 1 on the
 tokens the target generated (thinking tokens, reasoning, answer, end of turn) and 0 on

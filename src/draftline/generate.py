@@ -1,5 +1,8 @@
 """Synthetic responses: every prompt answered exactly once by the served target.
 
+Kept whole (about 790 lines): one stage read in order (settings, endpoint pool, shard run,
+resume, summary); each part is used only here.
+
 One shard job = a fixed pool of worker coroutines (never one task per prompt) over the
 official ``AsyncOpenAI`` client. Each request holds a machine-wide slot (``SlotPool``) so that
 shard jobs running side by side share the chosen concurrency and keep the server full.

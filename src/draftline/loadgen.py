@@ -1,5 +1,8 @@
 """One closed-loop load generator for OpenAI-compatible (vLLM) chat endpoints.
 
+Kept whole (about 730 lines): the request shape, the SSE reader, the closed loop, the
+window statistics and the /metrics reader are one measurement contract, checked together.
+
 Used by the concurrency profiler and the deployment benchmark; the request shape
 (``SamplingSpec``) is the one the generation stage sends, so a profile measures the real workload.
 

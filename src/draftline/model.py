@@ -1,7 +1,8 @@
 """The EAGLE-3 draft model, its training-time-test (TTT) unroll, loss and metrics.
 
-One file, top to bottom: config, norms and rotary, the attention with its TTT diagonal, the
-decoder layer, the draft, the frozen target head that makes the training targets, the loss.
+Kept whole (about 720 lines) on purpose, like nanoGPT's model.py. One file, top to bottom:
+config, norms and rotary, the attention with its TTT diagonal, the decoder layer, the draft,
+the frozen target head that makes the training targets, the loss.
 
 Layout and names follow vLLM's ``Eagle3LlamaForCausalLM`` (``llama_eagle3.py``) so that the
 state dict exports without renaming (``fc``, ``midlayer.*``, ``norm``, ``lm_head``):

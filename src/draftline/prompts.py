@@ -1,5 +1,8 @@
 """Prompt shards: read prompt sources, normalize them to OpenAI chat messages, shard them.
 
+Kept whole (about 690 lines): most of the length is one reader per source format with its
+per-record checks, each naming the file and record it refuses.
+
 Stage 1 of the pipeline. ``build_prompt_shards`` reads every configured source, turns each
 record into ``{"id": str, "messages": [...]}`` whose last message is a user turn, drops
 duplicates, keeps at most ``max_samples`` and splits the rest into ``num_shards`` balanced,

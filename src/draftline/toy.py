@@ -1,5 +1,8 @@
 """The toy target: a small Llama causal LM that behaves like a reasoning model.
 
+Kept whole (about 670 lines): most of the length is the synthetic conversation generators,
+which are data more than logic.
+
 ``build_toy_target`` writes an HF model directory (config, bf16 safetensors weights, byte-level
 BPE tokenizer, chat template) that vLLM serves with ``--reasoning-parser deepseek_r1``.
 

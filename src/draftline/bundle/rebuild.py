@@ -33,7 +33,7 @@ from draftline.bundle.archive import (
 )
 from draftline.bundle.build import build_bundle
 from draftline.bundle.inputs import BundleInputs
-from draftline.bundle.verify import verify_bundle
+from draftline.bundle.verify import checked, verify_bundle
 from draftline.layout import Layout
 
 CONFIG_NAME = "resolved_config.yaml"
@@ -138,14 +138,9 @@ def _differing(given: dict[str, tuple], rebuilt: dict[str, tuple]) -> list[str]:
 def main_rebuild(results_dir: str, bundle: str) -> int:
     """``draftline verify --rebuild RESULTS_DIR BUNDLE``: 0 when the bundle's bytes equal its
     rebuild, 1 naming the first differing member, 2 when there is nothing to compare."""
-    try:
-        result = rebuild_check(results_dir, bundle)
-    except FileNotFoundError as exc:
-        print(f"draftline verify: {exc}", file=sys.stderr)
-        return 2
-    except VerifyError as exc:
-        print(f"draftline verify: FAILED: {exc}", file=sys.stderr)
-        return 1
+    result = checked(rebuild_check, results_dir, bundle)
+    if isinstance(result, int):
+        return result
     if result.equal:
         digest = f" (sha256 {result.bundle_sha256})" if result.bundle_sha256 else ""
         print(f"OK: {bundle} equals its rebuild from {results_dir}{digest}")

@@ -160,14 +160,22 @@ def _archive_prefix(manifest_names: list[str], tar_path: Path) -> str:
 def main_verify(path: str) -> int:
     """``draftline verify``: 0 when every hash matches, 1 naming the first mismatch, 2 when
     there is nothing to verify."""
+    manifest = checked(verify_bundle, path)
+    if isinstance(manifest, int):
+        return manifest
+    print(f"OK: {path}: {len(manifest['files'])} files match manifest.json")
+    return 0
+
+
+def checked(check, *args):
+    """``check(*args)``, or the verify commands' exit code when it refuses: 2 when there is
+    nothing to check, 1 on a mismatch (each said on stderr)."""
     try:
-        manifest = verify_bundle(path)
+        return check(*args)
     except FileNotFoundError as exc:
         print(f"draftline verify: {exc}", file=sys.stderr)
         return 2
     except VerifyError as exc:
         print(f"draftline verify: FAILED: {exc}", file=sys.stderr)
         return 1
-    print(f"OK: {path}: {len(manifest['files'])} files match manifest.json")
-    return 0
 
