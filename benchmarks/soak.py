@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import collections
 import contextlib
 import gc
 import itertools
@@ -343,7 +344,9 @@ def soak(endpoint, settings, messages: list[list[dict]], args,
     slots = SlotPool(work / "slots", settings.concurrency)
     t0 = time.monotonic()
     prompts = timed_prompts(messages, deadline=t0 + args.duration_s)
-    run = ShardRun(prompts, [endpoint], settings, slots, results, errors)
+    # the soak keeps no answer to resume from, so its records need no fingerprint
+    no_fingerprints = collections.defaultdict(str)
+    run = ShardRun(prompts, no_fingerprints, [endpoint], settings, slots, results, errors)
 
     def read_counters() -> Counters:
         return Counters(responses=results.records, tokens=results.completion_tokens,
