@@ -379,7 +379,9 @@ def test_summaries_report_what_the_server_ran(tmp_path, vllm_server, toy_target)
         timing, server = s["timing"], s["server"]
         assert timing["job_start"] <= timing["first_request"] <= timing["queue_empty"]
         assert timing["queue_empty"] <= timing["end"] and timing["startup_s"] >= 0
-        assert timing["first_request"] < server["fill_end"] < timing["end"]
+        # the fill phase is the stage's (both shards' requests): a shard that starts late on
+        # a busy host may send its first request after it ended
+        assert server["fill_end"] < timing["end"] and timing["first_request"] < timing["end"]
         assert "inflight_utilization" not in s and 0 < s["client_slot_utilization"] <= 1
         assert server["samples"] >= 3
         assert server["timeline"]["columns"] == ["t", "running", "waiting",
