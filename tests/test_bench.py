@@ -174,6 +174,8 @@ def test_a_window_the_client_read_late_is_measured_again_then_marked(monkeypatch
 
     assert bench.stream_lagged(1.0, 6.5) and bench.stream_lagged(9.0, 6.5)
     assert not bench.stream_lagged(6.0, 6.5) and not bench.stream_lagged(None, 6.5)
+    # every token in one burst: a TPOT of 0 is no decode step, whatever the engine reported
+    assert bench.stream_lagged(0.0, 6.5) and bench.stream_lagged(0.0, None)
     client_tpots = iter([0.2, 6.4])  # a late client (a burst), then one that kept up
 
     def fake_once(*args, **kwargs):  # test double for one window on a server at 6.5 ms/step
@@ -297,3 +299,17 @@ def test_step_costs_predict_the_speedup_and_say_when_none_is_possible():
     assert costs["configs"]["eagle3-k3"]["max_speedup"] == pytest.approx(20 / 22, abs=1e-3)
     assert "No speed-up is possible on this host for eagle3-k3" in "\n".join(
         explain_speedup(costs))
+
+
+def test_a_cell_whose_median_tpot_is_zero_gets_no_tpot_speedup():
+    """Two of three baseline windows read in one burst (TPOT 0.0, seen in CI on a busy host):
+    the summary keeps the throughput speed-up, gives no TPOT speed-up and predicts nothing,
+    instead of dividing by zero."""
+    rows = [_row("baseline", 2, r, tok, tpot) for r, (tok, tpot) in
+            enumerate([(174.0, 0.0), (291.0, 5.8), (191.0, 0.0)])]
+    rows += [_row("eagle3-k3", 2, r, 380.0, 4.5, drafts=100, accepted=120) for r in range(3)]
+    summary = summarise(rows)
+    eagle = next(s for s in summary if s["config"] == "eagle3-k3")
+    assert eagle["speedup_throughput"] == round(380.0 / 191.0, 4)
+    assert eagle["speedup_tpot"] is None
+    assert step_costs(summary, [{"name": "eagle3-k3", "num_speculative_tokens": 3}]) is None

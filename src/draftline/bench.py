@@ -153,7 +153,11 @@ def measure_level(endpoint: Endpoint, prompts: list[Prompt], spec: SamplingSpec,
 
 
 def stream_lagged(client_tpot_ms: float | None, server_tpot_ms: float | None) -> bool:
-    """The stream's mean TPOT is off the engine's by more than CLIENT_SERVER_TPOT_TOLERANCE."""
+    """The stream's mean TPOT is 0 (every request's tokens arrived in one burst: no decode step
+    takes no time), or off the engine's by more than CLIENT_SERVER_TPOT_TOLERANCE. None (only
+    one-token answers) says nothing."""
+    if client_tpot_ms is not None and client_tpot_ms <= 0:
+        return True
     if not client_tpot_ms or not server_tpot_ms:
         return False
     return abs(client_tpot_ms / server_tpot_ms - 1.0) > CLIENT_SERVER_TPOT_TOLERANCE
@@ -256,6 +260,11 @@ def summarise(rows: list[dict]) -> list[dict]:
     return summary
 
 
+def _median_tpot(cell: dict) -> float | None:
+    """A cell's median TPOT p50, None when unmeasured or 0 (a burst-read window, no step time)."""
+    return (cell["tpot_ms_p50"] or {}).get("median") or None
+
+
 def add_speedups(summary: list[dict]) -> None:
     """Speedup against the baseline at the same temperature and concurrency (medians)."""
     base = {(s["temperature"], s["concurrency"]): s for s in summary if s["config"] == "baseline"}
@@ -266,7 +275,7 @@ def add_speedups(summary: list[dict]) -> None:
             continue
         s["speedup_throughput"] = round(s["output_tok_s"]["median"] /
                                         b["output_tok_s"]["median"], 4)
-        if s["tpot_ms_p50"] and b["tpot_ms_p50"]:
+        if _median_tpot(s) and _median_tpot(b):
             s["speedup_tpot"] = round(b["tpot_ms_p50"]["median"] / s["tpot_ms_p50"]["median"], 4)
 
 
@@ -307,7 +316,7 @@ def train_serve_gap(summary: list[dict], configs: list[dict], eval_json: dict | 
 def _cell_of(summary: list[dict], config: str, temperature: float) -> dict | None:
     """The summary cell at the lowest measured concurrency (C=1 when measured)."""
     cells = [s for s in summary if s["config"] == config and s["temperature"] == temperature
-             and s["tpot_ms_p50"]]
+             and _median_tpot(s)]
     return min(cells, key=lambda s: s["concurrency"]) if cells else None
 
 
