@@ -109,6 +109,15 @@ def online_hidden_params():
     return {**hidden, "trust_remote_code": config["target"]["trust_remote_code"]}
 
 
+def online_server_params():
+    """What the vllm producer of online training reads of the server section (its own
+    server's settings; None for the hf producer or offline, which start no server)."""
+    if not hidden_online() or config["hidden"]["backend"] != "vllm":
+        return None
+    skip = ("mode", "external", "reasoning_parser")
+    return {k: v for k, v in config["server"].items() if k not in skip}
+
+
 def target_input():
     """The toy target is an artifact of this workflow; a real target is not."""
     return rules.toy_target.output.target if config["target"]["model"] == "toy" else []

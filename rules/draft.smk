@@ -15,6 +15,8 @@ rule train_draft:
     params:
         train=config["train"],
         online=online_hidden_params(),
+        server=online_server_params(),
+        state_dir=SERVER_STATE,
         model=target_path,
         revision=config["target"]["revision"],
         out_dir=lambda wildcards, output: os.path.dirname(output.eval),

@@ -12,5 +12,7 @@ with logged(snakemake.log[0]):
         local_dir(snakemake.params.model, snakemake.params.revision),
         snakemake.params.out_dir,
         snakemake.params.train,
-        online={"dataset_dir": snakemake.input.dataset, "hidden": online} if online else None,
+        online={"dataset_dir": snakemake.input.dataset, "hidden": online,
+                "server": snakemake.params.server,
+                "server_state_dir": snakemake.params.state_dir} if online else None,
     )

@@ -427,6 +427,11 @@ def shared_server(spec: ServerSpec, state_dir: Path, idle_timeout_s: float = 120
         os.close(lease_fd)
 
 
+def shared_server_log(spec: ServerSpec, state_dir: Path) -> Path:
+    """The log of the run's shared server for ``spec`` (where its errors are to be read)."""
+    return _Paths(state_dir, spec.fingerprint()).log
+
+
 def _spawn_supervisor(spec: ServerSpec, paths: _Paths, idle_timeout_s: float) -> dict:
     paths.state.unlink(missing_ok=True)
     paths.spec.write_text(spec.to_json())

@@ -2,11 +2,21 @@
 
 ``OnlineStates`` is a batch source for training with the same face as the offline store
 (``hidden_size``, ``layer_ids``, ``samples`` per split, ``loader`` and ``collated``): training
-asks it for the collated micro-batches of an epoch in order, and a producer (producer ``hf``:
-the frozen target in the training process, no grad, the hooks of the offline hf backend) makes
-them ahead of the trainer into a bounded buffer. At most ``hidden.online.prefetch`` micro-
-batches and ``hidden.online.max_buffer_bytes`` of states wait there; a micro-batch is dropped
-from the buffer when the trainer takes it, and freed once its step is done.
+asks it for the collated micro-batches of an epoch in order, and a producer makes them ahead of
+the trainer into a bounded buffer. The producer is ``hidden.backend``:
+
+* ``hf``: the frozen target in the training process (no grad, the hooks of the offline hf
+  backend); the buffer holds collated micro-batches in memory.
+* ``vllm``: a vLLM server with draftline's connector (``vllm_producer.py``); the buffer is the
+  spool folder the connector writes, one file per sample. The trainer reads a micro-batch's
+  files when it needs them, checks them (the dataset sample's token ids, shapes), converts them
+  as the offline path does, and deletes them.
+
+At most ``hidden.online.prefetch`` micro-batches and ``hidden.online.max_buffer_bytes`` of
+states wait there; a micro-batch leaves the buffer when the trainer takes it, and is freed once
+its step is done. With ``vllm``, evaluation reads its micro-batches through the same spool
+beside the prefetched ones, so the prefetch share of the bound is ``max_buffer_bytes`` less one
+micro-batch: the spool never holds more than the bound.
 
 Same states as offline: samples are read from the tokenized dataset in dataset order (the
 offline index's order), each sample's states are cast to the target dtype and split into aux
@@ -34,6 +44,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from draftline.hidden.store import state_bytes_per_token
+
+PRODUCERS = ("hf", "vllm")
 
 log = logging.getLogger(__name__)
 
@@ -64,16 +76,18 @@ class OnlineStates:
     origin_name = "online"
 
     def __init__(self, dataset_dir: Path, target_dir: Path, hidden_cfg: dict,
-                 train_batch_tokens: int):
+                 train_batch_tokens: int, server_cfg: dict | None = None,
+                 server_state_dir: Path | None = None):
         from draftline.hidden.extract import DEFAULTS, load_splits, target_info
         from draftline.hidden.layers import capture_ids, resolve_layer_ids
 
         self.cfg = {**DEFAULTS, **hidden_cfg}
         self.online = online_cfg(self.cfg)
-        if self.cfg["backend"] != "hf":
-            raise OnlineStatesError(f"config key 'hidden.backend': {self.cfg['backend']!r} "
-                                    "cannot produce states online yet (hidden.mode online "
-                                    "takes backend hf)")
+        self.producer = self.cfg["backend"]
+        if self.producer not in PRODUCERS:
+            raise OnlineStatesError(f"config key 'hidden.backend': {self.producer!r} cannot "
+                                    f"produce states online (one of {', '.join(PRODUCERS)})")
+        self.server_cfg, self.server_state_dir = server_cfg, server_state_dir
         self.dataset_dir, self.target_dir = Path(dataset_dir), Path(target_dir)
         info = target_info(self.target_dir)
         self.info = info
@@ -89,21 +103,39 @@ class OnlineStates:
                    for row, (sid, n) in enumerate(zip(split.ids, split.lengths, strict=True))]
             for name, split in self.splits.items()}
         self.per_token = state_bytes_per_token(self.hidden_size, self.dtype, len(self.layer_ids))
-        batch_bytes = train_batch_tokens * self.per_token
-        if batch_bytes > self.online["max_buffer_bytes"]:
+        # bytes a token's states take while they wait for the trainer (memory or spool)
+        self.wait_per_token, self.wait_per_sample, reserve = self.per_token, 0, 0
+        if self.producer == "vllm":
+            from draftline.hidden.vllm_producer import SPOOL_FILE_OVERHEAD, spool_bytes_per_token
+
+            spool_dtype = (server_cfg or {}).get("dtype", "auto")
+            self.wait_per_token = spool_bytes_per_token(
+                self.hidden_size, len(self.captured),
+                self.dtype if spool_dtype in (None, "auto") else spool_dtype)
+            self.wait_per_sample = SPOOL_FILE_OVERHEAD
+            reserve = 1  # an evaluation micro-batch read through the spool beside the prefetch
+        batch_bytes = train_batch_tokens * (self.wait_per_token + self.wait_per_sample)
+        if (1 + reserve) * batch_bytes > self.online["max_buffer_bytes"]:
             raise OnlineStatesError(
                 f"config key 'hidden.online.max_buffer_bytes': {self.online['max_buffer_bytes']:,}"
-                f" bytes cannot hold one micro-batch (train.batch_tokens "
-                f"{train_batch_tokens:,} x {self.per_token:,} B of states per token = "
-                f"{batch_bytes:,} bytes)")
+                f" bytes cannot hold {1 + reserve} micro-batch(es) (train.batch_tokens "
+                f"{train_batch_tokens:,} x {self.wait_per_token + self.wait_per_sample:,} B per "
+                f"token = {batch_bytes:,} bytes each)"
+                + ("; producer vllm: one prefetched, one being evaluated" if reserve else ""))
+        # the prefetched micro-batches' share of the bound
+        self.prefetch_bytes = self.online["max_buffer_bytes"] - reserve * batch_bytes
         self._backend = None
-        self.stats = {"mode": "online", "producer": "hf", "produced_batches": 0,
+        self.stats = {"mode": "online", "producer": self.producer, "produced_batches": 0,
                       "produced_tokens": 0, "produce_s": 0.0, "wait_s": 0.0,
+                      "consumed_tokens": 0, "consume_s": 0.0,
                       "peak_buffer_bytes": 0, "rejected": [],
                       "max_buffer_bytes": self.online["max_buffer_bytes"],
                       "prefetch": self.online["prefetch"]}
+        if self.producer == "vllm":
+            self.stats["peak_spool_bytes"] = 0
         self._lock = threading.Lock()
         self._forward_lock = threading.Lock()
+        self._start_lock = threading.Lock()
         self._buffers: list[PrefetchBuffer] = []
 
     @property
@@ -115,6 +147,7 @@ class OnlineStates:
         digest = hashlib.sha256(json.dumps({
             "target": self.info["fingerprint"], "layer_ids": self.layer_ids,
             "dtype": self.dtype, "hf_batching": self.cfg["hf_batching"],
+            **({"producer": "vllm"} if self.producer == "vllm" else {}),
             "batch_tokens": self.cfg["batch_tokens"]}, sort_keys=True).encode())
         for path in sorted(self.dataset_dir.rglob("*")):
             if path.is_file():
@@ -125,26 +158,38 @@ class OnlineStates:
     # ------------------------------------------------------------------------- producing
 
     def _target(self):
-        if self._backend is None:
-            from draftline.hidden.hf_backend import HFBackend
-
-            self._backend = HFBackend(self.target_dir, self.captured, self.num_layers,
-                                      self.dtype, self.cfg["batch_tokens"],
-                                      self.cfg["trust_remote_code"], self.cfg["hf_batching"])
+        with self._start_lock:  # the prefetch thread and evaluation: one producer
+            if self._backend is None:
+                started = time.perf_counter()
+                self._backend = self._start_target()
+                with self._lock:  # not production time: the producer's rate excludes it
+                    self.stats["start_s"] = round(time.perf_counter() - started, 3)
         return self._backend
 
-    def _sample_states(self, refs: Sequence[DatasetRef]) -> list[dict]:
+    def _start_target(self):
+        """The producer: an hf backend in this process, or a vLLM server's spool client."""
+        if self.producer == "vllm":
+            from draftline.hidden.vllm_producer import VLLMProducer
+
+            max_len = max(max(s.lengths, default=1) for s in self.splits.values())
+            producer = VLLMProducer(
+                self.target_dir, self.captured, max_len, self.cfg, self.server_cfg,
+                self.server_state_dir, bool(self.cfg["trust_remote_code"]))
+            self.stats["server"] = producer.describe
+            return producer
+        from draftline.hidden.hf_backend import HFBackend
+
+        return HFBackend(self.target_dir, self.captured, self.num_layers, self.dtype,
+                         self.cfg["batch_tokens"], self.cfg["trust_remote_code"],
+                         self.cfg["hf_batching"])
+
+    def _converted(self, rows: list[tuple], states: list, refs: Sequence[DatasetRef]) -> list[dict]:
         """Per sample: aux, final (target dtype), input_ids, loss_mask, as a part file holds
-        them; samples with non-finite states are left out."""
+        them (``write_part``'s conversion); samples with non-finite states are left out."""
         import torch
 
         from draftline.hidden.extract import _nonfinite_layers, _split_states
 
-        rows: list[tuple] = []
-        for ref in refs:
-            rows += self.splits[ref.split].rows([ref.row])
-        with self._forward_lock:  # evaluation and the prefetch thread share one target
-            states = self._target().states([r[1] for r in rows])
         dtype = getattr(torch, self.dtype)
         out = []
         for (sample_id, input_ids, loss_mask), sample_states, ref in zip(rows, states, refs,
@@ -164,21 +209,71 @@ class OnlineStates:
                         "loss_mask": torch.from_numpy(loss_mask)})
         return out
 
-    def collated(self, refs: Sequence[DatasetRef], indices: Sequence[int]) -> dict:
-        """One collated micro-batch of the samples ``refs[i]`` for i in ``indices``."""
+    def _rows(self, refs: Sequence[DatasetRef]) -> list[tuple]:
+        rows: list[tuple] = []
+        for ref in refs:
+            rows += self.splits[ref.split].rows([ref.row])
+        return rows
+
+    def _collate(self, samples: list[dict], refs: Sequence[DatasetRef]) -> dict:
         from draftline.train.data import collate
 
-        started = time.perf_counter()
-        samples = self._sample_states([refs[i] for i in indices])
         if not samples:
             raise OnlineStatesError(f"{self.origin}: every sample of a micro-batch has "
-                                    f"non-finite states: {[refs[i].sample_id for i in indices]}")
-        batch = collate(samples)  # outside inference mode: tensors autograd may save
+                                    f"non-finite states: {[r.sample_id for r in refs]}")
+        return collate(samples)  # outside inference mode: tensors autograd may save
+
+    def wait_bytes(self, refs: Sequence[DatasetRef], indices: Sequence[int]) -> int:
+        """An upper bound of the bytes a micro-batch takes while it waits for the trainer."""
+        longest = max(refs[i].length for i in indices)
+        return len(indices) * (longest * self.wait_per_token + self.wait_per_sample)
+
+    def produce(self, refs: Sequence[DatasetRef], indices: Sequence[int]) -> tuple[object, int]:
+        """Produce a micro-batch of ``refs[i]`` for i in ``indices`` (in the producer thread):
+        ``(item, bytes it takes while waiting)``; ``take(item)`` gives the collated batch."""
+        target = self._target()  # started before the clock: its start is not production
+        started = time.perf_counter()
+        chosen = [refs[i] for i in indices]
+        rows = self._rows(chosen)
+        if self.producer == "vllm":
+            spool = target.produce([r[1] for r in rows])
+            item, size = (rows, chosen, spool), spool.bytes
+            self._note_spool()
+        else:
+            with self._forward_lock:  # evaluation and the prefetch thread share one target
+                states = target.states([r[1] for r in rows])
+            item = self._collate(self._converted(rows, states, chosen), chosen)
+            size = batch_bytes(item)
         with self._lock:
             self.stats["produced_batches"] += 1
-            self.stats["produced_tokens"] += batch["tokens"]
+            self.stats["produced_tokens"] += sum(r.length for r in chosen)
             self.stats["produce_s"] += time.perf_counter() - started
-        return batch
+        return item, size
+
+    def take(self, item) -> dict:
+        """The collated micro-batch of a produced item (vllm: its spool files read, checked,
+        converted and deleted)."""
+        if self.producer != "vllm":
+            return item
+        rows, chosen, spool = item
+        self._note_spool()
+        states = self._target().read(spool)
+        return self._collate(self._converted(rows, states, chosen), chosen)
+
+    def discard(self, item) -> None:
+        """A produced item the trainer will not take (a loop left early)."""
+        if self.producer == "vllm" and self._backend is not None:
+            self._backend.discard(item[2])
+
+    def _note_spool(self) -> None:
+        size = self._backend.spool_bytes()
+        with self._lock:
+            self.stats["peak_spool_bytes"] = max(self.stats["peak_spool_bytes"], size)
+
+    def collated(self, refs: Sequence[DatasetRef], indices: Sequence[int]) -> dict:
+        """One collated micro-batch of the samples ``refs[i]`` for i in ``indices``."""
+        item, _ = self.produce(refs, indices)
+        return self.take(item)
 
     def loader(self, refs: Sequence[DatasetRef], batches: list[list[int]],
                workers: int = 0) -> Iterator[dict]:
@@ -193,6 +288,7 @@ class OnlineStates:
     def _taken(self, batch: dict, waited: float) -> dict:
         with self._lock:
             self.stats["wait_s"] += waited
+            self.stats["consumed_tokens"] += batch["tokens"]
             self.stats["peak_buffer_bytes"] = max(self.stats["peak_buffer_bytes"],
                                                   batch_bytes(batch))
         return batch
@@ -204,6 +300,10 @@ class OnlineStates:
         stats["wait_s"] = round(stats["wait_s"], 3)
         stats["producer_tok_s"] = (round(stats["produced_tokens"] / stats["produce_s"], 1)
                                    if stats["produce_s"] else None)
+        # the trainer's rate: tokens it trained on per second of its own time (not waiting)
+        stats["consume_s"] = round(stats["consume_s"], 3)
+        stats["consumer_tok_s"] = (round(stats["consumed_tokens"] / stats["consume_s"], 1)
+                                   if stats["consume_s"] else None)
         return stats
 
     def close(self) -> None:
@@ -221,12 +321,15 @@ def batch_bytes(batch: dict) -> int:
 
 
 class PrefetchBuffer:
-    """A producer thread that fills a bounded queue of collated micro-batches, in order.
+    """A producer thread that fills a bounded queue of produced micro-batches, in order.
 
-    Bounds: at most ``prefetch`` batches and ``max_buffer_bytes`` of states queued (one batch
-    is always allowed, so a batch never waits on itself). The trainer's iterator takes each
-    batch out of the queue (the queue keeps no reference) and records how long it waited.
-    An error in the producer is raised in the trainer at the batch it failed on.
+    Bounds: at most ``prefetch`` batches and the prefetch share of ``max_buffer_bytes`` queued
+    (one batch is always allowed, so a batch never waits on itself). The trainer's iterator
+    takes each batch from the head of the queue (``OnlineStates.take``: vllm reads and deletes
+    its spool files) and only then frees its room, so the bound covers a batch until its
+    states are out of the buffer. It records how long the trainer waited and how long the
+    trainer worked between batches. An error in the producer is raised in the trainer at the
+    batch it failed on.
     """
 
     def __init__(self, source: OnlineStates, refs: Sequence[DatasetRef],
@@ -238,15 +341,13 @@ class PrefetchBuffer:
         self.stopped = False
         self.error: BaseException | None = None
         self.limit_batches = source.online["prefetch"]
-        self.limit_bytes = source.online["max_buffer_bytes"]
-        self.estimate = source.per_token  # bytes per padded token, to bound before producing
+        self.limit_bytes = source.prefetch_bytes
         self.thread: threading.Thread | None = None
 
     def _room_for(self, indices: list[int]) -> bool:
         if not self.queue:
             return True
-        longest = max(self.refs[i].length for i in indices)
-        need = len(indices) * longest * self.estimate
+        need = self.source.wait_bytes(self.refs, indices)
         return (len(self.queue) < self.limit_batches
                 and self.queued_bytes + need <= self.limit_bytes)
 
@@ -257,10 +358,19 @@ class PrefetchBuffer:
                     self.cond.wait_for(lambda ix=indices: self.stopped or self._room_for(ix))
                     if self.stopped:
                         return
-                batch = self.source.collated(self.refs, indices)
-                size = batch_bytes(batch)
+                    # the batch being produced counts from now on (vllm: its files appear)
+                    reserved = self.source.wait_bytes(self.refs, indices)
+                    self.queued_bytes += reserved
+                try:
+                    item, size = self.source.produce(self.refs, indices)
+                finally:
+                    with self.cond:
+                        self.queued_bytes -= reserved
                 with self.cond:
-                    self.queue.append((batch, size))
+                    if self.stopped:
+                        self.source.discard(item)
+                        return
+                    self.queue.append((item, size))
                     self.queued_bytes += size
                     with self.source._lock:
                         stats = self.source.stats
@@ -275,7 +385,10 @@ class PrefetchBuffer:
     def stop(self) -> None:
         with self.cond:
             self.stopped = True
+            for item, _ in self.queue:
+                self.source.discard(item)
             self.queue.clear()
+            self.queued_bytes = 0
             self.cond.notify_all()
         if self.thread is not None:
             self.thread.join()
@@ -284,6 +397,7 @@ class PrefetchBuffer:
         self.thread = thread = threading.Thread(target=self._produce, name="hidden-producer",
                                                 daemon=True)
         thread.start()
+        stats, lock = self.source.stats, self.source._lock
         try:
             for _ in self.batches:
                 started = time.perf_counter()
@@ -292,13 +406,20 @@ class PrefetchBuffer:
                     if not self.queue:
                         raise OnlineStatesError(f"hidden-state producer failed: "
                                                 f"{self.error}") from self.error
-                    batch, size = self.queue.popleft()
+                    item, size = self.queue[0]
+                waited = time.perf_counter() - started
+                batch = self.source.take(item)  # vllm: the spool files read and deleted
+                with self.cond:
+                    self.queue.popleft()
                     self.queued_bytes -= size
                     self.cond.notify_all()
-                waited = time.perf_counter() - started
-                with self.source._lock:
-                    self.source.stats["wait_s"] += waited
+                with lock:
+                    stats["wait_s"] += waited
+                    stats["consumed_tokens"] += batch["tokens"]
+                handed = time.perf_counter()
                 yield batch
                 del batch  # consumed: the trainer holds the only reference until its step ends
+                with lock:  # the trainer's own time on this batch
+                    stats["consume_s"] += time.perf_counter() - handed
         finally:
             self.stop()

@@ -62,7 +62,9 @@ def train_draft(hidden_dir, vocab_map, target_dir, out_dir, train_cfg: dict | No
 
     Offline, the states are read from the store in ``hidden_dir``. Online (``online`` =
     ``{"dataset_dir": ..., "hidden": <the hidden config section>}``, ``hidden_dir`` None),
-    they are produced while training (``draftline.hidden.online``).
+    they are produced while training (``draftline.hidden.online``); the vllm producer also
+    reads ``online["server"]`` (the server config section) and ``online["server_state_dir"]``
+    (the run's shared servers; None: a server of its own).
     """
     cfg = resolve_train_cfg(train_cfg)
     vocab_map, target_dir, out_dir = map(Path, (vocab_map, target_dir, out_dir))
@@ -89,8 +91,10 @@ def open_states(hidden_dir: Path | None, online: dict | None, target_dir: Path, 
         return HiddenStates(hidden_dir)
     from draftline.hidden.online import OnlineStates
 
+    state_dir = online.get("server_state_dir")
     return OnlineStates(Path(online["dataset_dir"]), target_dir, online.get("hidden") or {},
-                        cfg["batch_tokens"])
+                        cfg["batch_tokens"], online.get("server"),
+                        Path(state_dir) if state_dir else None)
 
 
 def run(rt: Runtime, store, vocab_map: Path, target_dir: Path, out_dir: Path,
@@ -137,10 +141,8 @@ def run(rt: Runtime, store, vocab_map: Path, target_dir: Path, out_dir: Path,
             "eval_split": data.eval_split,
             # what trained the draft and what extracted its inputs (the bundle carries this)
             "machine": {"training": torch_machine(torch, rt.device, rt.world),
-                        # online, this process ran the target (the hf producer)
-                        "hidden_states": ({"backend": "hf", **torch_machine(torch, rt.device,
-                                                                            rt.world)}
-                                          if online else store.index.get("machine"))}}
+                        "hidden_states": (online_machine(store, rt) if online
+                                          else store.index.get("machine"))}}
     accum = cfg["grad_accum"]
 
     # the bar and the log are closed however the loop ends (a signal, a full disk, ...)
@@ -218,6 +220,15 @@ def run(rt: Runtime, store, vocab_map: Path, target_dir: Path, out_dir: Path,
             write_json(out_dir / ONLINE_STATS, store.report())
     barrier(rt)
     return record
+
+
+def online_machine(store, rt: Runtime) -> dict:
+    """What ran the target online: this process (hf), or the producer's vLLM server."""
+    if store.producer == "vllm":
+        from draftline.machine import engine_machine
+
+        return {"backend": "vllm", **engine_machine(store.server_cfg or {})}
+    return {"backend": "hf", **torch_machine(torch, rt.device, rt.world)}
 
 
 def run_micro_batch(model, head, batch: dict, cfg: dict, rt: Runtime):
