@@ -13,10 +13,11 @@ On the same dataset, target, vocab map and train config (same data order and see
 
 Usage (a results folder of the toy pipeline, with dataset/, target/ and vocab/)::
 
-    snakemake --cores all --until dataset vocab_map     # once, the default toy config
+    snakemake --cores all vocab_map     # once, the default toy config (dataset too)
     python benchmarks/online.py --results results --out /tmp/online-bench
 
-Runs one after the other, in one process, with the same torch thread count. Prints a table
+Runs one after the other, in one process, with the same torch thread count: ``--repetitions``
+interleaved offline/online pairs (medians and ranges; this host is shared). Prints a table
 and writes ``online_benchmark.json`` into ``--out``.
 """
 
@@ -25,6 +26,7 @@ from __future__ import annotations
 import argparse
 import json
 import shutil
+import statistics
 import time
 from pathlib import Path
 
@@ -45,7 +47,54 @@ def weights_equal(a: Path, b: Path) -> bool:
     return wa.keys() == wb.keys() and all(torch.equal(wa[k], wb[k]) for k in wa)
 
 
-def run(results: Path, out: Path, config: dict) -> dict:
+def _offline_once(dataset: Path, target: Path, vocab_map: Path, out: Path, hidden_cfg: dict,
+                  train_cfg: dict) -> dict:
+    started = time.perf_counter()
+    extract_hidden_states(dataset, target, out / "hidden", {**hidden_cfg, "mode": "offline"})
+    extract_s = time.perf_counter() - started
+    started = time.perf_counter()
+    result = train_draft(out / "hidden", vocab_map, target, out / "offline", train_cfg)
+    train_s = time.perf_counter() - started
+    return {"extract_s": extract_s, "train_s": train_s, "total_s": extract_s + train_s,
+            "stored_state_bytes": folder_bytes(out / "hidden"),
+            "simulated_acceptance_length": result["simulated_acceptance_length"]}
+
+
+def _online_once(dataset: Path, target: Path, vocab_map: Path, out: Path, hidden_cfg: dict,
+                 train_cfg: dict) -> dict:
+    started = time.perf_counter()
+    result = train_draft(None, vocab_map, target, out / "online", train_cfg,
+                         online={"dataset_dir": dataset,
+                                 "hidden": {**hidden_cfg, "mode": "online"}})
+    train_s = time.perf_counter() - started
+    stats = json.loads((out / "online" / "hidden_stats.json").read_text())
+    # state files of the online run: any safetensors besides the draft's own weights
+    on_disk = sum(p.stat().st_size for p in (out / "online").rglob("*.safetensors")
+                  if not {"state", "best"} & set(p.relative_to(out / "online").parts))
+    return {"train_s": train_s, "peak_buffer_bytes": stats["peak_buffer_bytes"],
+            "max_buffer_bytes": stats["max_buffer_bytes"], "state_bytes_on_disk": on_disk,
+            "produce_s": stats["produce_s"], "producer_tok_s": stats["producer_tok_s"],
+            "trainer_wait_s": stats["wait_s"],
+            "simulated_acceptance_length": result["simulated_acceptance_length"]}
+
+
+def _medians(runs: list[dict]) -> dict:
+    """Per key: the median over the runs (numbers), with the runs' range for timings."""
+    out = {}
+    for key, first in runs[0].items():
+        values = [r[key] for r in runs]
+        if isinstance(first, (int, float)) and not isinstance(first, bool):
+            out[key] = round(statistics.median(values), 3)
+            if key.endswith("_s"):
+                out[f"{key}_range"] = [round(min(values), 1), round(max(values), 1)]
+        else:
+            out[key] = first
+    return out
+
+
+def run(results: Path, out: Path, config: dict, repetitions: int) -> dict:
+    """``repetitions`` interleaved pairs (offline then online, then online then offline, ...);
+    the figures are medians, the ratio is the ratio of the medians."""
     hidden_cfg = {**config["hidden"], "trust_remote_code": False}
     train_cfg = config["train"]
     dataset, target = results / "dataset", results / "target"
@@ -57,68 +106,65 @@ def run(results: Path, out: Path, config: dict) -> dict:
     extract_hidden_states(dataset, target, out / "hidden-packed",
                           {**hidden_cfg, "hf_batching": "packed"})
     packed_s = time.perf_counter() - started
-    started = time.perf_counter()
-    extract_hidden_states(dataset, target, out / "hidden", {**hidden_cfg, "mode": "offline"})
-    extract_s = time.perf_counter() - started
-    stored = folder_bytes(out / "hidden")
-    started = time.perf_counter()
-    offline = train_draft(out / "hidden", vocab_map, target, out / "offline", train_cfg)
-    offline_train_s = time.perf_counter() - started
-
-    started = time.perf_counter()
-    online = train_draft(None, vocab_map, target, out / "online", train_cfg,
-                   online={"dataset_dir": dataset, "hidden": {**hidden_cfg, "mode": "online"}})
-    online_s = time.perf_counter() - started
-    stats = json.loads((out / "online" / "hidden_stats.json").read_text())
-    # state files of the online run: any safetensors besides the draft's own weights
-    online_disk = sum(p.stat().st_size for p in (out / "online").rglob("*.safetensors")
-                      if not {"state", "best"} & set(p.relative_to(out / "online").parts))
-    epochs = train_cfg["epochs"]
+    offline_runs, online_runs = [], []
+    for rep in range(repetitions):
+        rep_dir = out / f"rep-{rep}"
+        args = (dataset, target, vocab_map, rep_dir, hidden_cfg, train_cfg)
+        if rep % 2 == 0:
+            offline_runs.append(_offline_once(*args))
+            online_runs.append(_online_once(*args))
+        else:
+            online_runs.append(_online_once(*args))
+            offline_runs.append(_offline_once(*args))
+        identical = weights_equal(rep_dir / "offline" / "best", rep_dir / "online" / "best")
+        if rep:  # keep the first repetition's folders for inspection, and the disk free
+            shutil.rmtree(rep_dir)
+        if not identical:
+            raise SystemExit(f"repetition {rep}: online and offline weights differ")
+    offline, online = _medians(offline_runs), _medians(online_runs)
+    offline["extract_packed_s"] = round(packed_s, 1)
+    online["produce_s_per_epoch"] = round(online["produce_s"] / train_cfg["epochs"], 1)
     return {
-        "config": {"train": train_cfg, "hidden": hidden_cfg},
-        "offline": {"extract_s": round(extract_s, 1), "extract_packed_s": round(packed_s, 1),
-                    "train_s": round(offline_train_s, 1),
-                    "total_s": round(extract_s + offline_train_s, 1),
-                    "stored_state_bytes": stored,
-                    "simulated_acceptance_length": offline["simulated_acceptance_length"]},
-        "online": {"train_s": round(online_s, 1),
-                   "peak_buffer_bytes": stats["peak_buffer_bytes"],
-                   "max_buffer_bytes": stats["max_buffer_bytes"],
-                   "state_bytes_on_disk": online_disk,
-                   "produce_s": stats["produce_s"], "producer_tok_s": stats["producer_tok_s"],
-                   "produce_s_per_epoch": round(stats["produce_s"] / epochs, 1),
-                   "trainer_wait_s": stats["wait_s"],
-                   "simulated_acceptance_length": online["simulated_acceptance_length"]},
-        "ratios": {"online_time_vs_offline": round(online_s / (extract_s + offline_train_s), 3),
-                   "offline_bytes_vs_online_peak": round(stored / stats["peak_buffer_bytes"], 1),
+        "config": {"train": train_cfg, "hidden": hidden_cfg}, "repetitions": repetitions,
+        "offline": offline, "online": online,
+        "ratios": {"online_time_vs_offline": round(online["train_s"] / offline["total_s"], 3),
+                   "offline_bytes_vs_online_peak": round(
+                       offline["stored_state_bytes"] / online["peak_buffer_bytes"], 1),
                    "acceptance_online_vs_offline": round(
                        online["simulated_acceptance_length"]
                        / offline["simulated_acceptance_length"], 4)},
-        "bit_identical_weights": weights_equal(out / "offline" / "best", out / "online" / "best"),
+        "bit_identical_weights": True,  # every repetition checked above
     }
+
+
+def _timed(fig: dict, key: str) -> str:
+    low, high = fig[f"{key}_range"]
+    return f"{fig[key]:.1f} s ({low}-{high})"
 
 
 def table(result: dict) -> str:
     off, on, ratio = result["offline"], result["online"], result["ratios"]
     rows = [
         ("hidden states on disk (peak)", f"{off['stored_state_bytes']:,} B",
-         f"{on['state_bytes_on_disk']:,} B (buffer peak {on['peak_buffer_bytes']:,} B in memory"
+         f"{on['state_bytes_on_disk']:,} B (queue peak {on['peak_buffer_bytes']:,} B in memory"
          f", bound {on['max_buffer_bytes']:,} B)"),
-        ("extraction", f"{off['extract_s']} s (packed batching: {off['extract_packed_s']} s)",
-         f"{on['produce_s']} s inside training "
+        ("extraction", f"{_timed(off, 'extract_s')} (packed batching: "
+         f"{off['extract_packed_s']} s)",
+         f"{_timed(on, 'produce_s')} inside training "
          f"({on['produce_s_per_epoch']} s/epoch, {on['producer_tok_s']} tok/s)"),
-        ("train stage", f"{off['train_s']} s", f"{on['train_s']} s (trainer waited "
-         f"{on['trainer_wait_s']} s)"),
-        ("extraction + training", f"{off['total_s']} s", f"{on['train_s']} s "
-         f"({ratio['online_time_vs_offline']}x offline)"),
+        ("train stage", _timed(off, "train_s"),
+         f"{_timed(on, 'train_s')} (trainer waited {on['trainer_wait_s']} s)"),
+        ("extraction + training", _timed(off, "total_s"),
+         f"{_timed(on, 'train_s')} ({ratio['online_time_vs_offline']}x offline)"),
         ("simulated acceptance length", f"{off['simulated_acceptance_length']:.4f}",
          f"{on['simulated_acceptance_length']:.4f} (bit-identical weights: "
          f"{result['bit_identical_weights']})"),
     ]
     width = max(len(r[0]) for r in rows)
-    lines = [f"{'':<{width}}  offline | online", "-" * 100]
+    lines = [f"medians (ranges) of {result['repetitions']} interleaved repetitions",
+             f"{'':<{width}}  offline | online", "-" * 100]
     lines += [f"{name:<{width}}  {a} | {b}" for name, a, b in rows]
-    lines.append(f"offline stored bytes / online peak buffer: "
+    lines.append(f"offline stored bytes / online peak queue in memory: "
                  f"{ratio['offline_bytes_vs_online_peak']}x")
     return "\n".join(lines)
 
@@ -130,10 +176,11 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=Path("/tmp/draftline-online-bench"))
     parser.add_argument("--max-buffer-bytes", type=int, default=4 << 20)
     parser.add_argument("--prefetch", type=int, default=2)
+    parser.add_argument("--repetitions", type=int, default=3)
     args = parser.parse_args()
     config = load_config(args.config, {"hidden.online.max_buffer_bytes": args.max_buffer_bytes,
                                        "hidden.online.prefetch": args.prefetch})
-    result = run(args.results, args.out, config)
+    result = run(args.results, args.out, config, args.repetitions)
     (args.out / "online_benchmark.json").write_text(json.dumps(result, indent=1) + "\n")
     print(table(result))
 
