@@ -182,3 +182,31 @@ def test_online_resume_after_sigkill_equals_uninterrupted_run(online_inputs, tmp
 
     resumed = run_online(online_inputs, out, cfg)
     assert_resumed_run_equals(out, resumed, tmp_path / "reference", reference, 12)
+
+
+def test_the_producer_starts_in_the_trainers_thread(online_inputs, monkeypatch):
+    """A producer started from the prefetch thread would lose its vLLM server when that thread
+    ends with the epoch (a managed server's parent-death signal is per thread): the loader
+    starts it in the thread that asks for the batches."""
+    import threading
+
+    from draftline.train import plan_micro_batches
+
+    started_in = []
+    start = OnlineStates._start_target
+
+    def recording_start(self):
+        started_in.append(threading.current_thread())
+        return start(self)
+
+    monkeypatch.setattr(OnlineStates, "_start_target", recording_start)
+    source = OnlineStates(online_inputs["dataset_dir"], online_inputs["target_dir"],
+                          {"layer_ids": online_inputs["layer_ids"],
+                           "online": {"max_buffer_bytes": 1 << 20, "prefetch": 2}}, 256)
+    refs = source.samples["train"]
+    with one_thread():
+        for _ in source.loader(refs, plan_micro_batches([r.length for r in refs], 256, seed=0)):
+            pass
+    source.close()
+    assert started_in == [threading.current_thread()]
+    assert source.report()["start_s"] > 0

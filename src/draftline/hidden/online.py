@@ -279,6 +279,9 @@ class OnlineStates:
                workers: int = 0) -> Iterator[dict]:
         """The collated micro-batches ``batches`` in order, produced ahead by a thread
         (``hidden.online.prefetch`` batches, at most ``max_buffer_bytes``; 0: inline)."""
+        # started here, in the trainer's thread: a server started from the prefetch thread
+        # would get SIGTERM when that thread ends (the parent-death signal is per thread)
+        self._target()
         if self.online["prefetch"] == 0:
             return (self._taken(self.collated(refs, b), 0.0) for b in batches)
         buffer = PrefetchBuffer(self, refs, batches)
