@@ -119,44 +119,42 @@ def max_relative_diff(a: torch.Tensor, b: torch.Tensor, hidden: int) -> float:
     return worst
 
 
-def test_vllm_online_training_equals_vllm_offline(inputs, tmp_path):
-    """Same data order and seed: the states the trainer consumed from the spool equal the
-    offline vllm store's within test_hidden's tolerance, and so do the weights and the loss
-    curve; hidden_stats.json reports both rates, the wait and the spool's peak (<= bound)."""
+def test_vllm_online_training_equals_vllm_offline(inputs, tmp_path, monkeypatch):
+    """Same data order and seed: every micro-batch of states the trainer consumed from the
+    spool equals the offline vllm store's within test_hidden's tolerance, and so do the loss
+    curve and the weights; hidden_stats.json reports both rates, the wait and the spool's
+    peak (<= the bound, also as polled on disk)."""
+    from draftline.train.data import collate
+
+    consumed = []
+    take = OnlineStates.take
+
+    def recording_take(self, item):  # what the trainer gets, with the samples it holds
+        batch = take(self, item)
+        consumed.append(([r.sample_id for r in item[1]], batch))
+        return batch
+
     offline = train(inputs, tmp_path / "offline", CFG, online=False)
     spool = inputs["state_dir"] / SPOOL_DIRNAME
+    monkeypatch.setattr(OnlineStates, "take", recording_take)
     with SpoolWatch(spool) as watch:
         online = train(inputs, tmp_path / "online", CFG, online=True)
     assert online["hidden_mode"] == "online"
     assert online["machine"]["hidden_states"]["backend"] == "vllm"
 
-    # the states: every micro-batch of the first epoch's plan, online vs the offline store
-    from draftline.train.data import ProducedBatches, StoredBatches, collate
-
     store = HiddenStates(inputs["hidden_dir"])
-    source = OnlineStates(inputs["dataset_dir"], inputs["target_dir"],
-                          inputs["online"]["hidden"], CFG["batch_tokens"],
-                          inputs["server"], inputs["state_dir"])
-    try:
-        from draftline.train.loop import resolve_train_cfg
-
-        cfg = resolve_train_cfg(CFG)
-        produced = ProducedBatches(source, cfg, 0, 1, 0)
-        stored = StoredBatches(store, cfg, 0, 1, 0)
-        by_id = {r.sample_id: r for r in store.samples["train"]}
-        hidden = store.hidden_size
-        compared = 0
-        for plan, batch in zip(produced.mine(0, 0), produced.train_batches(0, 0), strict=True):
-            ref = collate([store.read(by_id[produced.train_refs[i].sample_id]) for i in plan])
-            assert torch.equal(batch["input_ids"], ref["input_ids"])
-            assert torch.equal(batch["loss_mask"], ref["loss_mask"])
-            assert batch["aux"].dtype == ref["aux"].dtype == torch.bfloat16
-            assert max_relative_diff(batch["aux"], ref["aux"], hidden) <= REL_TOL
-            assert max_relative_diff(batch["final"], ref["final"], hidden) <= REL_TOL
-            compared += 1
-        assert compared == len(stored.mine(0, 0)) > 2
-    finally:
-        source.close()
+    by_id = {r.sample_id: r for refs in store.samples.values() for r in refs}
+    for sample_ids, batch in consumed:
+        ref = collate([store.read(by_id[i]) for i in sample_ids])
+        assert torch.equal(batch["input_ids"], ref["input_ids"])
+        assert torch.equal(batch["loss_mask"], ref["loss_mask"])
+        assert batch["aux"].dtype == ref["aux"].dtype == torch.bfloat16
+        assert max_relative_diff(batch["aux"], ref["aux"], store.hidden_size) <= REL_TOL
+        assert max_relative_diff(batch["final"], ref["final"], store.hidden_size) <= REL_TOL
+    # 8 steps of train micro-batches and two evaluations of the 4 eval samples
+    seen = {i for ids, _ in consumed for i in ids}
+    assert len(consumed) >= 8 + 2 and seen <= set(by_id)
+    assert {r.sample_id for r in store.samples["eval"]} <= seen
 
     # the training: same steps, same loss curve within a small tolerance, close weights
     got, ref = records(tmp_path / "online", "train"), records(tmp_path / "offline", "train")
