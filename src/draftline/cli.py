@@ -99,7 +99,9 @@ def cmd_train(cfg: dict, lay: Layout, args) -> None:
     online = None
     if cfg["hidden"]["mode"] == "online":  # states produced while training, from the dataset
         hidden = {**cfg["hidden"], "trust_remote_code": cfg["target"]["trust_remote_code"]}
-        online = {"dataset_dir": lay.dataset, "hidden": hidden}
+        # the vllm producer: the run's shared server (stopped when idle or by server-stop-all)
+        online = {"dataset_dir": lay.dataset, "hidden": hidden, "server": cfg["server"],
+                  "server_state_dir": lay.servers}
     train_draft(None if online else lay.hidden, lay.vocab_map, target_model(cfg), lay.draft,
                 cfg["train"], online=online)
 

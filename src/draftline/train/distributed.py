@@ -70,7 +70,7 @@ def launch_torchrun(hidden_dir: Path | None, vocab_map: Path, target_dir: Path, 
                     cfg: dict, online: dict | None = None) -> dict:
     """Run ``python -m draftline.train`` under torchrun on this node; the eval.json record."""
     source = (["--hidden-dir", str(hidden_dir)] if online is None else
-              ["--online-json", json.dumps({**online, "dataset_dir": str(online["dataset_dir"])})])
+              ["--online-json", json.dumps(online, default=str)])  # paths as text
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nnodes", "1",
            "--nproc_per_node", str(cfg["nproc_per_node"]), "-m", "draftline.train",
            *source, "--vocab-map", str(vocab_map),
