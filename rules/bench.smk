@@ -1,6 +1,6 @@
 rule bench:
     input:
-        responses=expand(rules.generate.output.responses, i=SHARDS),
+        responses=rules.generate.output.responses,
         draft=rules.export_draft.output.config,
         weights=rules.export_draft.output.weights,
         eval=rules.train_draft.output.eval,

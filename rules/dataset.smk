@@ -1,6 +1,6 @@
 rule dataset:
     input:
-        responses=expand(rules.generate.output.responses, i=SHARDS),
+        responses=rules.generate.output.responses,
         target=target_input(),
     output:
         dataset=directory(LAYOUT.dataset),

@@ -1,14 +1,16 @@
+# One job answers every shard: one client, one budget of C requests in flight across all
+# shard files, so the server stays full across shard boundaries (draftline.generate).
 rule generate:
     input:
-        shard=LAYOUT.prompt_shard("{i}"),
+        shards=rules.prompt_shards.output.shards,
         profile=profile_input(),
         target=target_input(),
     output:
-        responses=LAYOUT.response_shard("{i}"),
-        errors=LAYOUT.response_errors("{i}"),
-        summary=LAYOUT.response_summary("{i}"),
+        responses=expand(LAYOUT.response_shard("{i}"), i=SHARDS),
+        errors=expand(LAYOUT.response_errors("{i}"), i=SHARDS),
+        summaries=expand(LAYOUT.response_summary("{i}"), i=SHARDS),
     log:
-        "logs/generate/shard-{i}.log",
+        "logs/generate/generate.log",
     conda:
         "../envs/draftline.yaml"
     container:
@@ -19,7 +21,6 @@ rule generate:
         model=target_path,
         revision=config["target"]["revision"],
         state_dir=SERVER_STATE,
-        slot_dir=str(LAYOUT.generate_slots),
         code=code_hash("generate.py"),
     script:
         "../scripts/generate.py"
@@ -27,8 +28,8 @@ rule generate:
 
 rule generation_summary:
     input:
-        summaries=expand(rules.generate.output.summary, i=SHARDS),
-        responses=expand(rules.generate.output.responses, i=SHARDS),
+        summaries=rules.generate.output.summaries,
+        responses=rules.generate.output.responses,
         target=target_input(),
     output:
         json=LAYOUT.generation_summary,

@@ -3,15 +3,14 @@ from draftline.runlog import logged
 
 with logged(snakemake.log[0]):
     generate_responses(
-        snakemake.input.shard,
+        snakemake.input.shards,
         snakemake.output.responses,
         snakemake.output.errors,
-        snakemake.output.summary,
+        snakemake.output.summaries,
         gen_cfg=snakemake.params.generate,
         server_cfg=snakemake.params.server["server"],
         model=snakemake.params.model,
         state_dir=snakemake.params.state_dir,
-        slot_dir=snakemake.params.slot_dir,
         profile_json=snakemake.input.profile or None,
         trust_remote_code=snakemake.params.server["trust_remote_code"],
         revision=snakemake.params.revision,

@@ -305,7 +305,7 @@ def test_leftovers_of_a_crashed_run_are_removed(docker_client, local_base):
 def test_pipeline_generates_through_docker_launcher(docker_client, serving_cpu_image,
                                                     toy_target, tmp_path):
     """Snakemake runs prompt shards and generation with server.launcher docker: the shared
-    server supervisor starts the CPU serving image, both shard jobs generate against it with
+    server supervisor starts the CPU serving image, the generate job answers both shards with
     the API key from the environment, and the run ends with no container left."""
     work = tmp_path / "work"
     work.mkdir()

@@ -102,10 +102,9 @@ def test_every_serving_stage_starts_its_server_at_the_revision(tmp_path, config,
     prompts = tmp_path / "shard-0.jsonl"
     prompts.write_text(json.dumps({"id": "p0", "messages": [
         {"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}]}) + "\n")
-    spec = spec_asked_for(generate.generate_responses, prompts, tmp_path / "r.jsonl",
-                          tmp_path / "e.jsonl", tmp_path / "s.json",
-                          gen_cfg=dict(config["generate"], concurrency=2),
-                          slot_dir=tmp_path / "slots", **common)
+    spec = spec_asked_for(generate.generate_responses, [prompts], [tmp_path / "r.jsonl"],
+                          [tmp_path / "e.jsonl"], [tmp_path / "s.json"],
+                          gen_cfg=dict(config["generate"], concurrency=2), **common)
     assert spec.revision == "v2"
     spec = spec_asked_for(profile.measure_concurrency_profile, [prompts], tmp_path / "p.json",
                           tmp_path / "p.png", profile_cfg=config["profile"],

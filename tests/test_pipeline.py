@@ -130,12 +130,14 @@ def test_complete_run_produces_every_artifact(pipeline):
     verify = subprocess.run([str(Path(sys.executable).with_name("draftline")), "verify",
                              str(results / "bundle.tar")], capture_output=True, text=True)
     assert verify.returncode == 0, verify.stdout + verify.stderr
-    # the shared server mechanism: one start served the profile and both shard jobs
+    # the shared server mechanism: one start served the profile and the generate job, which
+    # answered both shards in one run (one client, one pool of C over both shard files)
     logs = [workdir / "logs/concurrency_profile/profile.log",
-            *sorted((workdir / "logs/generate").glob("shard-*.log"))]
+            workdir / "logs/generate/generate.log"]
     text = "".join(p.read_text() for p in logs)
     assert text.count("starting vLLM server") == 1
-    assert text.count("reusing vLLM server") == 2
+    assert text.count("reusing vLLM server") == 1
+    assert "prompts to ask over 2 shard(s)" in text
     assert not list((results / ".servers").glob("*.json")), "a shared server outlived the run"
 
 

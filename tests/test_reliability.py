@@ -67,8 +67,7 @@ def test_generation_completes_every_prompt_once_through_injected_faults(tmp_path
     with FaultProxy(upstream, RATES, seed=3, stall_s=10.0, poison=poisoned) as proxy:
         endpoint = Endpoint(proxy.base_url, vllm_server.spec.served_name)
         summary = generate_shard(prompt_file, out, out.with_name("shard-0.errors.jsonl"),
-                                 out.with_name("shard-0.summary.json"), [endpoint], settings,
-                                 tmp_path / "slots")
+                                 out.with_name("shard-0.summary.json"), [endpoint], settings)
     counts = dict(proxy.counts)
     print("injected:", counts, "client:", summary["retries_by_kind"])
     assert all(counts.get(fault, 0) >= 2 for fault in ("status", "reset", "stall", "truncate"))

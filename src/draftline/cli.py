@@ -57,13 +57,14 @@ def cmd_generate(cfg: dict, lay: Layout, args) -> None:
 
     shards = [args.shard] if args.shard is not None else range(cfg["prompts"]["num_shards"])
     lay.responses.mkdir(parents=True, exist_ok=True)
-    for i in shards:
-        generate_responses(lay.prompt_shard(i), lay.response_shard(i), lay.response_errors(i),
-                  lay.response_summary(i), gen_cfg=cfg["generate"],
-                  server_cfg=cfg["server"], model=target_model(cfg), state_dir=lay.servers,
-                  slot_dir=lay.generate_slots, profile_json=lay.profile_json,
-                  trust_remote_code=cfg["target"]["trust_remote_code"],
-                  revision=cfg["target"]["revision"])
+    generate_responses([lay.prompt_shard(i) for i in shards],
+                       [lay.response_shard(i) for i in shards],
+                       [lay.response_errors(i) for i in shards],
+                       [lay.response_summary(i) for i in shards], gen_cfg=cfg["generate"],
+                       server_cfg=cfg["server"], model=target_model(cfg),
+                       state_dir=lay.servers, profile_json=lay.profile_json,
+                       trust_remote_code=cfg["target"]["trust_remote_code"],
+                       revision=cfg["target"]["revision"])
 
 
 def cmd_dataset(cfg: dict, lay: Layout, args) -> None:

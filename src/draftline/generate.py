@@ -1,11 +1,13 @@
 """Synthetic responses: every prompt answered exactly once by the served target.
 
-Kept whole (about 790 lines): one stage read in order (settings, endpoint pool, shard run,
+Kept whole (about 800 lines): one stage read in order (settings, endpoint pool, the run,
 resume, summary); each part is used only here.
 
-One shard job = a fixed pool of worker coroutines (never one task per prompt) over the
-official ``AsyncOpenAI`` client. Each request holds a machine-wide slot (``SlotPool``) so that
-shard jobs running side by side share the chosen concurrency and keep the server full.
+One generation job serves every shard: one process, one set of official ``AsyncOpenAI``
+clients and one fixed pool of C x endpoints worker coroutines (never one task per prompt) that
+pull prompts from all shard files in order (``GenerationRun``). The server so stays full across
+shard boundaries (the next shard's prompts are asked while the last answers of the previous
+one are still generated), the run has one tail, and the process start-up is paid once.
 
 Durability: results are appended and flushed to ``<out_dir>/.partial/shard-{i}.jsonl`` as they
 arrive (Snakemake deletes declared outputs of failed jobs; the partial file survives). Every
@@ -16,28 +18,31 @@ only records with the current fingerprint (the others are discarded and counted 
 shard assignment loses nothing), drops a torn last line, and only asks for the rest. At the end
 the shard is written once, sorted in prompt order, by atomic rename.
 
-What the server shows: each shard job samples every endpoint's Prometheus ``/metrics``
+What the server shows: the run samples every endpoint's Prometheus ``/metrics``
 (``vllm:num_requests_running``, ``vllm:num_requests_waiting``, ``vllm:generation_tokens``)
-while it runs (``ServerSampler``); the shard summary reports the server-side mean running
-requests against the chosen concurrency and the server-side output tok/s, and keeps a compact
-timeline; ``stage_summary`` merges the shards' timelines into one stage view (and a plot).
-``client_slot_utilization`` is the client-side figure: slots held, not server work.
+while it runs (``ServerSampler``); each shard summary reports the server-side mean running
+requests against the chosen concurrency and the server-side output tok/s over that shard's
+requests, and keeps a compact timeline (with that shard's completed requests);
+``stage_summary`` merges them into one stage view (and a plot). ``client_slot_utilization``
+is the client-side figure: requests the client had open, not server work.
 
 Failures (``failure_kind``): a refused connection sets the endpoint aside for a few seconds
 and costs the prompt nothing; a timeout, a dropped connection, a retryable status or an
 unparseable body costs one retry (backoff with jitter); what another try would repeat goes to
 the errors file at once. When nothing has succeeded for ``endpoint_down_timeout_s`` while
-requests kept failing, the shard stops with ``EndpointsDown``. The summary counts retries by kind.
+requests kept failing, the run stops with ``EndpointsDown``. The summary counts retries by kind.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import hashlib
 import json
 import os
 import random
+import ssl
 import threading
 import time
 from collections.abc import Callable, Iterable
@@ -56,7 +61,6 @@ from draftline.machine import serving_machine
 from draftline.profile import resolve_concurrency
 from draftline.records import Prompt, read_shard
 from draftline.server import Endpoint, served_version
-from draftline.slots import SlotPool
 
 RETRYABLE_STATUS = {408, 409, 429}
 
@@ -145,35 +149,41 @@ def record_fingerprint(settings_fp: str, messages: list[dict]) -> str:
                    json.dumps(messages, sort_keys=True, ensure_ascii=False).encode())[:32]
 
 
-def request_kwargs(messages: list[dict], settings: GenerateSettings, prompt_id: str,
-                   model: str) -> dict:
-    extra: dict = {"return_token_ids": True}
-    if settings.chat_template_kwargs:
-        extra["chat_template_kwargs"] = settings.chat_template_kwargs
-    return {
+def request_body(messages: list[dict], settings: GenerateSettings, prompt_id: str,
+                 model: str) -> dict:
+    """The chat completion request as vLLM receives it (``return_token_ids``: exact ids)."""
+    body = {
         "model": model,
         "messages": messages,
         "temperature": settings.temperature,
         "top_p": settings.top_p,
         "max_tokens": settings.max_tokens,
         "seed": request_seed(settings.seed, prompt_id),  # as the profile and benchmark seed
-        "extra_body": extra,
+        "return_token_ids": True,
     }
+    if settings.chat_template_kwargs:
+        body["chat_template_kwargs"] = settings.chat_template_kwargs
+    return body
 
 
-def parse_completion(resp) -> dict:
-    """The fields we keep from a vLLM chat completion (reasoning under either name)."""
-    choice = resp.choices[0]
-    message = choice.message
-    extra_msg = message.model_extra or {}
-    reasoning = extra_msg.get("reasoning") or extra_msg.get("reasoning_content")
+class MalformedCompletion(ValueError):
+    """A complete response body that is JSON but not a chat completion."""
+
+
+def parse_completion(body: dict) -> dict:
+    """The fields we keep from a vLLM chat completion's JSON (reasoning under either name)."""
+    try:
+        choice = body["choices"][0]
+        message = choice["message"]
+    except (KeyError, IndexError, TypeError) as exc:
+        raise MalformedCompletion(f"not a chat completion: {str(body)[:200]}") from exc
     return {
-        "reasoning": reasoning,
-        "content": message.content,
-        "finish_reason": choice.finish_reason,
-        "prompt_token_ids": (resp.model_extra or {}).get("prompt_token_ids"),
-        "output_token_ids": (choice.model_extra or {}).get("token_ids"),
-        "usage": resp.usage.model_dump() if resp.usage else None,
+        "reasoning": message.get("reasoning") or message.get("reasoning_content"),
+        "content": message.get("content"),
+        "finish_reason": choice.get("finish_reason"),
+        "prompt_token_ids": body.get("prompt_token_ids"),
+        "output_token_ids": choice.get("token_ids"),
+        "usage": body.get("usage"),
     }
 
 
@@ -203,7 +213,7 @@ def failure_kind(exc: BaseException) -> str:
         code = exc.status_code
         return "status" if code in RETRYABLE_STATUS or code >= 500 else "final"
     if isinstance(exc, openai.APIResponseValidationError | json.JSONDecodeError |
-                  httpx.DecodingError):
+                  httpx.DecodingError | MalformedCompletion):
         return "invalid"
     return "final"
 
@@ -217,6 +227,12 @@ def backoff_delay(attempt: int, settings: GenerateSettings, rng: random.Random) 
 # ----------------------------------------------------------------------------- endpoints
 
 
+@functools.cache
+def shared_tls_context() -> ssl.SSLContext:
+    """httpx's default verifying context, made once for all of the run's HTTP clients."""
+    return httpx.create_ssl_context()
+
+
 class EndpointPool:
     """Least-in-flight balancing; an endpoint that fails to connect is set aside for a while.
 
@@ -224,7 +240,8 @@ class EndpointPool:
     request goes to its endpoint's least busy one: httpx's connection pool scans every
     connection on every request event, so one pool of C connections costs O(C) per event;
     measured at C=64 on 2 busy cores it took 20 ms of client CPU per request (the server sat
-    idle waiting for the client) against under 5 ms with pools of 8.
+    idle waiting for the client) against under 5 ms with pools of 8. The clients share one TLS
+    context: each new one loads the system's CA certificates, 40 ms apiece at start-up.
     """
 
     COOLDOWN_S = 5.0
@@ -234,11 +251,13 @@ class EndpointPool:
         per_endpoint = -(-max_connections // self.CONNECTIONS_PER_CLIENT)
         size = -(-max_connections // per_endpoint)
         limits = httpx.Limits(max_connections=size, max_keepalive_connections=size)
+        tls = shared_tls_context()
         self.endpoints = endpoints
         self.clients = [
             [openai.AsyncOpenAI(base_url=ep.base_url, api_key=ep.api_key, max_retries=0,
                                 timeout=timeout_s,
-                                http_client=httpx.AsyncClient(limits=limits, timeout=timeout_s))
+                                http_client=httpx.AsyncClient(limits=limits, timeout=timeout_s,
+                                                              verify=tls))
              for _ in range(per_endpoint)]
             for ep in endpoints
         ]
@@ -250,7 +269,7 @@ class EndpointPool:
         self.failing_since: float | None = None
 
     def client(self, index: int) -> int:
-        """The endpoint's least busy client (never over its connection limit: the slots
+        """The endpoint's least busy client (never over its connection limit: the workers
         keep the endpoint's total at most C, and the least busy has at most C / clients)."""
         loads = self.client_in_flight[index]
         return loads.index(min(loads))
@@ -329,25 +348,48 @@ class AppendLog:
             self.fh.close()
 
 
-# ----------------------------------------------------------------------------- the shard run
+# ----------------------------------------------------------------------------- the run
 
 
 @dataclass
 class ShardStats:
+    """One shard's counts within a run (the run serves all shards through one pool)."""
+
     total: int = 0
     done: int = 0
     errors: int = 0
     retries: int = 0
     retries_by_kind: dict = field(default_factory=dict)  # failure_kind -> retries it caused
     set_asides: int = 0  # refused connections: the endpoint rested, no retry spent
+    requests_by_endpoint: dict = field(default_factory=dict)  # base URL -> requests sent
     prompt_tokens: int = 0
     output_tokens: int = 0
-    slot_area: float = 0.0  # integral of machine-wide client slots held over the fill phase
+    inflight_area: float = 0.0  # integral of the run's open requests over this shard's fill
     fill_seconds: float = 0.0
     latencies: list = field(default_factory=list)  # seconds, answered requests of this run
     t_first_request: float | None = None  # wall clock (time.time())
     t_queue_empty: float | None = None  # the last prompt of this shard was handed out
-    t_end: float | None = None
+    t_end: float | None = None  # its last request ended
+
+    @property
+    def duration_s(self) -> float:
+        if self.t_first_request is None or self.t_end is None:
+            return 0.0
+        return self.t_end - self.t_first_request
+
+
+@dataclass
+class ShardWork:
+    """One shard's part of a run: the prompts still to ask, where its answers and final errors
+    go, and its own counts. ``remaining`` counts prompts not finished yet (None: open-ended)."""
+
+    todo: Iterable[Prompt]
+    fingerprints: dict[str, str]
+    results: AppendLog
+    errors: AppendLog
+    remaining: int | None = None
+    stats: ShardStats = field(default_factory=ShardStats)
+    filling: bool = False  # its prompts are being handed out
 
 
 SERVER_SAMPLE_EVERY_S = 0.25
@@ -357,14 +399,15 @@ SERVER_SERIES = ("vllm:num_requests_running", "vllm:num_requests_waiting",
 
 class ServerSampler:
     """The servers' own view, sampled from ``/metrics``: requests running and waiting (gauges,
-    summed over endpoints and engines) and generated tokens (counter), with this job's count
-    of completed requests, stamped with wall-clock time so shard jobs line up.
+    summed over endpoints and engines) and generated tokens (counter), with the client's counts
+    of completed requests (one per shard), stamped with wall-clock time.
 
+    A row is ``[t, running, waiting, generation_tokens, completed_0, completed_1, ...]``.
     It samples from its own thread: an event loop busy with a burst of answers would otherwise
     leave gaps in exactly the moments worth seeing.
     """
 
-    def __init__(self, endpoints: list[Endpoint], completed: Callable[[], int],
+    def __init__(self, endpoints: list[Endpoint], completed: Callable[[], list[int]],
                  every_s: float = SERVER_SAMPLE_EVERY_S):
         self.endpoints = endpoints
         self.completed = completed
@@ -391,7 +434,7 @@ class ServerSampler:
             return
         gauges = [sum(m.total(name) for m in scraped) for name in SERVER_SERIES]
         # stamped halfway between asking and parsing: the server answered about then
-        self.rows.append([(sent + time.time()) / 2, *gauges, self.completed()])
+        self.rows.append([(sent + time.time()) / 2, *gauges, *self.completed()])
 
     def _loop(self, http: httpx.Client) -> None:
         try:
@@ -403,7 +446,7 @@ class ServerSampler:
 
     def start(self) -> None:
         """One sample now (before the first request), then every ``every_s`` in a thread."""
-        http = httpx.Client(timeout=5.0)
+        http = httpx.Client(timeout=5.0, verify=shared_tls_context())
         self.sample(http)
         self._thread = threading.Thread(target=self._loop, args=(http,), daemon=True,
                                         name="server-sampler")
@@ -414,90 +457,114 @@ class ServerSampler:
         if self._thread is not None:
             self._thread.join(15.0)
 
+    def shard_rows(self, index: int) -> list[list[float]]:
+        """The rows as one shard's timeline: the servers' series and that shard's completed."""
+        return [row[:4] + [row[4 + index]] for row in self.rows]
 
-class ShardRun:
-    def __init__(self, prompts: Iterable[Prompt], fingerprints: dict[str, str],
-                 endpoints: list[Endpoint], settings: GenerateSettings, slots: SlotPool,
-                 results: AppendLog, errors: AppendLog, seed: int = 0):
-        self.queue = iter(prompts)
-        self.fingerprints = fingerprints
+
+class GenerationRun:
+    """One pool of ``capacity`` workers (C x endpoints) over one set of clients answers the
+    prompts of all shards, in shard order.
+
+    The workers pull from one queue that runs through the shards one after another, so while a
+    shard's last answers are still being generated the free workers already ask the next
+    shard's prompts: the server sees C requests from the first to the last fill second, with
+    no drain at a shard boundary and one tail for the whole run.
+    """
+
+    def __init__(self, shards: list[ShardWork], endpoints: list[Endpoint],
+                 settings: GenerateSettings, seed: int = 0):
+        self.shards = shards
         self.settings = settings
-        self.slots = slots
-        self.pool = EndpointPool(endpoints, settings.request_timeout_s, slots.size)
-        self.results = results
-        self.errors = errors
-        self.stats = ShardStats()
+        self.capacity = settings.concurrency * len(endpoints)
+        self.pool = EndpointPool(endpoints, settings.request_timeout_s, self.capacity)
         self.rng = random.Random(seed)
-        self.queue_empty = False
+        self.queue = self._items()
+        self.in_flight = 0  # requests open in this client
         self.bar: tqdm | None = None
+        self.server: ServerSampler | None = None
 
-    async def run(self, total: int) -> ShardStats:
+    def _items(self):
+        """(shard, prompt) in shard order, marking when each shard's prompts are handed out."""
+        for shard in self.shards:
+            shard.filling = True
+            for prompt in shard.todo:
+                yield shard, prompt
+            shard.filling = False
+            shard.stats.t_queue_empty = time.time()
+            if shard.remaining == 0:  # nothing was asked, or its last answer is already in
+                shard.stats.t_end = shard.stats.t_end or shard.stats.t_queue_empty
+
+    async def run(self, total: int | None) -> None:
         self.bar = tqdm(total=total, desc="generate", unit="req", dynamic_ncols=True,
                         mininterval=1.0)
-        self.server = ServerSampler(self.pool.endpoints, lambda: self.stats.done)
+        self.server = ServerSampler(self.pool.endpoints,
+                                    lambda: [s.stats.done for s in self.shards])
         self.server.start()
-        samplers = [asyncio.create_task(self._sample_slots())]
-        t0 = time.monotonic()
-        workers = [asyncio.create_task(self._worker()) for _ in range(self.slots.size)]
+        samplers = [asyncio.create_task(self._sample_in_flight())]
+        workers = [asyncio.create_task(self._worker()) for _ in range(self.capacity)]
         try:
             await asyncio.gather(*workers)
         finally:
             for task in [*samplers, *workers]:
                 task.cancel()
             await asyncio.gather(*samplers, *workers, return_exceptions=True)
-            self.stats.t_end = time.time()
+            end = time.time()
+            for shard in self.shards:  # open-ended or stopped early: it ended now
+                shard.stats.t_end = shard.stats.t_end or end
             self.server.stop()
             await self.pool.close()
             self.bar.close()
-        self.stats.duration_s = time.monotonic() - t0
-        return self.stats
 
-    async def _sample_slots(self, every_s: float = 0.1) -> None:
-        """Client slots held machine-wide over the fill phase (until this shard's queue is
-        empty): what the clients asked for, not what the server ran."""
+    async def _sample_in_flight(self, every_s: float = 0.1) -> None:
+        """Requests open in the client over each shard's fill phase (until its last prompt was
+        handed out): what the client asked for, not what the server ran."""
         last = time.monotonic()
         while True:
             await asyncio.sleep(every_s)
             now = time.monotonic()
-            if not self.queue_empty:
-                self.stats.slot_area += self.slots.held_anywhere() * (now - last)
-                self.stats.fill_seconds += now - last
+            for shard in self.shards:
+                if shard.filling:
+                    shard.stats.inflight_area += self.in_flight * (now - last)
+                    shard.stats.fill_seconds += now - last
             last = now
 
     async def _worker(self) -> None:
-        for item in self.queue:
-            await self._answer(item)
-        if not self.queue_empty:
-            self.queue_empty = True
-            self.stats.t_queue_empty = time.time()
+        for shard, item in self.queue:
+            if await self._answer(shard, item) and shard.remaining is not None:
+                shard.remaining -= 1
+                if shard.remaining == 0 and not shard.filling:
+                    shard.stats.t_end = time.time()
 
-    async def _answer(self, item: Prompt) -> None:
+    async def _answer(self, shard: ShardWork, item: Prompt) -> bool:
+        """Ask for one prompt's answer (its history first, with ``multi_turn``); True once it
+        is kept or in the errors file."""
         messages = item.messages
         if self.settings.multi_turn:
-            messages = await self._regenerate_history(item, messages)
+            messages = await self._regenerate_history(shard, item, messages)
             if messages is None:
-                return
-        outcome = await self._complete(item.id, messages)
-        if outcome is None:
-            return
-        parsed, latency, endpoint = outcome
-        self._record(item, messages, parsed, latency, endpoint)
+                return True
+        outcome = await self._complete(shard, item.id, messages)
+        if outcome is not None:
+            self._record(shard, item, messages, *outcome)
+        return True
 
-    async def _regenerate_history(self, item: Prompt, messages: list[dict]) -> list[dict] | None:
+    async def _regenerate_history(self, shard: ShardWork, item: Prompt,
+                                  messages: list[dict]) -> list[dict] | None:
         """Regenerate every earlier assistant turn in order, feeding the new history back."""
         history: list[dict] = []
         for msg in messages[:-1]:
             if msg["role"] != "assistant":
                 history.append(msg)
                 continue
-            outcome = await self._complete(item.id, history)
+            outcome = await self._complete(shard, item.id, history)
             if outcome is None:
                 return None
             history.append(assistant_message(outcome[0]))
         return history + [messages[-1]]
 
-    def _record(self, item: Prompt, messages: list[dict], parsed: dict, latency: float,
-                endpoint: str) -> None:
+    def _record(self, shard: ShardWork, item: Prompt, messages: list[dict], parsed: dict,
+                latency: float, endpoint: str) -> None:
         record = {
             "id": item.id,
             "messages": messages + [assistant_message(parsed)],
@@ -507,51 +574,57 @@ class ShardRun:
             "usage": parsed["usage"],
             "latency_s": round(latency, 4),
             "endpoint": endpoint,
-            "fingerprint": self.fingerprints[item.id],
+            "fingerprint": shard.fingerprints[item.id],
         }
-        self.results.write(record)
-        self.stats.done += 1
-        self.stats.latencies.append(latency)
+        shard.results.write(record)
+        stats = shard.stats
+        stats.done += 1
+        stats.latencies.append(latency)
         usage = parsed["usage"] or {}
-        self.stats.prompt_tokens += usage.get("prompt_tokens", 0)
-        self.stats.output_tokens += usage.get("completion_tokens", 0)
+        stats.prompt_tokens += usage.get("prompt_tokens", 0)
+        stats.output_tokens += usage.get("completion_tokens", 0)
         self._progress()
 
     def _progress(self) -> None:
         elapsed = max(self.bar.format_dict["elapsed"], 1e-6)
-        self.bar.set_postfix(tok_s=f"{self.stats.output_tokens / elapsed:.0f}",
-                             slots=self.slots.held_here, retries=self.stats.retries,
-                             errors=self.stats.errors, refresh=False)
+        tokens = sum(s.stats.output_tokens for s in self.shards)
+        self.bar.set_postfix(tok_s=f"{tokens / elapsed:.0f}", in_flight=self.in_flight,
+                             retries=sum(s.stats.retries for s in self.shards),
+                             errors=sum(s.stats.errors for s in self.shards), refresh=False)
         self.bar.update(1)
 
-    async def _complete(self, prompt_id: str, messages: list[dict]):
+    async def _complete(self, shard: ShardWork, prompt_id: str, messages: list[dict]):
         """One chat completion with retries; None when it ended in the errors file."""
+        stats = shard.stats
         attempt = 0
         while True:
             index = await self._endpoint()
             endpoint = self.pool.endpoints[index]
-            kwargs = request_kwargs(messages, self.settings, prompt_id, endpoint.model)
-            async with self.slots.slot():
-                client = self.pool.client(index)
-                self.pool.client_in_flight[index][client] += 1
-                self.pool.in_flight[index] += 1
-                self.pool.sent[index] += 1
-                t0 = time.monotonic()
-                self.stats.t_first_request = self.stats.t_first_request or time.time()
-                try:
-                    resp = await self.pool.clients[index][client].chat.completions.create(
-                        **kwargs)
-                    self.pool.succeeded()
-                    return parse_completion(resp), time.monotonic() - t0, endpoint.base_url
-                except Exception as exc:  # classified below; nothing is swallowed silently
-                    error = exc
-                finally:
-                    self.pool.in_flight[index] -= 1
-                    self.pool.client_in_flight[index][client] -= 1
+            body = request_body(messages, self.settings, prompt_id, endpoint.model)
+            client = self.pool.client(index)
+            self.pool.client_in_flight[index][client] += 1
+            self.pool.in_flight[index] += 1
+            self.pool.sent[index] += 1
+            self.in_flight += 1
+            stats.requests_by_endpoint[endpoint.base_url] = (
+                stats.requests_by_endpoint.get(endpoint.base_url, 0) + 1)
+            t0 = time.monotonic()
+            stats.t_first_request = stats.t_first_request or time.time()
+            try:
+                parsed = parse_completion(
+                    await self._post(self.pool.clients[index][client], body))
+                self.pool.succeeded()
+                return parsed, time.monotonic() - t0, endpoint.base_url
+            except Exception as exc:  # classified below; nothing is swallowed silently
+                error = exc
+            finally:
+                self.in_flight -= 1
+                self.pool.in_flight[index] -= 1
+                self.pool.client_in_flight[index][client] -= 1
             kind = failure_kind(error)
             if kind == "refused":
                 self.pool.set_aside(index)
-                self.stats.set_asides += 1
+                stats.set_asides += 1
                 self._check_down()
                 await asyncio.sleep(backoff_delay(0, self.settings, self.rng))
                 continue  # a dead endpoint is not this prompt's fault: no retry is spent
@@ -559,13 +632,24 @@ class ShardRun:
                 self.pool.failed()  # a hung or dying server ends in EndpointsDown
                 self._check_down()
             if kind != "final" and attempt < self.settings.max_retries:
-                self.stats.retries += 1
-                self.stats.retries_by_kind[kind] = self.stats.retries_by_kind.get(kind, 0) + 1
+                stats.retries += 1
+                stats.retries_by_kind[kind] = stats.retries_by_kind.get(kind, 0) + 1
                 await asyncio.sleep(backoff_delay(attempt, self.settings, self.rng))
                 attempt += 1
                 continue
-            self._fail(prompt_id, error, attempt + 1, kind)
+            self._fail(shard, prompt_id, error, attempt + 1, kind)
             return None
+
+    @staticmethod
+    async def _post(client: openai.AsyncOpenAI, body: dict) -> dict:
+        """The completion's JSON, through the OpenAI client's documented ``post`` (its
+        connection handling, auth, timeouts and status errors) without its typed layer: the
+        typed ``chat.completions.create`` walks every request through its TypedDict
+        transforms and builds pydantic models of every answer, about 0.5 ms of client CPU a
+        request (``benchmarks/generation.py``), that this run would only turn back into dicts.
+        """
+        response = await client.post("/chat/completions", cast_to=httpx.Response, body=body)
+        return json.loads(response.content)
 
     async def _endpoint(self) -> int:
         while True:
@@ -576,7 +660,7 @@ class ShardRun:
             await asyncio.sleep(0.5)
 
     def _check_down(self) -> None:
-        """Stop the shard when connections have failed for too long with no success between."""
+        """Stop the run when connections have failed for too long with no success between."""
         down_for = self.pool.down_for()
         if down_for > self.settings.endpoint_down_timeout_s:
             raise EndpointsDown(
@@ -584,13 +668,15 @@ class ShardRun:
                 f"({', '.join(e.base_url for e in self.pool.endpoints)}); results so far "
                 "are kept, rerun to resume")
 
-    def _fail(self, prompt_id: str, error: BaseException, attempts: int, kind: str) -> None:
+    def _fail(self, shard: ShardWork, prompt_id: str, error: BaseException, attempts: int,
+              kind: str) -> None:
         status = getattr(error, "status_code", None)
         message = getattr(error, "message", None) or str(error) or type(error).__name__
-        self.errors.write({"id": prompt_id, "error": f"{type(error).__name__}: {message}"[:2000],
-                           "status": status, "kind": kind, "retryable": kind != "final",
-                           "attempts": attempts, "fingerprint": self.fingerprints[prompt_id]})
-        self.stats.errors += 1
+        shard.errors.write({"id": prompt_id,
+                            "error": f"{type(error).__name__}: {message}"[:2000],
+                            "status": status, "kind": kind, "retryable": kind != "final",
+                            "attempts": attempts, "fingerprint": shard.fingerprints[prompt_id]})
+        shard.stats.errors += 1
         self._progress()
 
 
@@ -649,64 +735,114 @@ def resume_shard(partial: Path, partial_errors: Path,
     return Resumed(records, errors, discarded, adopted)
 
 
-def generate_shard(prompt_file: Path, out_file: Path, errors_file: Path, summary_file: Path,
-                   endpoints: list[Endpoint], settings: GenerateSettings, slot_dir: Path,
-                   target_dir: str | None = None, target: dict | None = None,
-                   job_start: float | None = None, machine: dict | None = None) -> dict:
-    """Answer every prompt of a shard once; resume from valid kept results; write the summary.
+
+
+@dataclass(frozen=True)
+class ShardFiles:
+    """One shard's prompt file and the three files its answers go to."""
+
+    prompts: Path
+    responses: Path
+    errors: Path
+    summary: Path
+
+    @classmethod
+    def of(cls, prompts, responses, errors, summary) -> ShardFiles:
+        return cls(Path(prompts), Path(responses), Path(errors), Path(summary))
+
+
+@dataclass
+class PreparedShard:
+    files: ShardFiles
+    prompts: list[Prompt]
+    fingerprints: dict[str, str]
+    kept: Resumed
+    todo: list[Prompt]
+
+
+def prepare_shard(files: ShardFiles, settings: GenerateSettings, endpoints: list[Endpoint],
+                  target: dict) -> PreparedShard:
+    """Read a shard's prompts and what an earlier run left valid; what is left to ask."""
+    prompts = read_shard(files.prompts)
+    fingerprints = prompt_fingerprints(prompts, settings, endpoints, target)
+    kept = resume_shard(*partial_paths(files.responses), fingerprints)
+    todo = [p for p in prompts if p.id not in kept.records and p.id not in kept.errors]
+    print(f"{files.prompts}: {len(prompts)} prompts, {len(kept.records)} done "
+          f"({kept.adopted} from other shards' kept files), {kept.discarded_stale} kept "
+          f"answers discarded (made under other settings), {len(kept.errors)} failed before, "
+          f"{len(todo)} to ask")
+    return PreparedShard(files, prompts, fingerprints, kept, todo)
+
+
+def generate_shards(shards: list[ShardFiles], endpoints: list[Endpoint],
+                    settings: GenerateSettings, target_dir: str | None = None,
+                    target: dict | None = None, job_start: float | None = None,
+                    machine: Callable[[], dict | None] | dict | None = None) -> list[dict]:
+    """Answer every prompt of every shard once, through one client and one pool of C x
+    endpoints requests in flight (``GenerationRun``); resume each shard from its valid kept
+    results; write each shard's outputs and summary.
 
     ``target`` identifies the served target (``target_identity``); by default that of
     ``target_dir``, the target's directory. (The render check of the answers runs in the
-    stage summary, ``draftline.generation_report``: off the shard jobs' critical path.)
-    ``job_start`` (wall clock) is when the job began, for the start-up time in the summary
-    (default: now). ``machine`` is what served the requests (``serving_machine``), recorded in
-    the summary: the vLLM release and GPUs shape the answers.
+    stage summary, ``draftline.generation_report``: off generation's critical path.)
+    ``job_start`` (wall clock) is when the job began, for the start-up time in the summaries
+    (default: now). ``machine`` is what served the requests (``serving_machine``, or a callable
+    giving it, asked once the requests are done), recorded in the summaries: the vLLM release
+    and GPUs shape the answers.
     """
     job_start = time.time() if job_start is None else job_start
-    prompts = read_shard(prompt_file)
     if target is None:
         target = target_identity(target_dir) if target_dir else {}
-    fingerprints = prompt_fingerprints(prompts, settings, endpoints, target)
-    partial, partial_errors = partial_paths(out_file)
-    kept = resume_shard(partial, partial_errors, fingerprints)
-    todo = [p for p in prompts if p.id not in kept.records and p.id not in kept.errors]
-    print(f"{prompt_file}: {len(prompts)} prompts, {len(kept.records)} done "
-          f"({kept.adopted} from other shards' kept files), {kept.discarded_stale} kept "
-          f"answers discarded (made under other settings), {len(kept.errors)} failed before, "
-          f"{len(todo)} to ask at concurrency {settings.concurrency} over "
-          f"{len(endpoints)} endpoint(s)")
-    slots = SlotPool(slot_dir, settings.concurrency * len(endpoints))
-    results_log, errors_log = AppendLog(partial), AppendLog(partial_errors)
+    prepared = [prepare_shard(files, settings, endpoints, target) for files in shards]
+    print(f"{sum(len(p.todo) for p in prepared)} prompts to ask over {len(prepared)} shard(s) "
+          f"at concurrency {settings.concurrency} x {len(endpoints)} endpoint(s)")
+    logs = []
     try:
-        run = ShardRun(todo, fingerprints, endpoints, settings, slots, results_log, errors_log)
-        stats = asyncio.run(run.run(total=len(todo)))
-        server_rows = run.server.rows
-        sent_by_endpoint = dict(zip([e.base_url for e in endpoints], run.pool.sent, strict=True))
+        works = []
+        for shard in prepared:
+            results, errors = (AppendLog(p) for p in partial_paths(shard.files.responses))
+            logs += [results, errors]
+            works.append(ShardWork(shard.todo, shard.fingerprints, results, errors,
+                                   remaining=len(shard.todo)))
+        run = GenerationRun(works, endpoints, settings)
+        asyncio.run(run.run(total=sum(len(p.todo) for p in prepared)))
     finally:
-        results_log.close()
-        errors_log.close()
-        slots.close()
-    timing = {"job_start": job_start, "server_rows": server_rows}
-    return finish_shard(prompts, fingerprints, kept, partial, partial_errors, out_file,
-                        errors_file, summary_file, stats, settings, sent_by_endpoint,
-                        timing, machine)
+        for log in logs:
+            log.close()
+    machine = machine() if callable(machine) else machine
+    capacity = run.capacity
+    urls = [e.base_url for e in endpoints]
+    return [finish_shard(shard, work.stats, settings, capacity, urls,
+                         {"job_start": job_start, "server_rows": run.server.shard_rows(i)},
+                         machine)
+            for i, (shard, work) in enumerate(zip(prepared, works, strict=True))]
 
 
-def finish_shard(prompts, fingerprints, kept, partial, partial_errors, out_file, errors_file,
-                 summary_file, stats, settings, sent_by_endpoint, timing,
+def generate_shard(prompt_file: Path, out_file: Path, errors_file: Path, summary_file: Path,
+                   endpoints: list[Endpoint], settings: GenerateSettings, **kwargs) -> dict:
+    """``generate_shards`` for one shard: its summary."""
+    files = ShardFiles.of(prompt_file, out_file, errors_file, summary_file)
+    return generate_shards([files], endpoints, settings, **kwargs)[0]
+
+
+def finish_shard(shard: PreparedShard, stats: ShardStats, settings: GenerateSettings,
+                 capacity: int, endpoint_urls: list[str], timing: dict,
                  machine: dict | None = None) -> dict:
-    order = {p.id: i for i, p in enumerate(prompts)}
+    """Write the shard's answers and errors once, in prompt order, and its summary."""
+    files, fingerprints, kept = shard.files, shard.fingerprints, shard.kept
+    partial, partial_errors = partial_paths(files.responses)
+    order = {p.id: i for i, p in enumerate(shard.prompts)}
     done = _valid(read_jsonl_ids(partial), fingerprints)
     errors = {k: v for k, v in _valid(read_jsonl_ids(partial_errors), fingerprints).items()
               if k not in done}
-    write_jsonl(out_file, sorted(done.values(), key=lambda r: order[r["id"]]))
-    write_jsonl(errors_file, sorted(errors.values(), key=lambda r: order[r["id"]]))
+    write_jsonl(files.responses, sorted(done.values(), key=lambda r: order[r["id"]]))
+    write_jsonl(files.errors, sorted(errors.values(), key=lambda r: order[r["id"]]))
     fill = stats.fill_seconds
     summary = {
-        "prompts": len(prompts),
+        "prompts": len(shard.prompts),
         "responses": len(done),
         "errors": len(errors),
-        "unanswered": len(prompts) - len(done) - len(errors),
+        "unanswered": len(shard.prompts) - len(done) - len(errors),
         "resumed": len(kept.records),
         "resumed_from_other_shards": kept.adopted,
         "discarded_stale": kept.discarded_stale,
@@ -718,12 +854,13 @@ def finish_shard(prompts, fingerprints, kept, partial, partial_errors, out_file,
         "duration_s": round(stats.duration_s, 3),
         "output_tok_s": round(stats.output_tokens / max(stats.duration_s, 1e-9), 2),
         "concurrency": settings.concurrency,
-        "capacity": slots_total(settings, sent_by_endpoint),
-        # client side: machine-wide slots held / capacity over this shard's fill phase
-        "client_slot_utilization": round(stats.slot_area / fill / slots_total(
-            settings, sent_by_endpoint), 4) if fill > 0 else None,
+        "capacity": capacity,
+        # client side: the run's open requests / capacity over this shard's fill phase
+        "client_slot_utilization": round(stats.inflight_area / fill / capacity, 4)
+        if fill > 0 else None,
         "latency_s": _quantiles(stats.latencies),
-        "requests_by_endpoint": sent_by_endpoint,
+        "requests_by_endpoint": {url: stats.requests_by_endpoint.get(url, 0)
+                                 for url in endpoint_urls},
         "finish_reasons": _count(r["finish_reason"] for r in done.values()),
         "timing": {"job_start": round(timing["job_start"], 3),
                    "first_request": _round(stats.t_first_request, 3),
@@ -731,12 +868,12 @@ def finish_shard(prompts, fingerprints, kept, partial, partial_errors, out_file,
                    "end": _round(stats.t_end, 3),
                    "startup_s": _round(stats.t_first_request and
                                        stats.t_first_request - timing["job_start"], 3)},
-        "server": server_view(timing["server_rows"], slots_total(settings, sent_by_endpoint),
-                              stats.t_first_request, stats.t_end),
+        "server": server_view(timing["server_rows"], capacity, stats.t_first_request,
+                              stats.t_end),
         "machine": machine,
     }
-    write_json(summary_file, summary, indent=2)
-    print(json.dumps(summary))
+    write_json(files.summary, summary, indent=2)
+    print(json.dumps({k: v for k, v in summary.items() if k != "server"}))
     return summary
 
 
@@ -763,10 +900,6 @@ def process_start_time() -> float:
     return time.time() - (uptime - started)
 
 
-def slots_total(settings: GenerateSettings, sent_by_endpoint: dict) -> int:
-    return settings.concurrency * max(len(sent_by_endpoint), 1)
-
-
 def _count(values: Iterable) -> dict:
     counts: dict = {}
     for v in values:
@@ -774,21 +907,24 @@ def _count(values: Iterable) -> dict:
     return counts
 
 
-def generate_responses(prompt_file: Path, out_file: Path, errors_file: Path,
-                       summary_file: Path, gen_cfg: dict, server_cfg: dict, model: str,
-                       state_dir: Path, slot_dir: Path, profile_json: Path | None = None,
-                       trust_remote_code: bool = False, revision: str | None = None) -> dict:
-    """The generate stage: resolve concurrency, get endpoints (shared or external), run."""
+def generate_responses(prompt_files: list, out_files: list, errors_files: list,
+                       summary_files: list, gen_cfg: dict, server_cfg: dict, model: str,
+                       state_dir: Path, profile_json: Path | None = None,
+                       trust_remote_code: bool = False,
+                       revision: str | None = None) -> list[dict]:
+    """The generate stage, all shards in one run: resolve concurrency, get endpoints (shared or
+    external), answer every shard's prompts through one pool (``generate_shards``)."""
     from draftline.server import endpoints_for
 
     job_start = process_start_time()
     revision = hub_revision(model, revision)  # refused for a local directory, before any work
     concurrency = resolve_concurrency(gen_cfg["concurrency"], profile_json)
     settings = GenerateSettings.from_config(gen_cfg, concurrency)
+    shards = [ShardFiles.of(*files) for files in zip(prompt_files, out_files, errors_files,
+                                                     summary_files, strict=True)]
     with endpoints_for(server_cfg, model, Path(state_dir), trust_remote_code,
                        revision=revision) as endpoints:
-        return generate_shard(Path(prompt_file), Path(out_file), Path(errors_file),
-                              Path(summary_file), endpoints, settings, Path(slot_dir),
-                              target_dir=model, target=target_identity(model, revision),
-                              job_start=job_start, machine=serving_machine(
-                                  server_cfg, [served_version(e) for e in endpoints]))
+        return generate_shards(
+            shards, endpoints, settings, target=target_identity(model, revision),
+            job_start=job_start,
+            machine=lambda: serving_machine(server_cfg, [served_version(e) for e in endpoints]))

@@ -226,11 +226,6 @@ class Layout:
         """State of the run's shared vLLM servers (draftline.server)."""
         return self.root / ".servers"
 
-    @property
-    def generate_slots(self) -> Path:
-        """Machine-wide request slots shared by the generation shard jobs (draftline.slots)."""
-        return self.root / ".slots" / "generate"
-
 
 def target_model(config: dict) -> str:
     """The target the stages load: the built toy target's folder, or ``target.model``."""
