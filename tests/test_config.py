@@ -190,3 +190,26 @@ def test_a_bad_section_names_its_key(section, values, key):
 
     with pytest.raises(ConfigError, match=f"config key '{key}'"):
         resolve_section(section, values)
+
+
+@pytest.mark.parametrize(("overrides", "key"), [
+    ({"hidden.online.external_url": "http://gpu-host:8000"}, "hidden.online.spool_dir"),
+    ({"hidden.online.spool_dir": "/shared/spool"}, "hidden.online.spool_dir"),
+    ({"hidden.mode": "online", "hidden.backend": "vllm", "server.launcher": "docker",
+      "server.image": "vllm@sha256:" + "0" * 64}, "server.launcher"),
+])
+def test_the_vllm_producers_server_keys_are_checked(overrides, key):
+    with pytest.raises(ConfigError, match=f"config key '{key}'"):
+        load_config(REPO / "config" / "config.yaml", overrides)
+
+
+def test_online_mode_takes_the_vllm_producer():
+    config = load_config(REPO / "config" / "config.yaml",
+                         {"hidden.mode": "online", "hidden.backend": "vllm"})
+    assert (config["hidden"]["backend"], config["hidden"]["mode"]) == ("vllm", "online")
+    external = load_config(REPO / "config" / "config.yaml", {
+        "hidden.mode": "online", "hidden.backend": "vllm", "server.launcher": "docker",
+        "server.image": "vllm@sha256:" + "0" * 64,
+        "hidden.online.external_url": "http://gpu-host:8000",
+        "hidden.online.spool_dir": "/shared/spool"})
+    assert external["hidden"]["online"]["spool_dir"] == "/shared/spool"

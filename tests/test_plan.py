@@ -113,6 +113,12 @@ def test_plan_shows_disk_and_time_per_hidden_state_mode():
     assert "hidden.mode offline: peak disk 10.3 MB of states" in text
     assert "hidden.mode online:  peak disk 0 (at most 3.1 MB buffered)" in text
     assert f"states produced {epochs}x, once per epoch" in text
+    # the vllm producer's buffer is its spool folder: on disk
+    served = by_stage(plan(default_config(**{"hidden.mode": "online", "hidden.backend": "vllm"}),
+                           measured))
+    assert served["total"]["modes"]["online"]["peak_disk_bytes"] == 3 * 1024 * 4 * 128 * 2
+    assert served["hidden"]["disk_bytes"] == 3 * 1024 * 4 * 128 * 2
+    assert "peak disk 3.1 MB (the vllm producer's spool)" in format_plan(list(served.values()))
 
 
 def test_too_little_disk_is_flagged():

@@ -64,15 +64,33 @@ def check_semantics(config: dict[str, Any], base: Path | None = None) -> None:
         # vLLM feeds the aux states to the draft in layer order, whatever the config says.
         raise ConfigError(f"config key 'hidden.layer_ids': ids must be ascending (vLLM passes "
                           f"the states in layer order), got {layer_ids}")
-    if config["hidden"]["mode"] == "online" and config["hidden"]["backend"] != "hf":
-        raise ConfigError("config key 'hidden.backend': hidden.mode online produces states with "
-                          f"the hf backend only, got {config['hidden']['backend']!r}")
+    _check_online_producer(config)
     if config["server"]["mode"] == "external" and not config["server"]["external"]["base_urls"]:
         raise ConfigError(
             "config key 'server.external.base_urls': required when server.mode is external")
     if config["server"]["launcher"] == "docker" and not config["server"]["image"]:
         raise ConfigError("config key 'server.image': required when server.launcher is docker")
 
+
+
+
+def _check_online_producer(config: dict) -> None:
+    """hidden.online's server keys: an external producer needs its spool folder; a managed one
+    runs as a process (a container would write the spool where the trainer cannot see it)."""
+    hidden, online = config["hidden"], config["hidden"].get("online") or {}
+    if online.get("external_url") and not online.get("spool_dir"):
+        raise ConfigError("config key 'hidden.online.spool_dir': required with "
+                          "hidden.online.external_url (the server's spool folder, as the "
+                          "training job sees it)")
+    if online.get("spool_dir") and not online.get("external_url"):
+        raise ConfigError("config key 'hidden.online.spool_dir': only for an external producer "
+                          "(hidden.online.external_url); a managed one keeps its spool in the "
+                          "run's server folder")
+    if (hidden["mode"] == "online" and hidden["backend"] == "vllm"
+            and not online.get("external_url") and config["server"]["launcher"] == "docker"):
+        raise ConfigError("config key 'server.launcher': the vllm producer of hidden.mode online "
+                          "starts its server as a process (launcher docker does not mount its "
+                          "spool folder yet); use launcher process or hidden.online.external_url")
 
 def check_local_target_head(target_dir: Path | None) -> None:
     """A local target whose final head training cannot reproduce is refused now, not at

@@ -189,8 +189,11 @@ def plan(config: dict, measured: dict | None = None) -> list[dict]:
     if modes and config["hidden"]["mode"] == "online":  # the extraction moves into training
         online = modes["online"]
         hidden, train = rows[-4], rows[-3]
-        rows[-4] = _row("hidden", 0, 0.0, "hidden.mode online: no stored states; produced by "
-                        f"the training job (at most {_bytes(online['buffer_bytes'])} buffered)")
+        rows[-4] = _row("hidden", online["peak_disk_bytes"], 0.0,
+                        "hidden.mode online: no stored states; produced for the training job "
+                        f"(at most {_bytes(online['buffer_bytes'])} "
+                        + ("in the vllm producer's spool)" if online["peak_disk_bytes"]
+                           else "buffered)"))
         train["time_s"] += online["produce_s"]
         train["basis"] += (f"; + {config['train']['epochs']} x "
                            f"{online['produce_s'] / config['train']['epochs']:,.0f} s producing "
@@ -205,9 +208,9 @@ def hidden_modes(config: dict, rows: list[dict]) -> dict | None:
     """Peak disk of the hidden states and time of extraction + training, per hidden.mode.
 
     Offline stores every sample's states once (disk: the hidden row) and extracts once.
-    Online stores none (at most the buffer, in memory with the hf producer) but runs the
-    target again in every epoch: ``epochs x`` the extraction time, without a server start
-    (the hf producer runs inside the training job).
+    Online stores none but runs the target again in every epoch: ``epochs x`` the extraction
+    time. It holds at most the buffer: in memory with the hf producer (inside the training
+    job), on disk with the vllm producer (the server's spool folder).
     """
     hidden = next(r for r in rows if r["stage"] == "hidden")
     train = next(r for r in rows if r["stage"] == "train")
@@ -222,7 +225,8 @@ def hidden_modes(config: dict, rows: list[dict]) -> dict | None:
     return {
         "offline": {"peak_disk_bytes": hidden["disk_bytes"],
                     "time_s": hidden["time_s"] + train["time_s"], "extractions": 1},
-        "online": {"peak_disk_bytes": 0, "buffer_bytes": buffer, "produce_s": produce_s,
+        "online": {"peak_disk_bytes": buffer if config["hidden"]["backend"] == "vllm" else 0,
+                   "buffer_bytes": buffer, "produce_s": produce_s,
                    "backend": config["hidden"]["backend"],
                    "time_s": train["time_s"] + produce_s, "extractions": epochs},
     }
@@ -385,11 +389,11 @@ def format_plan(rows: list[dict]) -> str:
         lines.append(f"hidden.mode offline: peak disk {_bytes(off['peak_disk_bytes'])} of "
                      f"states, extraction + training {_duration(off['time_s'])} (states "
                      "extracted once)")
-        lines.append(f"hidden.mode online:  peak disk 0 (at most {_bytes(on['buffer_bytes'])} "
-                     f"buffered), training {_duration(on['time_s'])} (states produced "
-                     f"{on['extractions']}x, once per epoch: {_duration(on['produce_s'])})"
-                     + ("; online mode produces with backend hf only today"
-                        if on["backend"] != "hf" else ""))
+        held = (f"{_bytes(on['peak_disk_bytes'])} (the vllm producer's spool)"
+                if on["peak_disk_bytes"] else f"0 (at most {_bytes(on['buffer_bytes'])} buffered)")
+        lines.append(f"hidden.mode online:  peak disk {held}, training "
+                     f"{_duration(on['time_s'])} (states produced {on['extractions']}x, once per "
+                     f"epoch: {_duration(on['produce_s'])})")
     return "\n".join(lines)
 
 
