@@ -11,10 +11,17 @@ On the same dataset, target, vocab map and train config (same data order and see
   CPU, which is checked), the ratios the issue sets targets for, and what re-producing the
   states every epoch costs (the producer time per epoch).
 
+``--producer vllm`` compares the vllm pair instead: offline extraction with the vllm backend
+(an in-process engine, started in every repetition) then training, against online training
+whose states a vLLM server writes into the spool (one shared managed server for all
+repetitions, its start reported apart); the online figures then add the consumer's rate and
+the spool's peak bytes on disk.
+
 Usage (a results folder of the toy pipeline, with dataset/, target/ and vocab/)::
 
     snakemake --cores all vocab_map     # once, the default toy config (dataset too)
     python benchmarks/online.py --results results --out /tmp/online-bench
+    python benchmarks/online.py --results results --out /tmp/online-bench-vllm --producer vllm
 
 Runs one after the other, in one process, with the same torch thread count: ``--repetitions``
 interleaved offline/online pairs (medians and ranges; this host is shared). Prints a table
@@ -25,6 +32,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import shutil
 import statistics
 import time
@@ -48,10 +56,14 @@ def weights_equal(a: Path, b: Path) -> bool:
 
 
 def _offline_once(dataset: Path, target: Path, vocab_map: Path, out: Path, hidden_cfg: dict,
-                  train_cfg: dict) -> dict:
+                  train_cfg: dict, server: dict) -> dict:
+    multiprocessing = os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING")
     started = time.perf_counter()
-    extract_hidden_states(dataset, target, out / "hidden", {**hidden_cfg, "mode": "offline"})
+    extract_hidden_states(dataset, target, out / "hidden", {**hidden_cfg, "mode": "offline"},
+                          server["server"])
     extract_s = time.perf_counter() - started
+    if multiprocessing is None:  # set by vllm's in-process engine; not for the producer server
+        os.environ.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)
     started = time.perf_counter()
     result = train_draft(out / "hidden", vocab_map, target, out / "offline", train_cfg)
     train_s = time.perf_counter() - started
@@ -61,17 +73,24 @@ def _offline_once(dataset: Path, target: Path, vocab_map: Path, out: Path, hidde
 
 
 def _online_once(dataset: Path, target: Path, vocab_map: Path, out: Path, hidden_cfg: dict,
-                 train_cfg: dict) -> dict:
+                 train_cfg: dict, server: dict) -> dict:
     started = time.perf_counter()
     result = train_draft(None, vocab_map, target, out / "online", train_cfg,
-                         online={"dataset_dir": dataset,
+                         online={"dataset_dir": dataset, **server,
                                  "hidden": {**hidden_cfg, "mode": "online"}})
     train_s = time.perf_counter() - started
     stats = json.loads((out / "online" / "hidden_stats.json").read_text())
     # state files of the online run: any safetensors besides the draft's own weights
     on_disk = sum(p.stat().st_size for p in (out / "online").rglob("*.safetensors")
                   if not {"state", "best"} & set(p.relative_to(out / "online").parts))
-    return {"train_s": train_s, "peak_buffer_bytes": stats["peak_buffer_bytes"],
+    start_s = stats.get("start_s") or 0.0  # the producer's start (vllm: the server's)
+    # vllm: the server's start is reported apart (a run starts it once; hf loads the target
+    # in the training process, as extraction does, and keeps it in train_s)
+    apart = start_s if hidden_cfg["backend"] == "vllm" else 0.0
+    return {"train_s": train_s - apart, "producer_start_s": start_s,
+            "consumer_tok_s": stats["consumer_tok_s"],
+            "peak_spool_bytes": stats.get("peak_spool_bytes") or 0,
+            "peak_buffer_bytes": stats["peak_buffer_bytes"],
             "max_buffer_bytes": stats["max_buffer_bytes"], "state_bytes_on_disk": on_disk,
             "produce_s": stats["produce_s"], "producer_tok_s": stats["producer_tok_s"],
             "trainer_wait_s": stats["wait_s"],
@@ -92,24 +111,40 @@ def _medians(runs: list[dict]) -> dict:
     return out
 
 
-def run(results: Path, out: Path, config: dict, repetitions: int) -> dict:
+def run(results: Path, out: Path, config: dict, repetitions: int, producer: str = "hf") -> dict:
     """``repetitions`` interleaved pairs (offline then online, then online then offline, ...);
     the figures are medians, the ratio is the ratio of the medians."""
-    hidden_cfg = {**config["hidden"], "trust_remote_code": False}
+    from draftline.server import stop_all
+
+    hidden_cfg = {**config["hidden"], "trust_remote_code": False, "backend": producer}
     train_cfg = config["train"]
     dataset, target = results / "dataset", results / "target"
     vocab_map = results / "vocab" / "vocab_map.safetensors"
     shutil.rmtree(out, ignore_errors=True)
     out.mkdir(parents=True)
+    # vllm online: one shared server for every repetition (long idle timeout), stopped at the end
+    server = {"server": {**config["server"], "idle_timeout_s": 3600},
+              "server_state_dir": str(out / "servers")}
+    try:
+        result = _repetitions(dataset, target, vocab_map, out, hidden_cfg, train_cfg, server,
+                              repetitions)
+    finally:
+        stop_all(out / "servers")
+    return {"producer": producer, **result}
 
-    started = time.perf_counter()  # packed batching: the cost of bucketing, for reference
-    extract_hidden_states(dataset, target, out / "hidden-packed",
-                          {**hidden_cfg, "hf_batching": "packed"})
-    packed_s = time.perf_counter() - started
-    offline_runs, online_runs = [], []
+
+def _repetitions(dataset: Path, target: Path, vocab_map: Path, out: Path, hidden_cfg: dict,
+                 train_cfg: dict, server: dict, repetitions: int) -> dict:
+    packed_s = None
+    if hidden_cfg["backend"] == "hf":  # packed batching: the cost of bucketing, for reference
+        started = time.perf_counter()
+        extract_hidden_states(dataset, target, out / "hidden-packed",
+                              {**hidden_cfg, "hf_batching": "packed"})
+        packed_s = round(time.perf_counter() - started, 1)
+    offline_runs, online_runs, identical_runs = [], [], []
     for rep in range(repetitions):
         rep_dir = out / f"rep-{rep}"
-        args = (dataset, target, vocab_map, rep_dir, hidden_cfg, train_cfg)
+        args = (dataset, target, vocab_map, rep_dir, hidden_cfg, train_cfg, server)
         if rep % 2 == 0:
             offline_runs.append(_offline_once(*args))
             online_runs.append(_online_once(*args))
@@ -119,21 +154,26 @@ def run(results: Path, out: Path, config: dict, repetitions: int) -> dict:
         identical = weights_equal(rep_dir / "offline" / "best", rep_dir / "online" / "best")
         if rep:  # keep the first repetition's folders for inspection, and the disk free
             shutil.rmtree(rep_dir)
-        if not identical:
+        identical_runs.append(identical)
+        if not identical and hidden_cfg["backend"] == "hf":  # hf: bit-identical by contract
             raise SystemExit(f"repetition {rep}: online and offline weights differ")
     offline, online = _medians(offline_runs), _medians(online_runs)
-    offline["extract_packed_s"] = round(packed_s, 1)
+    offline["extract_packed_s"] = packed_s
+    online["producer_start_s"] = round(max(r["producer_start_s"] for r in online_runs), 1)
     online["produce_s_per_epoch"] = round(online["produce_s"] / train_cfg["epochs"], 1)
+    # what online mode holds at most: the spool on disk (vllm) or the queue in memory (hf)
+    held = online["peak_spool_bytes"] if hidden_cfg["backend"] == "vllm" else \
+        online["peak_buffer_bytes"]
     return {
         "config": {"train": train_cfg, "hidden": hidden_cfg}, "repetitions": repetitions,
         "offline": offline, "online": online,
         "ratios": {"online_time_vs_offline": round(online["train_s"] / offline["total_s"], 3),
-                   "offline_bytes_vs_online_peak": round(
-                       offline["stored_state_bytes"] / online["peak_buffer_bytes"], 1),
+                   "offline_bytes_vs_online_peak": round(offline["stored_state_bytes"] / held,
+                                                         1),
                    "acceptance_online_vs_offline": round(
                        online["simulated_acceptance_length"]
                        / offline["simulated_acceptance_length"], 4)},
-        "bit_identical_weights": True,  # every repetition checked above
+        "bit_identical_weights": all(identical_runs),  # every repetition checked above
     }
 
 
@@ -144,16 +184,22 @@ def _timed(fig: dict, key: str) -> str:
 
 def table(result: dict) -> str:
     off, on, ratio = result["offline"], result["online"], result["ratios"]
+    vllm = result["producer"] == "vllm"
+    held = (f"{on['peak_spool_bytes']:,} B (spool peak on disk, bound "
+            f"{on['max_buffer_bytes']:,} B)" if vllm else
+            f"{on['state_bytes_on_disk']:,} B (queue peak {on['peak_buffer_bytes']:,} B in "
+            f"memory, bound {on['max_buffer_bytes']:,} B)")
+    packed = "" if vllm else f" (packed batching: {off['extract_packed_s']} s)"
+    start = f"server start {on['producer_start_s']} s apart; " if vllm else ""
     rows = [
-        ("hidden states on disk (peak)", f"{off['stored_state_bytes']:,} B",
-         f"{on['state_bytes_on_disk']:,} B (queue peak {on['peak_buffer_bytes']:,} B in memory"
-         f", bound {on['max_buffer_bytes']:,} B)"),
-        ("extraction", f"{_timed(off, 'extract_s')} (packed batching: "
-         f"{off['extract_packed_s']} s)",
+        ("producer (hidden.backend)", result["producer"], result["producer"]),
+        ("hidden states on disk (peak)", f"{off['stored_state_bytes']:,} B", held),
+        ("extraction", f"{_timed(off, 'extract_s')}{packed}",
          f"{_timed(on, 'produce_s')} inside training "
          f"({on['produce_s_per_epoch']} s/epoch, {on['producer_tok_s']} tok/s)"),
         ("train stage", _timed(off, "train_s"),
-         f"{_timed(on, 'train_s')} (trainer waited {on['trainer_wait_s']} s)"),
+         f"{_timed(on, 'train_s')} ({start}trainer waited {on['trainer_wait_s']} s, "
+         f"consumed {on['consumer_tok_s']} tok/s)"),
         ("extraction + training", _timed(off, "total_s"),
          f"{_timed(on, 'train_s')} ({ratio['online_time_vs_offline']}x offline)"),
         ("simulated acceptance length", f"{off['simulated_acceptance_length']:.4f}",
@@ -164,8 +210,8 @@ def table(result: dict) -> str:
     lines = [f"medians (ranges) of {result['repetitions']} interleaved repetitions",
              f"{'':<{width}}  offline | online", "-" * 100]
     lines += [f"{name:<{width}}  {a} | {b}" for name, a, b in rows]
-    lines.append(f"offline stored bytes / online peak queue in memory: "
-                 f"{ratio['offline_bytes_vs_online_peak']}x")
+    lines.append(f"offline stored bytes / online peak {'spool' if vllm else 'queue in memory'}"
+                 f": {ratio['offline_bytes_vs_online_peak']}x")
     return "\n".join(lines)
 
 
@@ -177,10 +223,12 @@ def main() -> None:
     parser.add_argument("--max-buffer-bytes", type=int, default=4 << 20)
     parser.add_argument("--prefetch", type=int, default=2)
     parser.add_argument("--repetitions", type=int, default=3)
+    parser.add_argument("--producer", choices=("hf", "vllm"), default="hf",
+                        help="hidden.backend of both modes (vllm: engine offline, server online)")
     args = parser.parse_args()
     config = load_config(args.config, {"hidden.online.max_buffer_bytes": args.max_buffer_bytes,
                                        "hidden.online.prefetch": args.prefetch})
-    result = run(args.results, args.out, config, args.repetitions)
+    result = run(args.results, args.out, config, args.repetitions, args.producer)
     (args.out / "online_benchmark.json").write_text(json.dumps(result, indent=1) + "\n")
     print(table(result))
 
