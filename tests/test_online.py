@@ -133,6 +133,27 @@ def test_bucketed_states_do_not_depend_on_the_samples_beside_them(online_inputs)
     assert not all(torch.equal(a, b) for a, b in zip(packed_together, packed_alone, strict=True))
 
 
+def test_the_epoch_cache_changes_forwards_not_weights(online_inputs, tmp_path):
+    """With the default epoch cache every sample's states are produced once over 2 epochs and
+    the evaluations; with epoch_cache_bytes 0 they are produced again; the weights are equal."""
+    cached_dir, uncached_dir = tmp_path / "cached", tmp_path / "uncached"
+    run_online(online_inputs, cached_dir, CFG)
+    hidden = online_inputs["online"]["hidden"]
+    run_online(online_inputs, uncached_dir, CFG, {
+        **online_inputs["online"],
+        "hidden": {**hidden, "online": {**hidden["online"], "epoch_cache_bytes": 0}}})
+    assert_same_weights(cached_dir, uncached_dir)
+    cached = json.loads((cached_dir / "hidden_stats.json").read_text())
+    uncached = json.loads((uncached_dir / "hidden_stats.json").read_text())
+    store = HiddenStates(online_inputs["hidden_dir"])
+    every_token = sum(r.length for refs in store.samples.values() for r in refs)
+    assert cached["cached_tokens"] > 0 and cached["produced_tokens"] <= every_token
+    assert 0 < cached["cache_bytes"] <= every_token * store.hidden_size * 4 * 4  # fp32, 4 layers
+    assert uncached["cached_tokens"] == 0 and uncached["cache_bytes"] == 0
+    assert uncached["produced_tokens"] == cached["produced_tokens"] + cached["cached_tokens"]
+    assert uncached["produced_tokens"] > every_token  # the second epoch ran the target again
+
+
 def test_the_buffer_bound_must_hold_a_micro_batch(online_inputs):
     with pytest.raises(OnlineStatesError, match="hidden.online.max_buffer_bytes"):
         OnlineStates(online_inputs["dataset_dir"], online_inputs["target_dir"],

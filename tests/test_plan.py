@@ -101,23 +101,31 @@ def test_plan_shows_disk_and_time_per_hidden_state_mode():
         10_000 * (4 * 128 * 2 + 9)
     assert "online training's producer" in offline["hidden"]["basis"]
     assert modes["online"]["peak_disk_bytes"] == 0
-    assert modes["online"]["produce_s"] == epochs * 10_000 / 500.0  # every epoch again
+    # 10,000 tokens x 1 KiB of states fit the default epoch cache: produced once
+    assert modes["online"]["produce_s"] == 10_000 / 500.0 and modes["online"]["extractions"] == 1
     # buffer: prefetch 2 + the batch in training, each train.batch_tokens x 1 KiB of states
     assert modes["online"]["buffer_bytes"] == 3 * 1024 * 4 * 128 * 2
     online = by_stage(plan(default_config(**{"hidden.mode": "online"}), measured))
     assert online["hidden"]["disk_bytes"] == 0 and online["hidden"]["time_s"] == 0
-    assert online["train"]["time_s"] == offline["train"]["time_s"] + epochs * 20.0
+    assert online["train"]["time_s"] == offline["train"]["time_s"] + 20.0
     assert online["total"]["disk_bytes"] == offline["total"]["disk_bytes"] - \
         offline["hidden"]["disk_bytes"]
     text = format_plan(list(online.values()))
     assert "hidden.mode offline: peak disk 10.3 MB of states" in text
     assert "hidden.mode online:  peak disk 0 (at most 3.1 MB buffered)" in text
-    assert f"states produced {epochs}x, once per epoch" in text
+    assert f"states produced 1x over {epochs} epochs, 100% kept in memory" in text
+    # a cache of half the states: the other half produced again in every later epoch
+    half = by_stage(plan(default_config(**{"hidden.mode": "online",
+                                           "hidden.online.epoch_cache_bytes": 5_120_000}),
+                         measured))["total"]["modes"]["online"]
+    assert half["extractions"] == 1 + (epochs - 1) * 0.5
+    assert half["produce_s"] == half["extractions"] * 20.0
     # the vllm producer's buffer is its spool folder: on disk
     served = by_stage(plan(default_config(**{"hidden.mode": "online", "hidden.backend": "vllm"}),
                            measured))
     assert served["total"]["modes"]["online"]["peak_disk_bytes"] == 3 * 1024 * 4 * 128 * 2
     assert served["hidden"]["disk_bytes"] == 3 * 1024 * 4 * 128 * 2
+    assert served["total"]["modes"]["online"]["extractions"] == epochs  # no epoch cache
     assert "peak disk 3.1 MB (the vllm producer's spool)" in format_plan(list(served.values()))
 
 

@@ -25,8 +25,14 @@ default) a sample's states do not depend on which samples share its forward pass
 (``hf_backend.bucketed_batches``). A training run on online states is therefore bit-identical
 on CPU to one on offline hf states.
 
-Epochs: states are produced again in every epoch (one target forward per sample and epoch);
-nothing is cached between epochs, so the buffer bound holds whatever the dataset size.
+Epochs (producer hf): a sample's converted states are kept in memory for the next epochs up
+to ``hidden.online.epoch_cache_bytes``; samples beyond it are produced again in every epoch
+(one target forward per sample and epoch). The cache holds the same tensors a new forward
+would give (bucketed batching), so it changes time, not results. On the toy every sample fits
+(16 MB) and online costs what offline does; at production scale (57 KB per token for
+Kimi-K2.5) a few GB hold a small share of the data, and online pays one forward per epoch:
+the trade is disk for target compute. Producer vllm re-produces every epoch (its states come
+through the spool; a cache would be the offline store in memory).
 Samples whose states are not finite are dropped from their micro-batch with a warning (offline
 extraction drops them from the index instead; they are counted in ``stats``).
 """
@@ -49,7 +55,7 @@ PRODUCERS = ("hf", "vllm")
 
 log = logging.getLogger(__name__)
 
-ONLINE_DEFAULTS = {"max_buffer_bytes": 256 << 20, "prefetch": 2}
+ONLINE_DEFAULTS = {"max_buffer_bytes": 256 << 20, "prefetch": 2, "epoch_cache_bytes": 512 << 20}
 
 
 class OnlineStatesError(ValueError):
@@ -129,6 +135,8 @@ class OnlineStates:
                       "produced_tokens": 0, "produce_s": 0.0, "wait_s": 0.0,
                       "consumed_tokens": 0, "consume_s": 0.0,
                       "peak_buffer_bytes": 0, "rejected": [],
+                      "cached_tokens": 0, "cache_bytes": 0,
+                      "epoch_cache_bytes": self.online["epoch_cache_bytes"],
                       "max_buffer_bytes": self.online["max_buffer_bytes"],
                       "prefetch": self.online["prefetch"]}
         if self.producer == "vllm":
@@ -137,6 +145,8 @@ class OnlineStates:
         self._forward_lock = threading.Lock()
         self._start_lock = threading.Lock()
         self._buffers: list[PrefetchBuffer] = []
+        # producer hf: (split, row) -> converted sample, or None for a rejected one
+        self._cache: dict[tuple[str, int], dict | None] = {}
 
     @property
     def origin(self) -> str:
@@ -186,28 +196,58 @@ class OnlineStates:
     def _converted(self, rows: list[tuple], states: list, refs: Sequence[DatasetRef]) -> list[dict]:
         """Per sample: aux, final (target dtype), input_ids, loss_mask, as a part file holds
         them (``write_part``'s conversion); samples with non-finite states are left out."""
+        return [s for s in map(self._convert_one, rows, states, refs) if s is not None]
+
+    def _convert_one(self, row: tuple, sample_states, ref: DatasetRef) -> dict | None:
         import torch
 
         from draftline.hidden.extract import _nonfinite_layers, _split_states
 
-        dtype = getattr(torch, self.dtype)
-        out = []
-        for (sample_id, input_ids, loss_mask), sample_states, ref in zip(rows, states, refs,
-                                                                          strict=True):
-            aux, final = _split_states(sample_states.to(dtype), self.layer_ids, self.captured,
-                                       self.num_layers)
-            bad = _nonfinite_layers(aux, final, self.layer_ids, self.num_layers)
-            if bad:
-                log.warning("sample %r dropped from its micro-batch: non-finite hidden states "
-                            "at layer ids %s", sample_id, bad)
-                with self._lock:
-                    self.stats["rejected"].append({"id": sample_id, "split": ref.split,
-                                                   "layer_ids": bad})
-                continue
-            out.append({"aux": aux, "final": final,
-                        "input_ids": torch.from_numpy(input_ids),
-                        "loss_mask": torch.from_numpy(loss_mask)})
-        return out
+        sample_id, input_ids, loss_mask = row
+        aux, final = _split_states(sample_states.to(getattr(torch, self.dtype)), self.layer_ids,
+                                   self.captured, self.num_layers)
+        bad = _nonfinite_layers(aux, final, self.layer_ids, self.num_layers)
+        if bad:
+            log.warning("sample %r dropped from its micro-batch: non-finite hidden states "
+                        "at layer ids %s", sample_id, bad)
+            with self._lock:
+                self.stats["rejected"].append({"id": sample_id, "split": ref.split,
+                                               "layer_ids": bad})
+            return None
+        return {"aux": aux, "final": final, "input_ids": torch.from_numpy(input_ids),
+                "loss_mask": torch.from_numpy(loss_mask)}
+
+    def _hf_samples(self, target, rows: list[tuple],
+                    chosen: list[DatasetRef]) -> tuple[list[dict], int]:
+        """Converted samples of ``chosen``: from the epoch cache where kept, the others by a
+        forward of the target (and kept while the cache has room). Returns the samples and
+        the tokens that needed a forward."""
+        with self._lock:
+            missing = [i for i, ref in enumerate(chosen) if (ref.split, ref.row) not in self._cache]
+        fresh = {}
+        if missing:
+            with self._forward_lock:  # evaluation and the prefetch thread share one target
+                states = target.states([rows[i][1] for i in missing])
+            fresh = {i: self._convert_one(rows[i], st, chosen[i])
+                     for i, st in zip(missing, states, strict=True)}
+        with self._lock:
+            samples = [fresh[i] if i in fresh else self._cache[(ref.split, ref.row)]
+                       for i, ref in enumerate(chosen)]
+            self.stats["cached_tokens"] += sum(r.length for i, r in enumerate(chosen)
+                                               if i not in fresh)
+            for i, sample in fresh.items():
+                self._keep(chosen[i], sample)
+        produced = sum(chosen[i].length for i in fresh)
+        return [s for s in samples if s is not None], produced
+
+    def _keep(self, ref: DatasetRef, sample: dict | None) -> None:
+        """Into the epoch cache, while it has room (called holding ``self._lock``)."""
+        size = 0 if sample is None else batch_bytes(sample)
+        if self.stats["cache_bytes"] + size <= self.online["epoch_cache_bytes"]:
+            if sample is not None:  # final is a view into the forward's output: keep its own
+                sample = {**sample, "final": sample["final"].contiguous()}
+            self._cache[(ref.split, ref.row)] = sample
+            self.stats["cache_bytes"] += size
 
     def _rows(self, refs: Sequence[DatasetRef]) -> list[tuple]:
         rows: list[tuple] = []
@@ -238,15 +278,15 @@ class OnlineStates:
         if self.producer == "vllm":
             spool = target.produce([r[1] for r in rows])
             item, size = (rows, chosen, spool), spool.bytes
+            produced = sum(r.length for r in chosen)
             self._note_spool()
         else:
-            with self._forward_lock:  # evaluation and the prefetch thread share one target
-                states = target.states([r[1] for r in rows])
-            item = self._collate(self._converted(rows, states, chosen), chosen)
+            samples, produced = self._hf_samples(target, rows, chosen)
+            item = self._collate(samples, chosen)
             size = batch_bytes(item)
         with self._lock:
             self.stats["produced_batches"] += 1
-            self.stats["produced_tokens"] += sum(r.length for r in chosen)
+            self.stats["produced_tokens"] += produced
             self.stats["produce_s"] += time.perf_counter() - started
         return item, size
 
@@ -316,6 +356,7 @@ class OnlineStates:
         if self._backend is not None:
             self._backend.close()
             self._backend = None
+        self._cache.clear()
 
 
 def batch_bytes(batch: dict) -> int:
