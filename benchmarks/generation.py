@@ -198,16 +198,22 @@ def _fmt(value, spec: str) -> str:
 
 
 def print_table(runs: dict[str, list[dict]], args, concurrency: int) -> None:
-    reference = _median(s["client"]["output_tok_s"] for s in runs["raw aiohttp"])
+    raw = [s["client"]["output_tok_s"] for s in runs["raw aiohttp"]]
+    reference = _median(raw)
     print(f"\n{args.prompts} prompts, C={concurrency}, max_tokens {args.max_tokens}, median of "
           f"{args.repetitions} interleaved repetitions; tok/s end to end (first start to last "
-          "exit); running/C from the server's /metrics")
-    header = (f"{'variant':<22} {'tok/s':>7} {'ratio':>6} {'run/C':>6} {'run/C fill':>10} "
-              f"{'start-up s':>10} {'tail s':>7} {'tail/p50':>8} {'client CPU s':>12}")
+          "exit); ratio: of the medians, and the range of each repetition's ratio to the raw "
+          "run of the same repetition; running/C from the server's /metrics")
+    header = (f"{'variant':<22} {'tok/s':>7} {'ratio':>6} {'ratio range':>11} {'run/C':>6} "
+              f"{'run/C fill':>10} {'start-up s':>10} {'tail s':>7} {'tail/p50':>8} "
+              f"{'client CPU s':>12}")
     print(header)
     for variant, stages in runs.items():
         tok_s = _median(s["client"]["output_tok_s"] for s in stages)
+        per_rep = [s["client"]["output_tok_s"] / r for s, r in zip(stages, raw, strict=True)]
+        spread = f"{min(per_rep):.2f}-{max(per_rep):.2f}"
         print(f"{variant:<22} {_fmt(tok_s, '7.0f')} {_fmt(tok_s / reference, '6.2f')} "
+              f"{spread:>11} "
               f"{_fmt(_median(s['server']['utilization'] for s in stages), '6.3f')} "
               f"{_fmt(_median(s['server']['utilization_fill'] for s in stages), '10.3f')} "
               f"{_fmt(_median(s['startup_s']['first_job_to_first_request'] for s in stages), '10.2f')} "  # noqa: E501
