@@ -225,7 +225,8 @@ def main() -> None:
     parser.add_argument("--config", default="config/config.yaml")
     parser.add_argument("--out", type=Path, default=Path("/tmp/draftline-online-bench"))
     parser.add_argument("--max-buffer-bytes", type=int, default=4 << 20)
-    parser.add_argument("--prefetch", type=int, default=2)
+    parser.add_argument("--prefetch", type=int, default=None,
+                        help="hidden.online.prefetch (default: the producer's, hf 0, vllm 2)")
     parser.add_argument("--repetitions", type=int, default=3)
     parser.add_argument("--epoch-cache-bytes", type=int, default=None,
                         help="hidden.online.epoch_cache_bytes (0: produce every epoch again; "
@@ -233,8 +234,9 @@ def main() -> None:
     parser.add_argument("--producer", choices=("hf", "vllm"), default="hf",
                         help="hidden.backend of both modes (vllm: engine offline, server online)")
     args = parser.parse_args()
-    overrides = {"hidden.online.max_buffer_bytes": args.max_buffer_bytes,
-                 "hidden.online.prefetch": args.prefetch}
+    overrides = {"hidden.online.max_buffer_bytes": args.max_buffer_bytes}
+    if args.prefetch is not None:
+        overrides["hidden.online.prefetch"] = args.prefetch
     if args.epoch_cache_bytes is not None:
         overrides["hidden.online.epoch_cache_bytes"] = args.epoch_cache_bytes
     config = load_config(args.config, overrides)

@@ -103,8 +103,9 @@ def test_plan_shows_disk_and_time_per_hidden_state_mode():
     assert modes["online"]["peak_disk_bytes"] == 0
     # 10,000 tokens x 1 KiB of states fit the default epoch cache: produced once
     assert modes["online"]["produce_s"] == 10_000 / 500.0 and modes["online"]["extractions"] == 1
-    # buffer: prefetch 2 + the batch in training, each train.batch_tokens x 1 KiB of states
-    assert modes["online"]["buffer_bytes"] == 3 * 1024 * 4 * 128 * 2
+    # buffer, producer hf: produced inline (prefetch 0), the batch in training only, of
+    # train.batch_tokens x 1 KiB of states
+    assert modes["online"]["buffer_bytes"] == 1024 * 4 * 128 * 2
     online = by_stage(plan(default_config(**{"hidden.mode": "online"}), measured))
     assert online["hidden"]["disk_bytes"] == 0 and online["hidden"]["time_s"] == 0
     assert online["train"]["time_s"] == offline["train"]["time_s"] + 20.0
@@ -112,7 +113,7 @@ def test_plan_shows_disk_and_time_per_hidden_state_mode():
         offline["hidden"]["disk_bytes"]
     text = format_plan(list(online.values()))
     assert "hidden.mode offline: peak disk 10.3 MB of states" in text
-    assert "hidden.mode online:  peak disk 0 (at most 3.1 MB buffered)" in text
+    assert "hidden.mode online:  peak disk 0 (at most 1.0 MB buffered)" in text
     assert f"states produced 1x over {epochs} epochs, 100% kept in memory" in text
     # a cache of half the states: the other half produced again in every later epoch
     half = by_stage(plan(default_config(**{"hidden.mode": "online",

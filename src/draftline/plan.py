@@ -21,6 +21,7 @@ import json
 import shutil
 from pathlib import Path
 
+from draftline.hidden.online import online_cfg
 from draftline.layout import Layout
 from draftline.target import DTYPE_SIZES, NUM_AUX_LAYERS, text_config
 
@@ -220,11 +221,10 @@ def hidden_modes(config: dict, rows: list[dict]) -> dict | None:
     if hidden["disk_bytes"] is None or train["time_s"] is None:
         return None
     epochs = config["train"]["epochs"]
-    online_cfg = config["hidden"].get("online") or {}
+    online = online_cfg(config["hidden"])
     batch_bytes = config["train"]["batch_tokens"] * hidden["state_bytes_per_token"]
-    buffer = min(online_cfg.get("max_buffer_bytes", 256 << 20),
-                 (online_cfg.get("prefetch", 2) + 1) * batch_bytes)
-    cache = online_cfg.get("epoch_cache_bytes", 512 << 20)
+    buffer = min(online["max_buffer_bytes"], (online["prefetch"] + 1) * batch_bytes)
+    cache = online["epoch_cache_bytes"]
     states_bytes = hidden["tokens"] * hidden["state_bytes_per_token"]
     cached = (min(1.0, cache / states_bytes)
               if config["hidden"]["backend"] == "hf" and states_bytes else 0.0)
