@@ -103,7 +103,7 @@ def test_online_hf_training_is_bit_identical_to_offline(online_inputs, tmp_path)
                         records(tmp_path / "offline", "train"), strict=True):
         assert {**got, "tokens_per_s": 0} == {**ref, "tokens_per_s": 0}
     stats = json.loads((tmp_path / "online" / "hidden_stats.json").read_text())
-    # 10 steps of train micro-batches (2 epochs re-produced) plus two evaluations
+    # 10 steps of train micro-batches (the second epoch from the epoch cache) plus two evaluations
     assert stats["mode"] == "online" and stats["produced_batches"] >= 10
     assert 0 < stats["peak_buffer_bytes"] <= 1 << 20
     assert not (tmp_path / "online" / "hidden").exists()
