@@ -159,7 +159,9 @@ def assert_every_rule(result: subprocess.CompletedProcess) -> None:
 def test_dry_run_with_production_config(tmp_path):
     result = dry_run(tmp_path, "--cores", "8", "--configfile", str(PRODUCTION))
     assert_every_rule(result)
-    assert re.search(r"^generate\s+16$", result.stdout, re.M)  # one job per shard
+    # one generate job answers all 16 shards
+    assert re.search(r"^generate\s+1$", result.stdout, re.M)
+    assert "responses/shard-15.jsonl" in result.stdout
 
 
 def test_dry_run_with_blackwell_profile(tmp_path, apptainer_stand_in):
