@@ -554,6 +554,8 @@ def test_vllm_states_equal_direct_forward_pass(vllm_run, vllm_dataset, toy_targe
     states of prompts prefilled in chunks come out whole and in order."""
     index = read_index(vllm_run)
     assert os.environ[ENV_PROBE] == "engine"  # the engine ran in this process with server.env
+    # the in-process engine's switch does not leak into servers this process starts later
+    assert "VLLM_ENABLE_V1_MULTIPROCESSING" not in os.environ
     assert index["backend"] == "vllm" and index["rejected"] == []
     assert index["layer_ids"] == VLLM_LAYER_IDS and index["num_layers"] == 8
     installed = metadata.version(metadata.packages_distributions()["vllm"][0])

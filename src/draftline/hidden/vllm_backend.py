@@ -121,6 +121,10 @@ class VLLMBackend:
     def __init__(self, target_dir: Path, capture_ids: Sequence[int], max_len: int,
                  spool_dir: Path, hidden_cfg: dict, server_cfg: dict | None,
                  wait_timeout_s: float = 600.0):
+        # in-process engine core; vLLM reads the variable only while it builds the engine, and
+        # it must not reach a vLLM server this process starts later (its API server would run
+        # the engine in its own event loop: bursty streams, a running gauge stuck at 0)
+        unset = "VLLM_ENABLE_V1_MULTIPROCESSING" not in os.environ
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
         # server.env applies to every vLLM of the run (e.g. NCCL settings for TP over PCIe)
         os.environ.update((server_cfg or {}).get("env") or {})
@@ -144,7 +148,11 @@ class VLLMBackend:
             space = (server_cfg or {}).get("cpu_kvcache_space_gib", 1)
             os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(max(1, int(space))))
             kwargs.setdefault("gpu_memory_utilization", 0.3)
-        self.llm = LLM(**kwargs)
+        try:
+            self.llm = LLM(**kwargs)
+        finally:
+            if unset:
+                os.environ.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)
         self._inprocess = type(self.llm.llm_engine.engine_core).__name__ == "InprocClient"
 
     def states(self, samples: Sequence[Sequence[int]],
