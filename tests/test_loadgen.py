@@ -20,6 +20,7 @@ from draftline.loadgen import (
     percentiles,
     request_seed,
     run_requests,
+    running_mean,
     server_latency_means,
     window_stats,
 )
@@ -266,6 +267,16 @@ def test_server_latency_means_come_from_histogram_sums_and_counts():
     assert server_latency_means(counter_deltas(before, before)) == {}  # nothing finished
 
 
+def test_running_mean_is_the_servers_running_seconds_per_second():
+    """Little's law on the server's own counter: 12 request-seconds finished in a 4 s window
+    is 3 requests running on average; a server without the counter gives no figure."""
+    text = ('vllm:request_inference_time_seconds_sum{engine="0",model_name="t"} %s\n'
+            'vllm:request_inference_time_seconds_count{engine="0",model_name="t"} %s\n')
+    deltas = counter_deltas(parse_metrics(text % (30.0, 10)), parse_metrics(text % (42.0, 16)))
+    assert running_mean(deltas, 4.0) == 3.0
+    assert running_mean({}, 4.0) is None
+
+
 def _sse(data) -> bytes:
     return b"data: " + (data if isinstance(data, bytes) else json.dumps(data).encode()) + b"\n\n"
 
@@ -342,6 +353,9 @@ def test_real_window_matches_the_server_token_counter(vllm_server):
     assert stats["tpot_ms"]["mean"] == pytest.approx(server_tpot, rel=0.25)
     assert stats["ttft_ms"]["p50"] < 1e3 * stats["e2e_s"]["p50"]
     assert 0 < stats["mean_output_tokens"] <= 48 and stats["mean_prompt_tokens"] > 5
+    # 4 requests kept in flight: the server ran about 4 (less while the client turns a slot
+    # around on a busy host; the window's edges give or take a little)
+    assert 2.4 <= window.server["num_requests_running_mean"] <= 4.6
 
 
 @pytest.mark.vllm

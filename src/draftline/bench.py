@@ -9,8 +9,9 @@ first, so a server that cannot start fails before baseline time is spent, and pa
 to start (an MLA target with EAGLE-3 on vLLM's CPU build) are refused before anything runs.
 Every (temperature, level) cell is a closed-loop window (``draftline.loadgen.measure_window``,
 as the profiler measures): the eval-split prompts are cycled with per-request seeds so that C
-requests stay in flight for the whole window; the server's ``vllm:num_requests_running`` gauge
-is sampled during it and a row whose mean stays below 0.9 x C is marked ``underloaded``.
+requests stay in flight for the whole window; the server's mean running requests over it (its
+own counter of running seconds, ``loadgen.running_mean``) below 0.9 x C marks the row
+``underloaded``.
 TTFT, TPOT and ITL are those of ``vllm bench serve`` (``draftline.loadgen.RequestResult``);
 each window's mean TPOT is held against the server's own TPOT histogram and the window is
 measured again when the client fell behind (``measure_level``).
@@ -136,8 +137,8 @@ MAX_SPREAD = 0.2  # (max - min) / median of a cell's output tok/s above this: a 
 def measure_level(endpoint: Endpoint, prompts: list[Prompt], spec: SamplingSpec, level: int,
                   warmup_s: float, measure_s: float, retries: int = 2) -> dict:
     """One closed-loop window at ``level``: the eval prompts cycled (per-request seeds), so that
-    ``level`` requests stay in flight for the whole window; the server's running-requests gauge
-    is sampled during it.
+    ``level`` requests stay in flight for the whole window; the server's mean running requests
+    come from its counters (``loadgen.running_mean``).
 
     The client's mean TPOT is held against the engine's own (vLLM's per-request TPOT
     histogram over the same window): when the client or the API server falls behind (a busy
@@ -166,8 +167,7 @@ def stream_lagged(client_tpot_ms: float | None, server_tpot_ms: float | None) ->
 def _measure_once(endpoint: Endpoint, prompts: list[Prompt], spec: SamplingSpec, level: int,
                   warmup_s: float, measure_s: float) -> dict:
     window = measure_window(endpoint, prompts, spec, level, warmup_s, measure_s,
-                            warmup_turnover=1.0, max_warmup_s=max(60.0, 10 * warmup_s),
-                            running_every_s=0.5)
+                            warmup_turnover=1.0, max_warmup_s=max(60.0, 10 * warmup_s))
     running = window.server.get("num_requests_running_mean")
     server_means = server_latency_means(window.server.get("counters", {}))
     client_tpot = (window.stats["tpot_ms"] or {}).get("mean")
@@ -421,8 +421,9 @@ def summary_markdown(result: dict) -> str:
                if "measure_s" in result else f"{result['num_prompts']} eval-split prompts")
     lines = ["# Deployment benchmark: baseline vs EAGLE-3", "",
              f"{windows}; {result['repetitions']} repetitions, medians (min-max). TTFT, TPOT "
-             "as `vllm bench serve` defines them. `running` is the server's mean "
-             "`vllm:num_requests_running` during the window; `*` marks a cell where a window "
+             "as `vllm bench serve` defines them. `running` is the server's mean running "
+             "requests over the window (its `vllm:request_inference_time_seconds` sum per "
+             "second); `*` marks a cell where a window "
              f"stayed below {LOADED_FRACTION:g} x C (the level was not fully loaded); `~` "
              f"marks output tok/s whose spread (max-min)/median exceeds {MAX_SPREAD:.0%} (a "
              "busy host: rerun on a quiet one). `server TPOT` is the mean of vLLM's own "
