@@ -11,8 +11,9 @@ rotated order so that no variant always goes first:
   Snakemake ``generate`` job runs (one client, one pool of C requests over all shards), timed
   from the process start to its exit: start-up, resume checks and writing the outputs count.
 
-Every variant is watched through the server's own ``/metrics`` (``ServerSampler``): mean
-running / C over the whole variant and over its fill phase. The table gives the median of the
+Every variant is watched through the server's own ``/metrics``
+(``draftline.endpoint_clients.ServerSampler``): mean running / C over the whole variant and over
+its fill phase. The table gives the median of the
 repetitions: end-to-end output tok/s, the ratio to the raw reference, server-side utilization,
 start-up (process start to first request), the tail (95% of requests done to the last)
 and the client's CPU seconds (start-up included).
@@ -37,7 +38,8 @@ import aiohttp
 import yaml
 
 from draftline.config import load_config
-from draftline.generate import GenerateSettings, ServerSampler, request_body
+from draftline.endpoint_clients import ServerSampler
+from draftline.generate import GenerateSettings, request_body
 from draftline.generation_report import load_summaries, server_view, stage_summary
 from draftline.prompts import shard_key
 from draftline.server import ManagedServer, spec_from_config

@@ -19,13 +19,15 @@ from draftline.generate import (
     failure_kind,
     generate_shard,
     generate_shards,
+    resolve_concurrency,
+)
+from draftline.loadgen import request_seed
+from draftline.responses import (
     read_jsonl_ids,
     record_fingerprint,
-    resolve_concurrency,
     settings_fingerprint,
     target_identity,
 )
-from draftline.loadgen import request_seed
 from draftline.server import Endpoint
 
 # --------------------------------------------------------------------------- unit tests (no server)

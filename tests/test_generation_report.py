@@ -9,11 +9,13 @@ from draftline.generation_report import (
     compact_timeline,
     counter_increase,
     load_summaries,
+    render_mismatches,
     server_view,
     stage_summary,
     step_mean,
     truncation,
 )
+from draftline.records import RecordError
 
 
 def test_step_mean_holds_each_sample_until_the_next():
@@ -113,3 +115,10 @@ def test_answers_cut_at_max_tokens_are_counted_per_shard_and_warned_about():
     assert "20% of the answers stopped at generate.max_tokens (shard 0: 40%)" in \
         report["warning"]
     assert truncation(shards, warn_share=0.25)["warning"] is None
+
+
+def test_a_responses_line_that_is_not_json_is_named_by_file_and_line(tmp_path):
+    shard = tmp_path / "shard-0.jsonl"
+    shard.write_text('{"id": "a", "messages": []}\n{"id": "b", "messa\n')
+    with pytest.raises(RecordError, match=r"shard-0\.jsonl:2: invalid JSON"):
+        render_mismatches([shard], target_dir=str(tmp_path / "no-target"))

@@ -22,13 +22,9 @@ from conftest import REPO, copy_workflow, requires_vllm, write_workflow_config
 from fault_proxy import FaultProxy
 
 from draftline import atomic
-from draftline.generate import (
-    AppendLog,
-    GenerateSettings,
-    generate_shard,
-    read_jsonl_ids,
-)
+from draftline.generate import GenerateSettings, generate_shard
 from draftline.hidden.store import write_safetensors
+from draftline.responses import AppendLog, read_jsonl_ids
 from draftline.server import Endpoint
 
 # -------------------------------------------------------------------------- injected network faults

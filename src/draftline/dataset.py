@@ -59,6 +59,7 @@ from draftline.atomic import atomic_dir
 from draftline.hub import hub_revision, pretrained_kwargs
 from draftline.layout import DATASET_STATS
 from draftline.records import RecordError
+from draftline.responses import iter_response_records
 
 log = logging.getLogger(__name__)
 
@@ -164,17 +165,8 @@ def parse_response(raw: dict, where: str) -> Response:
 
 
 def iter_responses(paths: list[Path]) -> Iterator[Response]:
-    for path in paths:
-        with open(path, encoding="utf-8") as f:
-            for lineno, line in enumerate(f, start=1):
-                if not line.strip():
-                    continue
-                where = f"{path}:{lineno}"
-                try:
-                    raw = json.loads(line)
-                except json.JSONDecodeError as e:
-                    raise RecordError("invalid_json", f"{where}: invalid JSON: {e}") from e
-                yield parse_response(raw, where)
+    for where, raw in iter_response_records(paths):
+        yield parse_response(raw, where)
 
 
 def _count_lines(paths: list[Path]) -> int:

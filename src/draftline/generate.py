@@ -1,30 +1,24 @@
 """Synthetic responses: every prompt answered exactly once by the served target.
 
-Kept whole (about 800 lines): one stage read in order (settings, endpoint pool, the run,
-resume, summary); each part is used only here.
-
 One generation job serves every shard: one process, one set of official ``AsyncOpenAI``
 clients and one fixed pool of C x endpoints worker coroutines (never one task per prompt) that
 pull prompts from all shard files in order (``GenerationRun``). The server so stays full across
 shard boundaries (the next shard's prompts are asked while the last answers of the previous
 one are still generated), the run has one tail, and the process start-up is paid once.
 
-Durability: results are appended and flushed to ``<out_dir>/.partial/shard-{i}.jsonl`` as they
-arrive (Snakemake deletes declared outputs of failed jobs; the partial file survives). Every
-kept record carries the ``fingerprint`` of what determined its answer (target, served name,
-sampling settings, chat template kwargs, multi_turn, the prompt's messages). A rerun keeps
-only records with the current fingerprint (the others are discarded and counted as
-``discarded_stale``), takes valid answers for its ids from any shard's kept file (so a changed
-shard assignment loses nothing), drops a torn last line, and only asks for the rest. At the end
-the shard is written once, sorted in prompt order, by atomic rename.
+Durability and resume (``draftline.responses``): answers are appended to a kept file as they
+arrive, each with the fingerprint of what determined it; a rerun asks only for the prompts
+without a valid kept answer. At the end each shard is written once, sorted in prompt order, by
+atomic rename.
 
 What the server shows: the run samples every endpoint's Prometheus ``/metrics``
 (``vllm:num_requests_running``, ``vllm:num_requests_waiting``, ``vllm:generation_tokens``)
-while it runs (``ServerSampler``); each shard summary reports the server-side mean running
-requests against the chosen concurrency and the server-side output tok/s over that shard's
-requests, and keeps a compact timeline (with that shard's completed requests);
-``stage_summary`` merges them into one stage view (and a plot). ``client_slot_utilization``
-is the client-side figure: requests the client had open, not server work.
+while it runs (``draftline.endpoint_clients.ServerSampler``); each shard summary reports the
+server-side mean running requests against the chosen concurrency and the server-side output
+tok/s over that shard's requests, and keeps a compact timeline (with that shard's completed
+requests); ``stage_summary`` merges them into one stage view (and a plot).
+``client_slot_utilization`` is the client-side figure: requests the client had open, not
+server work.
 
 Failures (``failure_kind``): a refused connection sets the endpoint aside for a few seconds
 and costs the prompt nothing; a timeout, a dropped connection, a retryable status or an
@@ -36,14 +30,9 @@ requests kept failing, the run stops with ``EndpointsDown``. The summary counts 
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import functools
-import hashlib
 import json
 import os
 import random
-import ssl
-import threading
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
@@ -53,13 +42,24 @@ import httpx
 import openai
 from tqdm import tqdm
 
-from draftline.atomic import disk_full_names, write_json, write_jsonl
-from draftline.generation_report import server_view
+from draftline.atomic import write_json, write_jsonl
+from draftline.endpoint_clients import EndpointPool, ServerSampler
+from draftline.generation_report import round_or_none, server_view
 from draftline.hub import hub_revision
-from draftline.loadgen import parse_metrics, request_seed
+from draftline.loadgen import request_seed
 from draftline.machine import serving_machine
 from draftline.profile import resolve_concurrency
 from draftline.records import Prompt, read_shard
+from draftline.responses import (
+    AppendLog,
+    Resumed,
+    partial_paths,
+    prompt_fingerprints,
+    read_jsonl_ids,
+    resume_shard,
+    target_identity,
+    valid_records,
+)
 from draftline.server import Endpoint, served_version
 
 RETRYABLE_STATUS = {408, 409, 429}
@@ -89,64 +89,6 @@ class GenerateSettings:
         keys = ("temperature", "top_p", "max_tokens", "seed", "chat_template_kwargs",
                 "multi_turn", "max_retries", "request_timeout_s", "endpoint_down_timeout_s")
         return cls(concurrency=concurrency, **{k: gen_cfg[k] for k in keys if k in gen_cfg})
-
-
-# ----------------------------------------------------------------------------- fingerprints
-
-# Small files that define the target: architecture, generation defaults, tokenizer, template.
-TARGET_FILES = ("config.json", "generation_config.json", "tokenizer_config.json",
-                "tokenizer.json", "chat_template.jinja", "chat_template.json",
-                "model.safetensors.index.json", "pytorch_model.bin.index.json")
-# Weights up to this size are hashed whole (a retrained toy keeps its config); larger ones are
-# identified by their index, names and sizes (hashing 595 GB would take an hour).
-HASH_WEIGHTS_UP_TO = 256 << 20
-
-
-def _sha256(*parts: bytes) -> str:
-    digest = hashlib.sha256()
-    for part in parts:
-        digest.update(len(part).to_bytes(8, "little") + part)
-    return digest.hexdigest()
-
-
-def target_identity(model: str, revision: str | None = None) -> dict:
-    """What identifies the target: its path or hub id, the revision and, for a local directory,
-    a hash of its config, tokenizer and weights index (small weights: their content)."""
-    identity = {"model": str(model), "revision": revision}
-    path = Path(model)
-    if not path.is_dir():
-        return identity  # a hub id: the revision pins it
-    parts = [f"{name}\0".encode() + (path / name).read_bytes()
-             for name in TARGET_FILES if (path / name).is_file()]
-    weights = sorted(p for p in path.iterdir()
-                     if p.is_file() and p.suffix in (".safetensors", ".bin"))
-    sizes = [p.stat().st_size for p in weights]
-    whole = sum(sizes) <= HASH_WEIGHTS_UP_TO
-    for weight, size in zip(weights, sizes, strict=True):
-        parts.append(f"{weight.name}\0{size}\0".encode() + (weight.read_bytes() if whole else b""))
-    identity["files_sha256"] = _sha256(*parts)
-    return identity
-
-
-def settings_fingerprint(settings: GenerateSettings, served_model: str, target: dict) -> str:
-    """Everything but the prompt that determines an answer (not concurrency, retries, ...)."""
-    answer_settings = {
-        "target": target,
-        "served_model": served_model,
-        "temperature": settings.temperature,
-        "top_p": settings.top_p,
-        "max_tokens": settings.max_tokens,
-        "seed": settings.seed,
-        "chat_template_kwargs": settings.chat_template_kwargs,
-        "multi_turn": settings.multi_turn,
-    }
-    return _sha256(json.dumps(answer_settings, sort_keys=True).encode())
-
-
-def record_fingerprint(settings_fp: str, messages: list[dict]) -> str:
-    """The fingerprint a kept answer to ``messages`` must carry to be reused."""
-    return _sha256(settings_fp.encode(),
-                   json.dumps(messages, sort_keys=True, ensure_ascii=False).encode())[:32]
 
 
 def request_body(messages: list[dict], settings: GenerateSettings, prompt_id: str,
@@ -224,130 +166,6 @@ def backoff_delay(attempt: int, settings: GenerateSettings, rng: random.Random) 
     return delay * (0.5 + 0.5 * rng.random())
 
 
-# ----------------------------------------------------------------------------- endpoints
-
-
-@functools.cache
-def shared_tls_context() -> ssl.SSLContext:
-    """httpx's default verifying context, made once for all of the run's HTTP clients."""
-    return httpx.create_ssl_context()
-
-
-class EndpointPool:
-    """Least-in-flight balancing; an endpoint that fails to connect is set aside for a while.
-
-    Each endpoint gets several clients of at most ``CONNECTIONS_PER_CLIENT`` connections, and a
-    request goes to its endpoint's least busy one: httpx's connection pool scans every
-    connection on every request event, so one pool of C connections costs O(C) per event;
-    measured at C=64 on 2 busy cores it took 20 ms of client CPU per request (the server sat
-    idle waiting for the client) against under 5 ms with pools of 8. The clients share one TLS
-    context: each new one loads the system's CA certificates, 40 ms apiece at start-up.
-    """
-
-    COOLDOWN_S = 5.0
-    CONNECTIONS_PER_CLIENT = 8
-
-    def __init__(self, endpoints: list[Endpoint], timeout_s: float, max_connections: int):
-        per_endpoint = -(-max_connections // self.CONNECTIONS_PER_CLIENT)
-        size = -(-max_connections // per_endpoint)
-        limits = httpx.Limits(max_connections=size, max_keepalive_connections=size)
-        tls = shared_tls_context()
-        self.endpoints = endpoints
-        self.clients = [
-            [openai.AsyncOpenAI(base_url=ep.base_url, api_key=ep.api_key, max_retries=0,
-                                timeout=timeout_s,
-                                http_client=httpx.AsyncClient(limits=limits, timeout=timeout_s,
-                                                              verify=tls))
-             for _ in range(per_endpoint)]
-            for ep in endpoints
-        ]
-        self.client_in_flight = [[0] * per_endpoint for _ in endpoints]
-        self.in_flight = [0] * len(endpoints)
-        self.down_until = [0.0] * len(endpoints)
-        self.sent = [0] * len(endpoints)
-        # Since when no request has succeeded while connections kept failing (None: healthy).
-        self.failing_since: float | None = None
-
-    def client(self, index: int) -> int:
-        """The endpoint's least busy client (never over its connection limit: the workers
-        keep the endpoint's total at most C, and the least busy has at most C / clients)."""
-        loads = self.client_in_flight[index]
-        return loads.index(min(loads))
-
-    def pick(self) -> int | None:
-        now = time.monotonic()
-        healthy = [i for i in range(len(self.endpoints)) if self.down_until[i] <= now]
-        if not healthy:
-            return None
-        return min(healthy, key=lambda i: (self.in_flight[i], self.sent[i]))
-
-    def set_aside(self, i: int) -> None:
-        self.down_until[i] = time.monotonic() + self.COOLDOWN_S
-        self.failed()
-
-    def failed(self) -> None:
-        """A request got no answer (refused, timed out, dropped): start the down clock."""
-        self.failing_since = self.failing_since or time.monotonic()
-
-    def succeeded(self) -> None:
-        self.failing_since = None
-
-    def down_for(self) -> float:
-        return 0.0 if self.failing_since is None else time.monotonic() - self.failing_since
-
-    async def close(self) -> None:
-        for clients in self.clients:
-            for client in clients:
-                await client.close()
-
-
-# ----------------------------------------------------------------------------- durable results
-
-
-def read_jsonl_ids(path: Path, cut_torn: bool = True) -> dict[str, dict]:
-    """Records of a JSONL file by id; a torn last line (killed writer) is ignored and, with
-    ``cut_torn``, cut off the file (never on a file another job may be appending to)."""
-    records: dict[str, dict] = {}
-    if not path.exists():
-        return records
-    data = path.read_bytes()
-    keep = data.rfind(b"\n") + 1
-    if keep < len(data) and cut_torn:
-        with open(path, "r+b") as fh:
-            fh.truncate(keep)
-    for line in data[:keep].splitlines():
-        if line.strip():
-            rec = json.loads(line)
-            records[rec["id"]] = rec
-    return records
-
-
-class AppendLog:
-    """Append-and-flush JSONL writer: every finished record survives a kill.
-
-    A write cut short (full disk, kill) leaves at most a torn last line, which the next
-    ``read_jsonl_ids`` drops: a record counts only when its line is complete.
-    """
-
-    def __init__(self, path: Path):
-        path.parent.mkdir(parents=True, exist_ok=True)
-        self.path = path
-        self.fh = open(path, "a", encoding="utf-8")
-
-    def write(self, record: dict) -> None:
-        with disk_full_names(self.path):
-            self.fh.write(json.dumps(record, ensure_ascii=False) + "\n")
-            self.fh.flush()
-
-    def close(self) -> None:
-        # Every complete record was flushed by write(); what a failed write left buffered is
-        # a torn line at most, so a close that cannot flush it loses nothing.
-        with contextlib.suppress(OSError):
-            os.fsync(self.fh.fileno())
-        with contextlib.suppress(OSError):
-            self.fh.close()
-
-
 # ----------------------------------------------------------------------------- the run
 
 
@@ -390,76 +208,6 @@ class ShardWork:
     remaining: int | None = None
     stats: ShardStats = field(default_factory=ShardStats)
     filling: bool = False  # its prompts are being handed out
-
-
-SERVER_SAMPLE_EVERY_S = 0.25
-SERVER_SERIES = ("vllm:num_requests_running", "vllm:num_requests_waiting",
-                 "vllm:generation_tokens")
-
-
-class ServerSampler:
-    """The servers' own view, sampled from ``/metrics``: requests running and waiting (gauges,
-    summed over endpoints and engines) and generated tokens (counter), with the client's counts
-    of completed requests (one per shard), stamped with wall-clock time.
-
-    A row is ``[t, running, waiting, generation_tokens, completed_0, completed_1, ...]``.
-    It samples from its own thread: an event loop busy with a burst of answers would otherwise
-    leave gaps in exactly the moments worth seeing.
-    """
-
-    def __init__(self, endpoints: list[Endpoint], completed: Callable[[], list[int]],
-                 every_s: float = SERVER_SAMPLE_EVERY_S):
-        self.endpoints = endpoints
-        self.completed = completed
-        self.every_s = every_s
-        self.rows: list[list[float]] = []
-        self.failures = 0
-        self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
-
-    def _scrape(self, http: httpx.Client, ep: Endpoint):
-        try:
-            resp = http.get(f"{ep.root_url}/metrics",
-                            headers={"Authorization": f"Bearer {ep.api_key}"})
-            resp.raise_for_status()
-        except httpx.HTTPError:
-            return None  # the servers' view is a report, never a reason to stop generating
-        return parse_metrics(resp.text)
-
-    def sample(self, http: httpx.Client) -> None:
-        sent = time.time()
-        scraped = [self._scrape(http, ep) for ep in self.endpoints]
-        if any(m is None or not m.has("vllm:num_requests_running") for m in scraped):
-            self.failures += 1
-            return
-        gauges = [sum(m.total(name) for m in scraped) for name in SERVER_SERIES]
-        # stamped halfway between asking and parsing: the server answered about then
-        self.rows.append([(sent + time.time()) / 2, *gauges, *self.completed()])
-
-    def _loop(self, http: httpx.Client) -> None:
-        try:
-            while not self._stop.wait(self.every_s):
-                self.sample(http)
-            self.sample(http)  # the state at the end
-        finally:
-            http.close()
-
-    def start(self) -> None:
-        """One sample now (before the first request), then every ``every_s`` in a thread."""
-        http = httpx.Client(timeout=5.0, verify=shared_tls_context())
-        self.sample(http)
-        self._thread = threading.Thread(target=self._loop, args=(http,), daemon=True,
-                                        name="server-sampler")
-        self._thread.start()
-
-    def stop(self) -> None:
-        self._stop.set()
-        if self._thread is not None:
-            self._thread.join(15.0)
-
-    def shard_rows(self, index: int) -> list[list[float]]:
-        """The rows as one shard's timeline: the servers' series and that shard's completed."""
-        return [row[:4] + [row[4 + index]] for row in self.rows]
 
 
 class GenerationRun:
@@ -680,63 +428,6 @@ class GenerationRun:
         self._progress()
 
 
-def partial_paths(out_file: Path) -> tuple[Path, Path]:
-    partial = out_file.parent / ".partial"
-    stem = out_file.name.removesuffix(".jsonl")
-    return partial / f"{stem}.jsonl", partial / f"{stem}.errors.jsonl"
-
-
-def prompt_fingerprints(prompts: list[Prompt], settings: GenerateSettings,
-                        endpoints: list[Endpoint], target: dict) -> dict[str, str]:
-    """The fingerprint each prompt's kept answer must carry."""
-    served = sorted({ep.model for ep in endpoints})
-    settings_fp = settings_fingerprint(settings, ",".join(served), target)
-    return {p.id: record_fingerprint(settings_fp, p.messages) for p in prompts}
-
-
-@dataclass
-class Resumed:
-    records: dict[str, dict]  # valid answers for this shard's ids
-    errors: dict[str, dict]  # valid final errors for this shard's ids
-    discarded_stale: int  # kept records for this shard's ids made under other settings
-    adopted: int  # valid answers found in another shard's kept file
-
-
-def _valid(records: dict[str, dict], fingerprints: dict[str, str]) -> dict[str, dict]:
-    return {k: r for k, r in records.items() if r.get("fingerprint") == fingerprints.get(k)}
-
-
-def resume_shard(partial: Path, partial_errors: Path,
-                 fingerprints: dict[str, str]) -> Resumed:
-    """What an earlier run left that is still valid, and rewrite the kept files to hold it.
-
-    A record counts only under the current fingerprint. Answers for this shard's ids are also
-    taken from the other shards' kept files (the shard assignment may have changed); records
-    for ids this shard no longer owns stay in its file for the shard that does.
-    """
-    own = read_jsonl_ids(partial)
-    records = _valid(own, fingerprints)
-    discarded = sum(1 for k in own if k in fingerprints and k not in records)
-    adopted = 0
-    for other in sorted(partial.parent.glob("*.jsonl")):
-        if other == partial or other.name.endswith(".errors.jsonl"):
-            continue
-        found = _valid(read_jsonl_ids(other, cut_torn=False), fingerprints)
-        new = {k: r for k, r in found.items() if k not in records}
-        records.update(new)
-        adopted += len(new)
-    foreign = {k: r for k, r in own.items() if k not in fingerprints}
-    if discarded or adopted:
-        write_jsonl(partial, [*records.values(), *foreign.values()])
-    # Final errors (e.g. 400: prompt too long) stay; retryable ones get another chance.
-    errors = {k: e for k, e in _valid(read_jsonl_ids(partial_errors), fingerprints).items()
-              if not e.get("retryable") and k not in records}
-    write_jsonl(partial_errors, errors.values())
-    return Resumed(records, errors, discarded, adopted)
-
-
-
-
 @dataclass(frozen=True)
 class ShardFiles:
     """One shard's prompt file and the three files its answers go to."""
@@ -832,8 +523,8 @@ def finish_shard(shard: PreparedShard, stats: ShardStats, settings: GenerateSett
     files, fingerprints, kept = shard.files, shard.fingerprints, shard.kept
     partial, partial_errors = partial_paths(files.responses)
     order = {p.id: i for i, p in enumerate(shard.prompts)}
-    done = _valid(read_jsonl_ids(partial), fingerprints)
-    errors = {k: v for k, v in _valid(read_jsonl_ids(partial_errors), fingerprints).items()
+    done = valid_records(read_jsonl_ids(partial), fingerprints)
+    errors = {k: v for k, v in valid_records(read_jsonl_ids(partial_errors), fingerprints).items()
               if k not in done}
     write_jsonl(files.responses, sorted(done.values(), key=lambda r: order[r["id"]]))
     write_jsonl(files.errors, sorted(errors.values(), key=lambda r: order[r["id"]]))
@@ -863,10 +554,10 @@ def finish_shard(shard: PreparedShard, stats: ShardStats, settings: GenerateSett
                                  for url in endpoint_urls},
         "finish_reasons": _count(r["finish_reason"] for r in done.values()),
         "timing": {"job_start": round(timing["job_start"], 3),
-                   "first_request": _round(stats.t_first_request, 3),
-                   "queue_empty": _round(stats.t_queue_empty, 3),
-                   "end": _round(stats.t_end, 3),
-                   "startup_s": _round(stats.t_first_request and
+                   "first_request": round_or_none(stats.t_first_request, 3),
+                   "queue_empty": round_or_none(stats.t_queue_empty, 3),
+                   "end": round_or_none(stats.t_end, 3),
+                   "startup_s": round_or_none(stats.t_first_request and
                                        stats.t_first_request - timing["job_start"], 3)},
         "server": server_view(timing["server_rows"], capacity, stats.t_first_request,
                               stats.t_end),
@@ -875,10 +566,6 @@ def finish_shard(shard: PreparedShard, stats: ShardStats, settings: GenerateSett
     write_json(files.summary, summary, indent=2)
     print(json.dumps({k: v for k, v in summary.items() if k != "server"}))
     return summary
-
-
-def _round(value: float | None, digits: int) -> float | None:
-    return None if value is None else round(value, digits)
 
 
 def _quantiles(values: list[float]) -> dict | None:

@@ -16,6 +16,7 @@ import math
 from pathlib import Path
 
 from draftline.atomic import write_json
+from draftline.responses import iter_response_records
 
 TAIL_FRACTION = 0.05  # the tail: the last 5% of the stage's requests
 # Above this share of answers cut at generate.max_tokens the stage warns: the draft would
@@ -97,12 +98,12 @@ def server_view(rows: list[list[float]], capacity: int, first_request: float | N
                  if fill_end else None)
     tokens = counter_increase(times, [r[3] for r in rows], first_request, end)
     view.update({
-        "fill_end": _round(fill_end, 3),
-        "mean_running": _round(over_run, 3),
-        "mean_running_fill": _round(over_fill, 3),
-        "utilization": _round(over_run and over_run / capacity, 4),
-        "utilization_fill": _round(over_fill and over_fill / capacity, 4),
-        "mean_waiting_fill": _round(step_mean(times, waiting, first_request, fill_end,
+        "fill_end": round_or_none(fill_end, 3),
+        "mean_running": round_or_none(over_run, 3),
+        "mean_running_fill": round_or_none(over_fill, 3),
+        "utilization": round_or_none(over_run and over_run / capacity, 4),
+        "utilization_fill": round_or_none(over_fill and over_fill / capacity, 4),
+        "mean_waiting_fill": round_or_none(step_mean(times, waiting, first_request, fill_end,
                                               waiting[0]) if fill_end else None, 3),
         "output_tokens": round(tokens),
         "output_tok_s": round(tokens / max(end - first_request, 1e-9), 2),
@@ -205,15 +206,15 @@ def stage_summary(summaries: list[dict]) -> dict:
         "concurrency": summaries[0]["concurrency"],
         "capacity": capacity,
         "wall_s": round(wall, 3),
-        "fill_s": _round(fill and fill[1] - fill[0]),
-        "startup_s": {"first_job_to_first_request": _round(firsts and min(firsts) - t0),
+        "fill_s": round_or_none(fill and fill[1] - fill[0]),
+        "startup_s": {"first_job_to_first_request": round_or_none(firsts and min(firsts) - t0),
                       "per_shard": [s["timing"]["startup_s"] for s in summaries]},
         "server": {
             "samples": len(rows),
-            "mean_running": _round(over_wall),
-            "utilization": _round(over_wall and over_wall / capacity, 4),
-            "mean_running_fill": _round(over_fill),
-            "utilization_fill": _round(over_fill and over_fill / capacity, 4),
+            "mean_running": round_or_none(over_wall),
+            "utilization": round_or_none(over_wall and over_wall / capacity, 4),
+            "mean_running_fill": round_or_none(over_fill),
+            "utilization_fill": round_or_none(over_fill and over_fill / capacity, 4),
             "output_tokens": round(tokens),
             "output_tok_s": round(tokens / wall, 2) if wall > 0 else None,
         },
@@ -222,9 +223,9 @@ def stage_summary(summaries: list[dict]) -> dict:
             "output_tok_s": round(client_tokens / wall, 2) if wall > 0 else None,
             "slot_utilization_per_shard": [s["client_slot_utilization"] for s in summaries],
         },
-        "latency_p50_s": _round(median_latency, 4),
-        "tail_s": _round(tail),
-        "tail_over_median_latency": _round(tail / median_latency if tail is not None
+        "latency_p50_s": round_or_none(median_latency, 4),
+        "tail_s": round_or_none(tail),
+        "tail_over_median_latency": round_or_none(tail / median_latency if tail is not None
                                            and median_latency else None),
         "truncated": truncation(summaries),
         # what served the answers (vLLM release, GPUs), once per distinct machine: the bundle
@@ -262,7 +263,7 @@ def truncation(summaries: list[dict], warn_share: float = TRUNCATED_WARN_SHARE) 
             "warning": warning}
 
 
-def _round(value: float | None, digits: int = 3) -> float | None:
+def round_or_none(value: float | None, digits: int = 3) -> float | None:
     return None if value is None else round(value, digits)
 
 
@@ -327,9 +328,8 @@ def render_mismatches(response_files: list[Path | str], target_dir: str,
     from draftline.dataset import count_render_mismatches
 
     per_shard = []
-    for path in map(Path, response_files):
-        with open(path, encoding="utf-8") as fh:
-            records = [json.loads(line) for line in fh if line.strip()]
+    for path in response_files:
+        records = [record for _, record in iter_response_records([path])]
         per_shard.append(count_render_mismatches(records, target_dir, chat_template_kwargs,
                                                  trust_remote_code, revision))
     return {"total": sum(per_shard), "per_shard": per_shard}

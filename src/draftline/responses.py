@@ -1,0 +1,212 @@
+"""Generation's answers on disk: what makes a kept answer valid, and how a rerun resumes.
+
+Results are appended and flushed to ``<out_dir>/.partial/shard-{i}.jsonl`` as they arrive
+(``AppendLog``; Snakemake deletes declared outputs of failed jobs, the partial file survives).
+Every kept record carries the ``fingerprint`` of what determined its answer (target, served
+name, sampling settings, chat template kwargs, multi_turn, the prompt's messages). A rerun
+(``resume_shard``) keeps only records with the current fingerprint (the others are discarded
+and counted as ``discarded_stale``), takes valid answers for its ids from any shard's kept file
+(so a changed shard assignment loses nothing), drops a torn last line, and only asks for the
+rest. ``draftline.generate`` writes each shard's final file once, from these, in prompt order.
+The stages after it read those final files through ``iter_response_records``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import os
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from draftline.atomic import disk_full_names, write_jsonl
+from draftline.records import RecordError
+
+if TYPE_CHECKING:
+    from draftline.generate import GenerateSettings
+    from draftline.records import Prompt
+    from draftline.server import Endpoint
+
+
+# Small files that define the target: architecture, generation defaults, tokenizer, template.
+TARGET_FILES = ("config.json", "generation_config.json", "tokenizer_config.json",
+                "tokenizer.json", "chat_template.jinja", "chat_template.json",
+                "model.safetensors.index.json", "pytorch_model.bin.index.json")
+# Weights up to this size are hashed whole (a retrained toy keeps its config); larger ones are
+# identified by their index, names and sizes (hashing 595 GB would take an hour).
+HASH_WEIGHTS_UP_TO = 256 << 20
+
+
+def _sha256(*parts: bytes) -> str:
+    digest = hashlib.sha256()
+    for part in parts:
+        digest.update(len(part).to_bytes(8, "little") + part)
+    return digest.hexdigest()
+
+
+def target_identity(model: str, revision: str | None = None) -> dict:
+    """What identifies the target: its path or hub id, the revision and, for a local directory,
+    a hash of its config, tokenizer and weights index (small weights: their content)."""
+    identity = {"model": str(model), "revision": revision}
+    path = Path(model)
+    if not path.is_dir():
+        return identity  # a hub id: the revision pins it
+    parts = [f"{name}\0".encode() + (path / name).read_bytes()
+             for name in TARGET_FILES if (path / name).is_file()]
+    weights = sorted(p for p in path.iterdir()
+                     if p.is_file() and p.suffix in (".safetensors", ".bin"))
+    sizes = [p.stat().st_size for p in weights]
+    whole = sum(sizes) <= HASH_WEIGHTS_UP_TO
+    for weight, size in zip(weights, sizes, strict=True):
+        parts.append(f"{weight.name}\0{size}\0".encode() + (weight.read_bytes() if whole else b""))
+    identity["files_sha256"] = _sha256(*parts)
+    return identity
+
+
+def settings_fingerprint(settings: GenerateSettings, served_model: str, target: dict) -> str:
+    """Everything but the prompt that determines an answer (not concurrency, retries, ...)."""
+    answer_settings = {
+        "target": target,
+        "served_model": served_model,
+        "temperature": settings.temperature,
+        "top_p": settings.top_p,
+        "max_tokens": settings.max_tokens,
+        "seed": settings.seed,
+        "chat_template_kwargs": settings.chat_template_kwargs,
+        "multi_turn": settings.multi_turn,
+    }
+    return _sha256(json.dumps(answer_settings, sort_keys=True).encode())
+
+
+def record_fingerprint(settings_fp: str, messages: list[dict]) -> str:
+    """The fingerprint a kept answer to ``messages`` must carry to be reused."""
+    return _sha256(settings_fp.encode(),
+                   json.dumps(messages, sort_keys=True, ensure_ascii=False).encode())[:32]
+
+
+def prompt_fingerprints(prompts: list[Prompt], settings: GenerateSettings,
+                        endpoints: list[Endpoint], target: dict) -> dict[str, str]:
+    """The fingerprint each prompt's kept answer must carry."""
+    served = sorted({ep.model for ep in endpoints})
+    settings_fp = settings_fingerprint(settings, ",".join(served), target)
+    return {p.id: record_fingerprint(settings_fp, p.messages) for p in prompts}
+
+
+# ----------------------------------------------------------------------------- the kept files
+
+
+def read_jsonl_ids(path: Path, cut_torn: bool = True) -> dict[str, dict]:
+    """Records of a JSONL file by id; a torn last line (killed writer) is ignored and, with
+    ``cut_torn``, cut off the file (never on a file another job may be appending to)."""
+    records: dict[str, dict] = {}
+    if not path.exists():
+        return records
+    data = path.read_bytes()
+    keep = data.rfind(b"\n") + 1
+    if keep < len(data) and cut_torn:
+        with open(path, "r+b") as fh:
+            fh.truncate(keep)
+    for line in data[:keep].splitlines():
+        if line.strip():
+            rec = json.loads(line)
+            records[rec["id"]] = rec
+    return records
+
+
+class AppendLog:
+    """Append-and-flush JSONL writer: every finished record survives a kill.
+
+    A write cut short (full disk, kill) leaves at most a torn last line, which the next
+    ``read_jsonl_ids`` drops: a record counts only when its line is complete.
+    """
+
+    def __init__(self, path: Path):
+        path.parent.mkdir(parents=True, exist_ok=True)
+        self.path = path
+        self.fh = open(path, "a", encoding="utf-8")
+
+    def write(self, record: dict) -> None:
+        with disk_full_names(self.path):
+            self.fh.write(json.dumps(record, ensure_ascii=False) + "\n")
+            self.fh.flush()
+
+    def close(self) -> None:
+        # Every complete record was flushed by write(); what a failed write left buffered is
+        # a torn line at most, so a close that cannot flush it loses nothing.
+        with contextlib.suppress(OSError):
+            os.fsync(self.fh.fileno())
+        with contextlib.suppress(OSError):
+            self.fh.close()
+
+
+def partial_paths(out_file: Path) -> tuple[Path, Path]:
+    """The kept answers and kept errors of the shard whose final file is ``out_file``."""
+    partial = out_file.parent / ".partial"
+    stem = out_file.name.removesuffix(".jsonl")
+    return partial / f"{stem}.jsonl", partial / f"{stem}.errors.jsonl"
+
+
+# ----------------------------------------------------------------------------- resume
+
+
+@dataclass
+class Resumed:
+    records: dict[str, dict]  # valid answers for this shard's ids
+    errors: dict[str, dict]  # valid final errors for this shard's ids
+    discarded_stale: int  # kept records for this shard's ids made under other settings
+    adopted: int  # valid answers found in another shard's kept file
+
+
+def valid_records(records: dict[str, dict], fingerprints: dict[str, str]) -> dict[str, dict]:
+    """The records that carry the fingerprint their id must carry now."""
+    return {k: r for k, r in records.items() if r.get("fingerprint") == fingerprints.get(k)}
+
+
+def resume_shard(partial: Path, partial_errors: Path,
+                 fingerprints: dict[str, str]) -> Resumed:
+    """What an earlier run left that is still valid, and rewrite the kept files to hold it.
+
+    A record counts only under the current fingerprint. Answers for this shard's ids are also
+    taken from the other shards' kept files (the shard assignment may have changed); records
+    for ids this shard no longer owns stay in its file for the shard that does.
+    """
+    own = read_jsonl_ids(partial)
+    records = valid_records(own, fingerprints)
+    discarded = sum(1 for k in own if k in fingerprints and k not in records)
+    adopted = 0
+    for other in sorted(partial.parent.glob("*.jsonl")):
+        if other == partial or other.name.endswith(".errors.jsonl"):
+            continue
+        found = valid_records(read_jsonl_ids(other, cut_torn=False), fingerprints)
+        new = {k: r for k, r in found.items() if k not in records}
+        records.update(new)
+        adopted += len(new)
+    foreign = {k: r for k, r in own.items() if k not in fingerprints}
+    if discarded or adopted:
+        write_jsonl(partial, [*records.values(), *foreign.values()])
+    # Final errors (e.g. 400: prompt too long) stay; retryable ones get another chance.
+    errors = {k: e for k, e in valid_records(read_jsonl_ids(partial_errors), fingerprints).items()
+              if not e.get("retryable") and k not in records}
+    write_jsonl(partial_errors, errors.values())
+    return Resumed(records, errors, discarded, adopted)
+
+
+# ----------------------------------------------------------------------------- the final files
+
+
+def iter_response_records(paths: Iterable[str | Path]) -> Iterator[tuple[str, dict]]:
+    """``("file:line", record)`` for every record of the final responses files, in order; a
+    line that is not JSON raises RecordError naming its file and line."""
+    for path in paths:
+        with open(path, encoding="utf-8") as f:
+            for lineno, line in enumerate(f, start=1):
+                if not line.strip():
+                    continue
+                where = f"{path}:{lineno}"
+                try:
+                    yield where, json.loads(line)
+                except json.JSONDecodeError as e:
+                    raise RecordError("invalid_json", f"{where}: invalid JSON: {e}") from e
