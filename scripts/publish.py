@@ -1,13 +1,13 @@
 from pathlib import Path
 
-from draftline.bundle import publish_files, push_to_hub, write_json
+from draftline.bundle import publish_files, push_to_hub, write_push_record
 from draftline.runlog import logged
 
 with logged(snakemake.log[0]):
     if snakemake.rule == "push_bundle_to_hub":
         pushed = push_to_hub(Path(snakemake.input.manifest).parent, snakemake.params.repo,
                              token_env=snakemake.params.token_env)
-        write_json(snakemake.output[0], pushed)
+        write_push_record(snakemake.output[0], pushed)
     else:
         publish_files(snakemake.input.tar, snakemake.input.manifest, snakemake.output.tar,
                       snakemake.output.manifest, snakemake.output.sha256)

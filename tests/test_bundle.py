@@ -649,3 +649,11 @@ def test_hub_push(results):
     pushed = B.push_to_hub(results / "bundle", os.environ["DRAFTLINE_TEST_HF_REPO"])
     assert pushed["commit"] and pushed["manifest_sha256"] == sha256_of(
         results / "bundle" / "manifest.json")
+
+
+def test_push_record_is_written_whole_in_the_bundle_json_style(tmp_path):
+    out = tmp_path / "published" / "hub.json"
+    pushed = {"repo": "org/draft", "commit": "abc", "manifest_sha256": "f" * 64}
+    B.write_push_record(out, pushed)
+    assert out.read_text() == json.dumps(pushed, indent=2, sort_keys=True) + "\n"
+    assert [p.name for p in out.parent.iterdir()] == ["hub.json"]  # no temp left beside it

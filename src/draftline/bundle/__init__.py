@@ -30,7 +30,7 @@ from draftline.bundle.build import build_bundle, resolved_config
 from draftline.bundle.card import collect_card_facts
 from draftline.bundle.inputs import BundleInputs
 from draftline.bundle.provenance import collect_provenance
-from draftline.bundle.publish import publish_files, push_to_hub, write_json
+from draftline.bundle.publish import publish_files, push_to_hub, write_push_record
 from draftline.bundle.rebuild import RebuildResult, main_rebuild, rebuild_check
 from draftline.bundle.record import build_record_path
 from draftline.bundle.scrub import scrub_args, scrub_config, secret_values
@@ -41,5 +41,5 @@ __all__ = [
     "RebuildResult", "VerifyError", "build_bundle", "build_record_path", "collect_card_facts",
     "collect_provenance", "main_rebuild", "main_verify", "publish_files", "push_to_hub",
     "rebuild_check", "resolved_config", "scrub_args", "scrub_config", "secret_values",
-    "sha256_file", "verify_bundle", "write_deterministic_tar", "write_json",
+    "sha256_file", "verify_bundle", "write_deterministic_tar", "write_push_record",
 ]

@@ -49,7 +49,7 @@ def push_to_hub(bundle_dir: str | Path, repo_id: str, token_env: str = "HF_TOKEN
             "manifest_sha256": manifest_sha}
 
 
-def write_json(path: str | Path, obj: Any) -> None:
-    Path(path).parent.mkdir(parents=True, exist_ok=True)
-    Path(path).write_text(json_text(obj))
+def write_push_record(path: str | Path, pushed: dict[str, Any]) -> None:
+    """What ``push_to_hub`` returned, as the push rule's output (the bundle's JSON style)."""
+    write_text(path, json_text(pushed))
 
