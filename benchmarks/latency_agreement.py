@@ -27,6 +27,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from profile_agreement import make_prompts, run_vllm_bench  # noqa: E402
+from targets import target_or_cached_toy  # noqa: E402
 
 METRICS = ("output_tok_s", "median_tpot_ms", "median_ttft_ms")
 
@@ -92,12 +93,7 @@ def main(argv: list[str] | None = None) -> int:
     from draftline.server import ManagedServer, spec_from_config
 
     config = load_config(REPO / "config" / "config.yaml", {})
-    model_dir = args.model
-    if model_dir is None:
-        sys.path.insert(0, str(REPO / "tests"))
-        from conftest import cached_toy_target  # the test suite's cached toy build
-
-        model_dir = str(cached_toy_target(config["target"]["toy"]))
+    model_dir = target_or_cached_toy(args.model, config)
     spec = bench_spec(args.max_tokens, args.temperature)
     with tempfile.TemporaryDirectory() as tmp, \
             ManagedServer(spec_from_config(config["server"], model_dir),

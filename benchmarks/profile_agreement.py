@@ -33,6 +33,8 @@ from dataclasses import asdict, replace
 from functools import partial
 from pathlib import Path
 
+from targets import target_or_cached_toy
+
 REPO = Path(__file__).resolve().parents[1]
 
 
@@ -212,12 +214,7 @@ def main(argv: list[str] | None = None) -> int:
     from draftline.server import ManagedServer, spec_from_config
 
     config = load_config(REPO / "config" / "config.yaml", {})
-    model_dir = args.model
-    if model_dir is None:
-        sys.path.insert(0, str(REPO / "tests"))
-        from conftest import cached_toy_target  # the test suite's cached toy build
-
-        model_dir = str(cached_toy_target(config["target"]["toy"]))
+    model_dir = target_or_cached_toy(args.model, config)
     # the request body vllm bench sends: no seed, no token ids, usage only in the last chunk
     spec = SamplingSpec(max_tokens=args.max_tokens, temperature=args.temperature,
                         top_p=config["generate"]["top_p"], seed=None, continuous_usage=False)

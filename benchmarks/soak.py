@@ -42,6 +42,8 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from targets import target_or_cached_toy
+
 REPO = Path(__file__).resolve().parents[1]
 BUNDLED_PROMPTS = REPO / "src/draftline/data/prompts.jsonl"
 NO_DECLINE_RATIO = 0.9
@@ -94,7 +96,7 @@ class CountingSink:
         self.first_messages: list[str] = []
         self.log = None
         if log_path is not None:
-            from draftline.generate import AppendLog
+            from draftline.responses import AppendLog
 
             self.log = AppendLog(log_path)
 
@@ -366,15 +368,6 @@ def soak(endpoint, settings, messages: list[list[dict]], args) -> tuple[dict, li
     return summarize(sampler.windows, shard.stats, errors, stopped_by, wall_s), sampler.windows
 
 
-def resolve_target(target: Path | None, config: dict) -> str:
-    if target is not None:
-        return str(target)
-    sys.path.insert(0, str(REPO / "tests"))
-    from conftest import cached_toy_target  # the test suite's cached toy build
-
-    return str(cached_toy_target(config["target"]["toy"]))
-
-
 def external_endpoint(url: str, model: str, api_key_env: str | None):
     from draftline.server import Endpoint
 
@@ -468,7 +461,7 @@ def main(argv: list[str] | None = None) -> int:
                                              args.model or config["server"]["served_name"],
                                              args.api_key_env)
             else:
-                target = resolve_target(args.target, config)
+                target = target_or_cached_toy(args.target, config)
                 spec = spec_from_config(config["server"], target)
                 t_start = time.monotonic()
                 server = stack.enter_context(ManagedServer(spec, work / "server.log"))
