@@ -1,5 +1,9 @@
 """Synthetic responses: every prompt answered exactly once by the served target.
 
+Kept whole (about 620 lines): settings, the request and its retry policy, the run and the
+shard summaries are one stage read in order; the endpoint clients (``draftline.endpoint_clients``)
+and the kept answers (``draftline.responses``) have their own modules.
+
 One generation job serves every shard: one process, one set of official ``AsyncOpenAI``
 clients and one fixed pool of C x endpoints worker coroutines (never one task per prompt) that
 pull prompts from all shard files in order (``GenerationRun``). The server so stays full across
