@@ -7,12 +7,14 @@ is removed and an earlier complete file under the final name is left untouched.
 
 A full disk (ENOSPC, EDQUOT, EFBIG) is reported as :class:`DiskFullError`, which names the file
 being written; a stage whose planned output cannot fit raises the same error before writing.
+``sha256_file`` is the digest that indexes and manifests record of what was written.
 """
 
 from __future__ import annotations
 
 import contextlib
 import errno
+import hashlib
 import json
 import os
 import secrets
@@ -190,3 +192,18 @@ def _fsync_file(path: Path) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+HASH_CHUNK = 8 << 20
+
+
+def sha256_file(path: str | Path, progress: Any = None) -> str:
+    """The SHA-256 hex digest of a file's bytes; ``progress`` (a tqdm bar), when given,
+    advances by the bytes read."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as fh:
+        while chunk := fh.read(HASH_CHUNK):
+            digest.update(chunk)
+            if progress is not None:
+                progress.update(len(chunk))
+    return digest.hexdigest()

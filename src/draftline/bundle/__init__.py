@@ -23,7 +23,6 @@ from draftline.bundle.archive import (
     TAR_ROOT,
     BundleError,
     VerifyError,
-    sha256_file,
     write_deterministic_tar,
 )
 from draftline.bundle.build import build_bundle, resolved_config
@@ -41,5 +40,5 @@ __all__ = [
     "RebuildResult", "VerifyError", "build_bundle", "build_record_path", "collect_card_facts",
     "collect_provenance", "main_rebuild", "main_verify", "publish_files", "push_to_hub",
     "rebuild_check", "resolved_config", "scrub_args", "scrub_config", "secret_values",
-    "sha256_file", "verify_bundle", "write_deterministic_tar", "write_push_record",
+    "verify_bundle", "write_deterministic_tar", "write_push_record",
 ]

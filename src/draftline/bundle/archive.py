@@ -1,4 +1,4 @@
-"""The bundle's on-disk format: file names, errors, hashing and the deterministic archive.
+"""The bundle's on-disk format: file names, errors, JSON style and the deterministic archive.
 
 ``results/bundle.tar`` holds the bundle folder's files with sorted entries, fixed mtime, owner
 and modes: the same files give the same bytes.
@@ -6,15 +6,12 @@ and modes: the same files give the same bytes.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import tarfile
 from pathlib import Path
 from typing import Any
 
-from tqdm import tqdm
-
-from draftline.atomic import atomic_open
+from draftline.atomic import atomic_open, sha256_file
 
 BUNDLE_FORMAT = "draftline-bundle/1"
 MANIFEST = "manifest.json"
@@ -30,16 +27,6 @@ class BundleError(ValueError):
 
 class VerifyError(ValueError):
     """A bundle failed verification; the message names the first offending file."""
-
-
-def sha256_file(path: str | Path, progress: tqdm | None = None) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as fh:
-        while chunk := fh.read(CHUNK):
-            digest.update(chunk)
-            if progress is not None:
-                progress.update(len(chunk))
-    return digest.hexdigest()
 
 
 def json_text(obj: Any) -> str:

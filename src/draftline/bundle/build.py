@@ -11,7 +11,7 @@ from typing import Any
 from tqdm import tqdm
 
 from draftline import modelcard
-from draftline.atomic import atomic_dir
+from draftline.atomic import atomic_dir, sha256_file
 from draftline.bundle.archive import (
     BUNDLE_FORMAT,
     CHUNK,
@@ -19,7 +19,6 @@ from draftline.bundle.archive import (
     README,
     BundleError,
     json_text,
-    sha256_file,
     sort_key,
     walk_files,
     write_deterministic_tar,

@@ -15,7 +15,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from draftline.bundle.archive import sha256_file
+from draftline.atomic import sha256_file
 from draftline.machine import package_version
 
 TARGET_ID_PATTERNS = ("config.json", "generation_config.json", "*.safetensors.index.json",

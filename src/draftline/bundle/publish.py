@@ -6,8 +6,8 @@ import os
 from pathlib import Path
 from typing import Any
 
-from draftline.atomic import copy_file, write_text
-from draftline.bundle.archive import MANIFEST, BundleError, json_text, sha256_file
+from draftline.atomic import copy_file, sha256_file, write_text
+from draftline.bundle.archive import MANIFEST, BundleError, json_text
 from draftline.bundle.verify import verify_bundle
 
 

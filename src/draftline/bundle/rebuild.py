@@ -23,11 +23,11 @@ from pathlib import Path
 
 import yaml
 
+from draftline.atomic import sha256_file
 from draftline.bundle.archive import (
     MANIFEST,
     README,
     VerifyError,
-    sha256_file,
     sort_key,
     walk_files,
 )

@@ -23,8 +23,8 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from draftline.atomic import write_text
-from draftline.bundle.archive import json_text, sha256_file
+from draftline.atomic import sha256_file, write_text
+from draftline.bundle.archive import json_text
 from draftline.bundle.provenance import image_refs, run_quiet
 from draftline.bundle.scrub import scrub_args, scrub_obj
 

@@ -15,12 +15,12 @@ from typing import Any, BinaryIO
 
 from tqdm import tqdm
 
+from draftline.atomic import sha256_file
 from draftline.bundle.archive import (
     BUNDLE_FORMAT,
     CHUNK,
     MANIFEST,
     VerifyError,
-    sha256_file,
     sort_key,
 )
 

@@ -29,14 +29,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from draftline.atomic import DiskFullError, atomic_open
+from draftline.atomic import DiskFullError, atomic_open, sha256_file
 from draftline.layout import HIDDEN_INDEX
 from draftline.target import DTYPE_SIZES, NUM_AUX_LAYERS
 
 FORMAT_VERSION = 1
 # Bytes per token besides the states: input_ids (int64) and loss_mask (uint8).
 TOKEN_SIDE_BYTES = 8 + 1
-_HASH_CHUNK = 8 << 20
 
 _SAFETENSORS_DTYPES = {
     "bfloat16": "BF16",
@@ -250,14 +249,6 @@ def write_safetensors(path: Path, tensors: dict, metadata: dict[str, str]) -> tu
 
 
 # ----------------------------------------------------------------------------- reading, checks
-
-
-def sha256_file(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as fh:
-        while chunk := fh.read(_HASH_CHUNK):
-            digest.update(chunk)
-    return digest.hexdigest()
 
 
 def load_part(path: Path) -> tuple[dict, list[str]]:
