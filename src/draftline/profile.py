@@ -401,17 +401,13 @@ def run_profile(prompt_files: Sequence[Path | str], endpoints: Sequence[Endpoint
         "duration_s": round(time.time() - t_start, 1),
         "levels": rows,
     }
-    write_json(out_json, profile)
+    atomic.write_json(out_json, profile, indent=2)  # never a half-written profile to trust
     if out_png is not None:
         plot_profile(profile, out_png)
     log(f"chosen concurrency {choice['chosen_concurrency']} "
         f"({choice['chosen_output_tok_s']:.0f} tok/s; peak {choice['peak']['output_tok_s']:.0f} "
         f"tok/s at {choice['peak']['concurrency']}; limited by {choice['limited_by']})")
     return profile
-
-
-def write_json(path: Path | str, data: dict) -> None:
-    atomic.write_json(path, data, indent=2)  # never a half-written profile for a reader to trust
 
 
 def plot_profile(profile: dict, out_png: Path | str) -> None:
