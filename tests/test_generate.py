@@ -23,10 +23,10 @@ from draftline.generate import (
 )
 from draftline.loadgen import request_seed
 from draftline.responses import (
+    fingerprinted_target,
     read_jsonl_ids,
     record_fingerprint,
     settings_fingerprint,
-    target_identity,
 )
 from draftline.server import Endpoint
 
@@ -91,7 +91,7 @@ def test_fingerprint_changes_with_everything_that_determines_the_answer(tmp_path
 
     def fp(settings=base, served="target", revision=None, msgs=messages):
         return record_fingerprint(settings_fingerprint(
-            settings, served, target_identity(str(target), revision)), msgs)
+            settings, served, fingerprinted_target(str(target), revision)), msgs)
 
     reference = fp()
     assert fp() == reference  # stable

@@ -57,11 +57,11 @@ from draftline.records import Prompt, read_shard
 from draftline.responses import (
     AppendLog,
     Resumed,
+    fingerprinted_target,
     partial_paths,
     prompt_fingerprints,
     read_jsonl_ids,
     resume_shard,
-    target_identity,
     valid_records,
 )
 from draftline.server import Endpoint, served_version
@@ -477,7 +477,7 @@ def generate_shards(shards: list[ShardFiles], endpoints: list[Endpoint],
     endpoints requests in flight (``GenerationRun``); resume each shard from its valid kept
     results; write each shard's outputs and summary.
 
-    ``target`` identifies the served target (``target_identity``); by default that of
+    ``target`` identifies the served target (``fingerprinted_target``); by default that of
     ``target_dir``, the target's directory. (The render check of the answers runs in the
     stage summary, ``draftline.generation_report``: off generation's critical path.)
     ``job_start`` (wall clock) is when the job began, for the start-up time in the summaries
@@ -487,7 +487,7 @@ def generate_shards(shards: list[ShardFiles], endpoints: list[Endpoint],
     """
     job_start = time.time() if job_start is None else job_start
     if target is None:
-        target = target_identity(target_dir) if target_dir else {}
+        target = fingerprinted_target(target_dir) if target_dir else {}
     prepared = [prepare_shard(files, settings, endpoints, target) for files in shards]
     print(f"{sum(len(p.todo) for p in prepared)} prompts to ask over {len(prepared)} shard(s) "
           f"at concurrency {settings.concurrency} x {len(endpoints)} endpoint(s)")
@@ -580,7 +580,7 @@ def _quantiles(values: list[float]) -> dict | None:
             for q in (50, 90, 99)}
 
 
-def process_start_time() -> float:
+def this_process_start_time() -> float:
     """Wall-clock time this process started (Linux ``/proc``; elsewhere: now)."""
     try:
         fields = Path("/proc/self/stat").read_text().rsplit(")", 1)[1].split()
@@ -607,7 +607,7 @@ def generate_responses(prompt_files: list, out_files: list, errors_files: list,
     external), answer every shard's prompts through one pool (``generate_shards``)."""
     from draftline.server import endpoints_for
 
-    job_start = process_start_time()
+    job_start = this_process_start_time()
     revision = hub_revision(model, revision)  # refused for a local directory, before any work
     concurrency = resolve_concurrency(gen_cfg["concurrency"], profile_json)
     settings = GenerateSettings.from_config(gen_cfg, concurrency)
@@ -616,6 +616,6 @@ def generate_responses(prompt_files: list, out_files: list, errors_files: list,
     with endpoints_for(server_cfg, model, Path(state_dir), trust_remote_code,
                        revision=revision) as endpoints:
         return generate_shards(
-            shards, endpoints, settings, target=target_identity(model, revision),
+            shards, endpoints, settings, target=fingerprinted_target(model, revision),
             job_start=job_start,
             machine=lambda: serving_machine(server_cfg, [served_version(e) for e in endpoints]))

@@ -47,9 +47,11 @@ def _sha256(*parts: bytes) -> str:
     return digest.hexdigest()
 
 
-def target_identity(model: str, revision: str | None = None) -> dict:
-    """What identifies the target: its path or hub id, the revision and, for a local directory,
-    a hash of its config, tokenizer and weights index (small weights: their content)."""
+def fingerprinted_target(model: str, revision: str | None = None) -> dict:
+    """The target as answer fingerprints see it: its path or hub id, the revision and, for a
+    local directory, a hash of its config, tokenizer and weights index (small weights: their
+    content). Not the bundle's ``provenance.target_identity``, a per-file record for the
+    manifest: changing this one would invalidate every kept answer."""
     identity = {"model": str(model), "revision": revision}
     path = Path(model)
     if not path.is_dir():
