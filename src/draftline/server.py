@@ -1,6 +1,6 @@
 """vLLM server lifecycle: managed processes, a shared server per run, and external endpoints.
 
-Kept whole (about 640 lines): the three layers below share the spec, the process-group
+Kept whole (about 650 lines): the three layers below share the spec, the process-group
 handling and the lease protocol; split apart, the locking would be spread over files.
 
 Three layers:

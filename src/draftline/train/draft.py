@@ -36,8 +36,7 @@ def load_target_tensors(target_dir: Path) -> dict:
     names = {key: find_tensor(weight_map, suffix, target_dir) for key, suffix in
              (("embed", "embed_tokens.weight"), ("norm", "model.norm.weight"),
               ("lm_head", "lm_head.weight"))}
-    tied = bool(cfg.get("tie_word_embeddings") or
-                (cfg.get("text_config") or {}).get("tie_word_embeddings"))
+    tied = bool(cfg.get("tie_word_embeddings") or text_config(cfg).get("tie_word_embeddings"))
     if tied or names["lm_head"] is None:
         if not tied:
             raise ValueError(f"target {target_dir}: no lm_head.weight and tie_word_embeddings "
