@@ -11,7 +11,7 @@ from typing import Any
 from tqdm import tqdm
 
 from draftline import modelcard
-from draftline.atomic import atomic_dir, sha256_file
+from draftline.atomic import atomic_dir, sha256_file, write_text
 from draftline.bundle.archive import (
     BUNDLE_FORMAT,
     CHUNK,
@@ -120,8 +120,7 @@ def build_bundle(inputs: BundleInputs, out_dir: str | Path, tar_path: str | Path
     if card_html is not None:  # the report's card may show this build; the bundle's may not
         modelcard.add_build_record(card, record)
         html_text = scrub_text(modelcard.render_html(card, out_dir), secrets)
-        Path(card_html).parent.mkdir(parents=True, exist_ok=True)
-        Path(card_html).write_text(html_text)
+        write_text(card_html, html_text)
     return manifest
 
 

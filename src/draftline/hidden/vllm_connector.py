@@ -44,7 +44,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 from vllm.logger import init_logger
 
-from draftline.atomic import atomic_path
+from draftline.atomic import atomic_path, write_text
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -233,9 +233,8 @@ class DraftlineHiddenStatesConnector(KVConnectorBase_V1, SupportsHMA):
             self._write_error(name, f"write failed: {exc!r}")
 
     def _write_error(self, name: str, message: str) -> None:
-        error_path = error_file(self.spool_dir, name)
-        error_path.parent.mkdir(parents=True, exist_ok=True)
-        error_path.write_text(message + "\n")
+        # whole or not at all: the reader takes the file's existence as the error's arrival
+        write_text(error_file(self.spool_dir, name), message + "\n")
 
     def shutdown(self):
         if self._executor is not None:
