@@ -14,6 +14,7 @@ import sys
 import pytest
 import yaml
 from conftest import CONFIG, requires_vllm
+from safetensors.numpy import load_file
 
 from draftline.cli import COMMANDS
 
@@ -78,11 +79,18 @@ def test_every_stage_subcommand_runs_once_on_the_toy(vllm_server, trained_eagle_
     assert answered == 12
     stats = json.loads((root / "dataset/stats.json").read_text())
     assert sum(stats["samples_out"].values()) == 12
-    assert (root / "vocab/vocab_map.safetensors").is_file()
-    assert json.loads((root / "hidden/index.json").read_text())["backend"] == "hf"
-    assert (root / "draft/eval.json").is_file()
+    # each stage took its settings from the config: the draft vocab, the layers, the TTT steps
+    draft_vocab = cfg["vocab"]["draft_vocab_size"]
+    vocab_map = load_file(str(root / "vocab/vocab_map.safetensors"))
+    assert vocab_map["d2t"].shape == (draft_vocab,) and vocab_map["t2d"].shape == (2048,)
+    assert int(vocab_map["t2d"].sum()) == draft_vocab
+    index = json.loads((root / "hidden/index.json").read_text())
+    assert index["backend"] == "hf" and index["layer_ids"] == [2, 4, 5]
+    trained = json.loads((root / "draft/eval.json").read_text())
+    assert trained["ttt_steps"] == 2 and trained["layer_ids"] == [2, 4, 5]
     exported = json.loads((root / "draft/checkpoint/config.json").read_text())
     assert exported["architectures"] == ["LlamaForCausalLMEagle3"]
+    assert exported["draft_vocab_size"] == draft_vocab and exported["vocab_size"] == 2048
     bench = json.loads((root / "bench/results.json").read_text())
     assert {r["config"] for r in bench["rows"]} == {"baseline", "eagle3-k3"}
     assert "measured" in out["plan"] and "total" in out["plan"]
