@@ -1,10 +1,10 @@
 import os
 
-from draftline.bench import run_bench
+from draftline.bench import measure_deployment_benchmark
 from draftline.runlog import logged
 
 with logged(snakemake.log[0]):
-    run_bench(
+    measure_deployment_benchmark(
         snakemake.input.responses,
         os.path.dirname(snakemake.input.draft),
         snakemake.input.eval,

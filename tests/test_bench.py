@@ -14,7 +14,7 @@ from draftline.bench import (
     default_levels,
     eval_prompts,
     explain_speedup,
-    run_bench,
+    measure_deployment_benchmark,
     simulated_acceptance,
     step_costs,
     summarise,
@@ -212,9 +212,10 @@ def test_mla_target_with_eagle3_is_refused_before_anything_runs(tmp_path, config
     target = _mla_target(tmp_path)
     out = tmp_path / "bench"
     with pytest.raises(BenchError) as err:
-        run_bench([], str(tmp_path / "draft"), None, None, str(out), bench_cfg=config["bench"],
-                  generate_cfg=config["generate"], eval_fraction=0.1,
-                  server_cfg=config["server"], model=str(target), state_dir=str(tmp_path))
+        measure_deployment_benchmark(
+            [], str(tmp_path / "draft"), None, None, str(out), bench_cfg=config["bench"],
+            generate_cfg=config["generate"], eval_fraction=0.1,
+            server_cfg=config["server"], model=str(target), state_dir=str(tmp_path))
     message = str(err.value)
     assert "eagle3-k3" in message and "MLA" in message and "CPU build" in message
     assert "target.model" in message and "bench.endpoints" in message
@@ -256,11 +257,11 @@ def test_speculative_server_starts_first_and_measured_rows_survive_a_failure(
     monkeypatch.setattr(bench, "_measure_one", fake_measure_one)
     out = tmp_path / "bench"
     with pytest.raises(BenchError, match="baseline failed") as err:
-        run_bench([str(responses)], str(tmp_path / "draft"), None, None, str(out),
-                  bench_cfg=dict(config["bench"], levels=[1]), generate_cfg=config["generate"],
-                  eval_fraction=0.2,
-                  server_cfg=config["server"], model=str(tmp_path / "no-such"),
-                  state_dir=str(tmp_path))
+        measure_deployment_benchmark(
+            [str(responses)], str(tmp_path / "draft"), None, None, str(out),
+            bench_cfg=dict(config["bench"], levels=[1]), generate_cfg=config["generate"],
+            eval_fraction=0.2, server_cfg=config["server"], model=str(tmp_path / "no-such"),
+            state_dir=str(tmp_path))
     assert started == ["eagle3-k3", "baseline"]
     partial = json.loads((out / ".partial" / "rows.json").read_text())
     assert [r["config"] for r in partial["rows"]] == ["eagle3-k3"]

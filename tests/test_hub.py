@@ -110,8 +110,9 @@ def test_every_serving_stage_starts_its_server_at_the_revision(tmp_path, config,
                           tmp_path / "p.png", profile_cfg=config["profile"],
                           sampling=config["generate"], **common)
     assert spec.revision == "v2"
-    spec = spec_asked_for(bench.run_bench, [str(prompts)], str(tmp_path), None, None,
-                          str(tmp_path / "bench"), bench_cfg=dict(config["bench"], levels=[1]),
+    spec = spec_asked_for(bench.measure_deployment_benchmark, [str(prompts)], str(tmp_path),
+                          None, None, str(tmp_path / "bench"),
+                          bench_cfg=dict(config["bench"], levels=[1]),
                           generate_cfg=config["generate"], eval_fraction=0.99, **common)
     assert spec.revision == "v2"  # the server of the first configuration measured
 

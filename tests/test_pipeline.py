@@ -352,7 +352,7 @@ def test_bench_against_external_endpoints(pipeline, vllm_server, trained_toy_dra
     answers with the baseline's tokens."""
     import openai
 
-    from draftline.bench import eval_prompts, run_bench
+    from draftline.bench import eval_prompts, measure_deployment_benchmark
 
     workdir, base = pipeline
     results = workdir / "results"
@@ -364,7 +364,7 @@ def test_bench_against_external_endpoints(pipeline, vllm_server, trained_toy_dra
     bench_cfg = dict(config["bench"], repetitions=3, levels=[2], num_prompts=6,
                      endpoints=endpoints)
     before = spec_decode_totals(trained_eagle_server.url)
-    result = run_bench(
+    result = measure_deployment_benchmark(
         responses, str(draft), str(trained_toy_draft["root"] / "draft/eval.json"), None,
         str(tmp_path / "bench"),
         bench_cfg=bench_cfg, generate_cfg=default_config()["generate"],

@@ -1,6 +1,6 @@
 """Deployment benchmark: the target alone vs the target with the trained EAGLE-3 draft.
 
-Kept whole (about 620 lines): measuring, summarising, step costs and the gap table share
+Kept whole (about 630 lines): measuring, summarising, step costs and the gap table share
 the one row schema written out below, and read best beside it.
 
 For each configuration (``eagle3-k{n}`` for every ``num_speculative_tokens``, then
@@ -76,14 +76,11 @@ GAP_WARN_PCT = 10.0
 def eval_prompts(response_files: list[Path], eval_fraction: float, limit: int) -> list[Prompt]:
     """Prompts of the eval split (never trained on), in a stable order."""
     from draftline.dataset import split_of
+    from draftline.responses import iter_response_records
 
-    prompts = []
-    for path in sorted(Path(p) for p in response_files):
-        with open(path, encoding="utf-8") as fh:
-            for line in fh:
-                rec = json.loads(line)
-                if split_of(rec["id"], eval_fraction) == "eval":
-                    prompts.append(Prompt(id=rec["id"], messages=rec["messages"][:-1]))
+    prompts = [Prompt(id=rec["id"], messages=rec["messages"][:-1])
+               for _, rec in iter_response_records(sorted(Path(p) for p in response_files))
+               if split_of(rec["id"], eval_fraction) == "eval"]
     prompts.sort(key=lambda p: p.id)
     if not prompts:
         raise ValueError("no eval-split prompts in the responses: raise dataset.eval_fraction")
@@ -501,10 +498,6 @@ def plot(result: dict, throughput_png: Path, acceptance_png: Path) -> None:
     plt.close(fig)
 
 
-def _write_json(path: Path, obj: dict) -> None:
-    write_json(path, obj, indent=2)
-
-
 # ----------------------------------------------------------------------------- the stage
 
 
@@ -561,7 +554,7 @@ def _partial_path(out: Path) -> Path:
     return out / ".partial" / "rows.json"
 
 
-def run_bench(response_files: list[str], draft_dir: str, eval_json: str | None,
+def measure_deployment_benchmark(response_files: list[str], draft_dir: str, eval_json: str | None,
               profile_json: str | None, out_dir: str, *, bench_cfg: dict, generate_cfg: dict,
               eval_fraction: float, server_cfg: dict, model: str, state_dir: str,
               trust_remote_code: bool = False, log=print, revision: str | None = None) -> dict:
@@ -589,7 +582,8 @@ def run_bench(response_files: list[str], draft_dir: str, eval_json: str | None,
                                  draft_dir, state_dir, trust_remote_code, log, revision=revision)
         except Exception as exc:
             partial = _partial_path(out)
-            _write_json(partial, {"schema": SCHEMA, "failed_config": cfg["name"], "rows": rows})
+            write_json(partial, {"schema": SCHEMA, "failed_config": cfg["name"], "rows": rows},
+                       indent=2)
             raise BenchError(f"bench: configuration {cfg['name']} failed "
                              f"(bench.num_speculative_tokens = "
                              f"{bench_cfg['num_speculative_tokens']}): {exc}. The {len(rows)} "
@@ -606,7 +600,7 @@ def run_bench(response_files: list[str], draft_dir: str, eval_json: str | None,
               "step_costs": step_costs(summary, configs),
               "train_serve_gap": train_serve_gap(summary, configs, train_eval, log),
               "best": best_config(summary)}
-    _write_json(out / BENCH_RESULTS, result)
+    write_json(out / BENCH_RESULTS, result, indent=2)
     write_text(out / BENCH_SUMMARY, summary_markdown(result))
     plot(result, *(out / name for name in BENCH_PLOTS))
     _partial_path(out).unlink(missing_ok=True)

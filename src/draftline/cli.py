@@ -116,10 +116,10 @@ def cmd_export(cfg: dict, lay: Layout, args) -> None:
 
 
 def cmd_bench(cfg: dict, lay: Layout, args) -> None:
-    from draftline.bench import run_bench
+    from draftline.bench import measure_deployment_benchmark
 
     files = lay.response_shards(cfg["prompts"]["num_shards"])
-    run_bench(files, lay.checkpoint, lay.train_eval, lay.profile_json,
+    measure_deployment_benchmark(files, lay.checkpoint, lay.train_eval, lay.profile_json,
               lay.bench, bench_cfg=cfg["bench"], generate_cfg=cfg["generate"],
               eval_fraction=cfg["dataset"]["eval_fraction"], server_cfg=cfg["server"],
               model=target_model(cfg), state_dir=lay.servers,
