@@ -92,6 +92,29 @@ def test_stage_summary_puts_every_shard_on_one_time_axis(tmp_path):
     assert (tmp_path / "running.png").stat().st_size > 10_000
 
 
+def test_a_rerun_that_resumed_every_answer_sends_nothing_and_is_summarised(tmp_path):
+    """A rerun (the generate job stale, every kept answer still valid) asks nothing: the
+    shard summaries have no first request, no latency and no server samples."""
+    summaries = []
+    for _ in range(2):
+        s = shard(100.0, 100.5, 100.8, 100.8, [], responses=120, resumed=120, tokens=0)
+        s["timing"].update(first_request=None, startup_s=None)
+        s.update(latency_s=None, client_slot_utilization=None, finish_reasons={"stop": 120})
+        summaries.append(s)
+    stage = stage_summary(summaries)
+    assert stage["new_requests"] == 0 and stage["resumed"] == 240
+    assert stage["startup_s"]["first_job_to_first_request"] is None
+    assert stage["fill_s"] is None and stage["latency_p50_s"] is None
+    assert stage["server"]["samples"] == 0 and stage["server"]["output_tokens"] == 0
+    assert stage["server"]["utilization_fill"] is None
+    paths = []
+    for i, s in enumerate(summaries):
+        paths.append(tmp_path / f"shard-{i}.summary.json")
+        paths[-1].write_text(json.dumps(s))
+    build_generation_summary(paths, tmp_path / "summary.json", tmp_path / "running.png")
+    assert json.loads((tmp_path / "summary.json").read_text()) == stage
+
+
 def test_an_old_shard_summary_is_named(tmp_path):
     path = tmp_path / "shard-0.summary.json"
     path.write_text(json.dumps({"prompts": 1}))

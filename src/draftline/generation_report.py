@@ -206,8 +206,9 @@ def stage_summary(summaries: list[dict]) -> dict:
         "concurrency": summaries[0]["concurrency"],
         "capacity": capacity,
         "wall_s": round(wall, 3),
-        "fill_s": round_or_none(fill and fill[1] - fill[0]),
-        "startup_s": {"first_job_to_first_request": round_or_none(firsts and min(firsts) - t0),
+        "fill_s": round_or_none(fill[1] - fill[0] if fill else None),
+        "startup_s": {"first_job_to_first_request": round_or_none(
+                          min(firsts) - t0 if firsts else None),  # none: all resumed
                       "per_shard": [s["timing"]["startup_s"] for s in summaries]},
         "server": {
             "samples": len(rows),
