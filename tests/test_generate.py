@@ -62,6 +62,69 @@ def test_failure_kinds():
     assert failure_kind(ValueError("bug")) == "final"
 
 
+def test_the_aiohttp_transport_raises_what_the_openai_client_and_retry_policy_expect():
+    """Through ``AiohttpTransport``: an answer arrives whole with its status and headers; a
+    refused port, a server that closes mid-response, one that says nothing past the timeout and
+    an error status each end as the kind the retry policy counts."""
+    import asyncio
+    import socket
+
+    from draftline.endpoint_clients import AiohttpTransport, shared_tls_context
+
+    body = b'{"choices": [], "usage": {"completion_tokens": 3}}'
+    close = b"connection: close\r\n"  # each request on a new connection
+    replies = {
+        "/ok": b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\nx-probe: yes\r\n%s"
+               b"content-length: %d\r\n\r\n%s" % (close, len(body), body),
+        "/cut": b"HTTP/1.1 200 OK\r\n%scontent-length: 500\r\n\r\n{\"choi" % close,
+        "/busy": b"HTTP/1.1 503 Service Unavailable\r\n%scontent-length: 2\r\n\r\n{}"
+                 % close,
+        "/mute": b"",
+    }
+
+    async def serve(reader, writer):
+        head = await reader.readuntil(b"\r\n\r\n")
+        path = head.split(b" ")[1].decode().removeprefix("/v1")
+        length = int(next(line.split(b":")[1] for line in head.split(b"\r\n")
+                          if line.lower().startswith(b"content-length")))
+        await reader.readexactly(length)
+        if path == "/mute":
+            await asyncio.sleep(5)
+        writer.write(replies[path])
+        await writer.drain()
+        writer.close()
+
+    async def kinds():
+        server = await asyncio.start_server(serve, "127.0.0.1", 0)
+        port = server.sockets[0].getsockname()[1]
+        with socket.socket() as s:  # a port nobody listens on
+            s.bind(("127.0.0.1", 0))
+            closed_port = s.getsockname()[1]
+        client = openai.AsyncOpenAI(
+            base_url=f"http://127.0.0.1:{port}/v1", api_key="k", max_retries=0, timeout=0.5,
+            http_client=httpx.AsyncClient(transport=AiohttpTransport(4, shared_tls_context())))
+        ok = await client.post("/ok", cast_to=httpx.Response, body={"x": 1})
+        seen = {"ok": (ok.status_code, ok.headers["x-probe"], json.loads(ok.content))}
+        for path in ("/cut", "/busy", "/mute"):
+            try:
+                await client.post(path, cast_to=httpx.Response, body={"x": 1})
+            except Exception as exc:
+                seen[path] = failure_kind(exc)
+        refused = client.with_options(base_url=f"http://127.0.0.1:{closed_port}/v1")
+        try:
+            await refused.post("/ok", cast_to=httpx.Response, body={"x": 1})
+        except Exception as exc:
+            seen["refused"] = failure_kind(exc)
+        await client.close()
+        server.close()
+        return seen
+
+    seen = asyncio.run(kinds())
+    assert seen == {"ok": (200, "yes", {"choices": [], "usage": {"completion_tokens": 3}}),
+                    "/cut": "disconnect", "/busy": "status", "/mute": "timeout",
+                    "refused": "refused"}
+
+
 def test_torn_last_line_is_dropped(tmp_path):
     path = tmp_path / "p.jsonl"
     path.write_text('{"id": "a", "x": 1}\n{"id": "b", "x": 2}\n{"id": "c", "x"')

@@ -1,9 +1,10 @@
 """What a generation run holds of its endpoints besides the requests themselves.
 
-``EndpointPool`` sends: per endpoint a few official ``AsyncOpenAI`` clients, the least busy
-endpoint and client for each request, an endpoint that refuses connections set aside for a
-while. ``ServerSampler`` watches: the servers' own ``/metrics`` (requests running and waiting,
-generated tokens), sampled from a thread while the run goes on. Both share one TLS context.
+``EndpointPool`` sends: per endpoint one official ``AsyncOpenAI`` client on an aiohttp
+transport, the least busy endpoint for each request, an endpoint that refuses connections set
+aside for a while. ``ServerSampler`` watches: the servers' own ``/metrics`` (requests running
+and waiting, generated tokens), sampled from a thread while the run goes on. Both share one TLS
+context.
 Used by ``draftline.generate`` (and ``benchmarks/generation.py``).
 """
 
@@ -15,6 +16,7 @@ import threading
 import time
 from collections.abc import Callable
 
+import aiohttp
 import httpx
 import openai
 
@@ -24,50 +26,83 @@ from draftline.server import Endpoint
 
 @functools.cache
 def shared_tls_context() -> ssl.SSLContext:
-    """httpx's default verifying context, made once for all of the run's HTTP clients."""
+    """httpx's default verifying context, made once for all of the run's HTTP clients (each
+    new one loads the system's CA certificates, 40 ms apiece)."""
     return httpx.create_ssl_context()
+
+
+class AiohttpTransport(httpx.AsyncBaseTransport):
+    """The OpenAI client's HTTP transport, on one aiohttp session instead of httpcore.
+
+    The client keeps its whole request path (auth, timeouts, status errors); only the sending
+    changes. httpcore's pool scans every connection on every request event, so a pool of C
+    connections costs O(C) per event, and with its h11 and anyio layers it took about 3 ms of
+    client CPU per answer at C=64, four times aiohttp's (``benchmarks/generation.py``): CPU
+    taken from the server it shares a host with. aiohttp's errors are raised as the httpx
+    errors the OpenAI client turns into its own (connect, timeout, dropped connection).
+    """
+
+    def __init__(self, max_connections: int, tls: ssl.SSLContext):
+        self.max_connections = max_connections
+        self.tls = tls
+        self.session: aiohttp.ClientSession | None = None
+
+    def _session(self) -> aiohttp.ClientSession:
+        if self.session is None:  # made inside the running event loop, on first use
+            connector = aiohttp.TCPConnector(limit=self.max_connections, ssl=self.tls)
+            # the body is handed to httpx undecoded, with its headers: httpx decodes it
+            self.session = aiohttp.ClientSession(connector=connector, auto_decompress=False,
+                                                 cookie_jar=aiohttp.DummyCookieJar())
+        return self.session
+
+    async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
+        limits = request.extensions.get("timeout", {})
+        timeout = aiohttp.ClientTimeout(total=None, sock_connect=limits.get("connect"),
+                                        sock_read=limits.get("read"))
+        try:
+            async with self._session().request(
+                    request.method, str(request.url), headers=request.headers.multi_items(),
+                    data=await request.aread(), timeout=timeout) as response:
+                body = await response.read()
+        except aiohttp.ClientConnectorError as exc:
+            raise httpx.ConnectError(str(exc), request=request) from exc
+        except TimeoutError as exc:  # aiohttp's socket timeouts are TimeoutErrors
+            raise httpx.ReadTimeout(str(exc) or "timed out", request=request) from exc
+        except aiohttp.ClientError as exc:  # reset, closed early, truncated body
+            raise httpx.RemoteProtocolError(str(exc), request=request) from exc
+        return httpx.Response(response.status, headers=response.raw_headers, content=body,
+                              request=request)
+
+    async def aclose(self) -> None:
+        if self.session is not None:
+            await self.session.close()
 
 
 class EndpointPool:
     """Least-in-flight balancing; an endpoint that fails to connect is set aside for a while.
 
-    Each endpoint gets several clients of at most ``CONNECTIONS_PER_CLIENT`` connections, and a
-    request goes to its endpoint's least busy one: httpx's connection pool scans every
-    connection on every request event, so one pool of C connections costs O(C) per event;
-    measured at C=64 on 2 busy cores it took 20 ms of client CPU per request (the server sat
-    idle waiting for the client) against under 5 ms with pools of 8. The clients share one TLS
-    context: each new one loads the system's CA certificates, 40 ms apiece at start-up.
+    One official ``AsyncOpenAI`` client per endpoint, sending through ``AiohttpTransport``
+    with room for the run's C connections.
     """
 
     COOLDOWN_S = 5.0
-    CONNECTIONS_PER_CLIENT = 8
 
     def __init__(self, endpoints: list[Endpoint], timeout_s: float, max_connections: int):
-        per_endpoint = -(-max_connections // self.CONNECTIONS_PER_CLIENT)
-        size = -(-max_connections // per_endpoint)
-        limits = httpx.Limits(max_connections=size, max_keepalive_connections=size)
         tls = shared_tls_context()
         self.endpoints = endpoints
         self.clients = [
-            [openai.AsyncOpenAI(base_url=ep.base_url, api_key=ep.api_key, max_retries=0,
-                                timeout=timeout_s,
-                                http_client=httpx.AsyncClient(limits=limits, timeout=timeout_s,
-                                                              verify=tls))
-             for _ in range(per_endpoint)]
+            openai.AsyncOpenAI(base_url=ep.base_url, api_key=ep.api_key, max_retries=0,
+                               timeout=timeout_s,
+                               http_client=httpx.AsyncClient(
+                                   transport=AiohttpTransport(max_connections, tls),
+                                   timeout=timeout_s))
             for ep in endpoints
         ]
-        self.client_in_flight = [[0] * per_endpoint for _ in endpoints]
         self.in_flight = [0] * len(endpoints)
         self.down_until = [0.0] * len(endpoints)
         self.sent = [0] * len(endpoints)
         # Since when no request has succeeded while connections kept failing (None: healthy).
         self.failing_since: float | None = None
-
-    def client(self, index: int) -> int:
-        """The endpoint's least busy client (never over its connection limit: the workers
-        keep the endpoint's total at most C, and the least busy has at most C / clients)."""
-        loads = self.client_in_flight[index]
-        return loads.index(min(loads))
 
     def pick(self) -> int | None:
         now = time.monotonic()
@@ -91,9 +126,8 @@ class EndpointPool:
         return 0.0 if self.failing_since is None else time.monotonic() - self.failing_since
 
     async def close(self) -> None:
-        for clients in self.clients:
-            for client in clients:
-                await client.close()
+        for client in self.clients:
+            await client.close()
 
 
 # ----------------------------------------------------------------------------- the servers' view

@@ -353,8 +353,6 @@ class GenerationRun:
             index = await self._endpoint()
             endpoint = self.pool.endpoints[index]
             body = request_body(messages, self.settings, prompt_id, endpoint.model)
-            client = self.pool.client(index)
-            self.pool.client_in_flight[index][client] += 1
             self.pool.in_flight[index] += 1
             self.pool.sent[index] += 1
             self.in_flight += 1
@@ -364,7 +362,7 @@ class GenerationRun:
             stats.t_first_request = stats.t_first_request or time.time()
             try:
                 parsed = parse_completion(
-                    await self._post(self.pool.clients[index][client], body))
+                    await self._post(self.pool.clients[index], body))
                 self.pool.succeeded()
                 return parsed, time.monotonic() - t0, endpoint.base_url
             except Exception as exc:  # classified below; nothing is swallowed silently
@@ -372,7 +370,6 @@ class GenerationRun:
             finally:
                 self.in_flight -= 1
                 self.pool.in_flight[index] -= 1
-                self.pool.client_in_flight[index][client] -= 1
             kind = failure_kind(error)
             if kind == "refused":
                 self.pool.set_aside(index)
