@@ -49,11 +49,11 @@ def test_explicit_concurrency_wins_over_a_profile_on_disk_in_every_stage(tmp_pat
     generated_at = GenerateSettings.from_config(
         gen_cfg, generate_resolver(gen_cfg["concurrency"], profile)).concurrency
     assert generated_at == 5
-    assert concurrency_levels({"levels": None}, gen_cfg, str(profile)) == [1, 2, 4, 5]
+    assert concurrency_levels({"levels": None}, gen_cfg, str(profile)) == [1, 4, 5]
     # auto: both read the profile; auto without a profile is an error naming the key
     auto = {"concurrency": "auto"}
     assert generate_resolver("auto", profile) == 24
-    assert concurrency_levels({"levels": None}, auto, str(profile)) == [1, 2, 4, 8, 16, 24]
+    assert concurrency_levels({"levels": None}, auto, str(profile)) == [1, 4, 16, 24]
     with pytest.raises(FileNotFoundError, match="generate.concurrency"):
         concurrency_levels({"levels": None}, auto, None)
     # explicit bench.levels are kept as given
@@ -62,8 +62,9 @@ def test_explicit_concurrency_wins_over_a_profile_on_disk_in_every_stage(tmp_pat
 
 def test_default_levels_span_one_to_chosen():
     assert default_levels(1) == [1]
-    assert default_levels(16) == [1, 2, 4, 8, 16]
-    assert default_levels(24) == [1, 2, 4, 8, 16, 24]
+    assert default_levels(16) == [1, 4, 16]
+    assert default_levels(24) == [1, 4, 16, 24]
+    assert default_levels(256) == [1, 4, 16, 64, 256]
 
 
 def test_acceptance_is_pooled_from_counter_differences():
