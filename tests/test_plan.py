@@ -51,6 +51,22 @@ def test_toy_plan_has_every_stage_and_a_total():
     assert by_stage(rows)["hidden"]["state_bytes_per_token"] == 4 * 128 * 2
 
 
+def test_bench_time_is_its_windows_and_server_starts():
+    """The benchmark's time is closed-loop windows (configuration x level x temperature x
+    repetition) of warm-up + measurement, plus a server start per configuration: the default
+    toy run measured 60 windows in 12 minutes (C=128, levels 1/4/16/64/128)."""
+    config = default_config()  # generate.concurrency auto, T=0.7: temperatures 0 and 0.7
+    measured = {"profile": {"chosen_concurrency": 128, "chosen_output_tok_s": 2337.0}}
+    bench = by_stage(plan(config, measured))["bench"]
+    windows = 2 * 5 * 2 * 3  # baseline + k=3, levels 1/4/16/64/128, 2 temperatures, 3 reps
+    assert bench["time_s"] == windows * (2.0 + 8.0) + 2 * 90.0
+    assert "60 windows" in bench["basis"] and "profiled concurrency" in bench["basis"]
+    config["bench"]["levels"] = [1, 8]
+    config["bench"]["num_speculative_tokens"] = [3, 5]
+    bench = by_stage(plan(config, measured))["bench"]
+    assert bench["time_s"] == 3 * 2 * 2 * 3 * 10.0 + 3 * 90.0
+
+
 def test_measured_counts_and_rates_replace_assumptions():
     config = default_config()
     measured = {

@@ -327,21 +327,44 @@ def _train_rows(config: dict, measured: dict, dims: dict | None, kind: str,
     rate_basis = "measured" if rate else "assumed"
     rate = rate or TRAIN_TOK_S[kind] * 3 / train["ttt_steps"]  # cost ~ linear in unroll steps
     seconds = train["epochs"] * out_tokens / rate
-    bench = config["bench"]
-    runs = (1 + len(bench["num_speculative_tokens"])) * bench["repetitions"]
-    bench_tokens = runs * bench["num_prompts"] * bench["max_tokens"]
-    gen_rate = GENERATE_TOK_S[kind] / 4  # benchmark levels include low concurrency
     return [
         _row("train", checkpoint + state, seconds,
              f"draft {params / 1e6:,.1f} M trainable params (+ shared embedding); "
              f"{train['epochs']} epochs x {out_tokens:,} supervised tokens at {rate:,.0f} tok/s "
              f"({rate_basis}, ttt_steps {train['ttt_steps']})", draft_params=params),
-        _row("bench", 1_000_000, bench_tokens / gen_rate + runs * SERVER_START_S[kind] / 3,
-             f"{runs} runs x {bench['num_prompts']} prompts x {bench['max_tokens']} tokens at "
-             f"~{gen_rate:,.0f} tok/s (assumed) + server starts"),
+        _bench_row(config, measured, kind),
         _row("bundle", 2 * checkpoint, 2 * checkpoint / 200e6,
              "draft checkpoint twice (folder + tar)"),
     ]
+
+
+def _bench_row(config: dict, measured: dict, kind: str) -> dict:
+    """The benchmark is closed-loop windows of fixed length: one per configuration (the target
+    alone and each draft length), level, temperature and repetition, plus a server start per
+    configuration. Its levels are ``bench.levels`` or the defaults up to the concurrency
+    generation uses (the measured profile's choice under ``auto``; else the profile's highest
+    level, assumed)."""
+    from draftline.bench import default_levels
+
+    bench, generate = config["bench"], config["generate"]
+    configs = 1 + len(bench["num_speculative_tokens"])
+    if bench["levels"]:
+        levels, basis = list(bench["levels"]), "bench.levels"
+    elif isinstance(generate["concurrency"], int):
+        levels, basis = default_levels(generate["concurrency"]), "up to generate.concurrency"
+    elif (measured.get("profile") or {}).get("chosen_concurrency"):
+        chosen = measured["profile"]["chosen_concurrency"]
+        levels, basis = default_levels(chosen), "up to the profiled concurrency"
+    else:
+        levels = default_levels(max(config["profile"]["levels"]))
+        basis = "up to the profile's highest level (assumed)"
+    temperatures = bench["temperatures"] or sorted({0.0, float(generate["temperature"])})
+    windows = configs * len(levels) * len(temperatures) * bench["repetitions"]
+    window_s = bench["warmup_s"] + bench["measure_s"]
+    return _row("bench", 1_000_000, windows * window_s + configs * SERVER_START_S[kind],
+                f"{windows} windows ({configs} configurations x {len(levels)} levels {basis} x "
+                f"{len(temperatures)} temperatures x {bench['repetitions']} repetitions) x "
+                f"({bench['warmup_s']} + {bench['measure_s']}) s + {configs} server starts")
 
 
 def _total_row(config: dict, rows: list[dict]) -> dict:
