@@ -125,6 +125,19 @@ def test_the_aiohttp_transport_raises_what_the_openai_client_and_retry_policy_ex
                     "refused": "refused"}
 
 
+def test_reasoning_is_read_under_either_name_and_an_empty_one_is_kept():
+    from draftline.generate import parse_completion
+
+    def reasoning(message):
+        return parse_completion({"choices": [{"message": message}]})["reasoning"]
+
+    assert reasoning({"reasoning": "think", "content": "a"}) == "think"
+    assert reasoning({"reasoning_content": "think", "content": "a"}) == "think"
+    assert reasoning({"reasoning": "", "content": "a"}) == ""  # not turned into null
+    assert reasoning({"reasoning": None, "reasoning_content": "", "content": "a"}) == ""
+    assert reasoning({"content": "a"}) is None
+
+
 def test_torn_last_line_is_dropped(tmp_path):
     path = tmp_path / "p.jsonl"
     path.write_text('{"id": "a", "x": 1}\n{"id": "b", "x": 2}\n{"id": "c", "x"')

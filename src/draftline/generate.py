@@ -123,8 +123,11 @@ def parse_completion(body: dict) -> dict:
         message = choice["message"]
     except (KeyError, IndexError, TypeError) as exc:
         raise MalformedCompletion(f"not a chat completion: {str(body)[:200]}") from exc
+    reasoning = message.get("reasoning")
+    if reasoning is None:  # an empty reasoning ("": the think block was empty) is kept as such
+        reasoning = message.get("reasoning_content")
     return {
-        "reasoning": message.get("reasoning") or message.get("reasoning_content"),
+        "reasoning": reasoning,
         "content": message.get("content"),
         "finish_reason": choice.get("finish_reason"),
         "prompt_token_ids": body.get("prompt_token_ids"),
