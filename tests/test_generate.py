@@ -280,8 +280,8 @@ def test_stored_answers_replay_exactly_through_the_openai_client(tmp_path, vllm_
         stored = record["messages"][-1]
         assert choice.model_extra["token_ids"] == record["output_token_ids"], record["id"]
         assert answer.model_extra["prompt_token_ids"] == record["prompt_token_ids"]
-        # (an empty reasoning, "" from the server, is stored as None: no reasoning)
-        assert (choice.message.model_extra["reasoning"] or None) == stored["reasoning_content"]
+        # (an empty reasoning, "" from the server, is stored as "": not turned into null)
+        assert choice.message.model_extra["reasoning"] == stored["reasoning_content"]
         assert (choice.message.content or "") == stored["content"]
         assert choice.finish_reason == record["finish_reason"]
         # the ids say the same as the text: reasoning </think> content <|end|>
