@@ -13,7 +13,8 @@ rotated order so that no variant always goes first:
 
 Every variant is watched through the server's own ``/metrics``
 (``draftline.endpoint_clients.ServerSampler``): mean running / C over the whole variant and over
-its fill phase. The table gives the median of the
+its fill phase, from request time (``draftline.generation_report``), and from the running gauge
+over the fill phase as a cross-check. The table gives the median of the
 repetitions: end-to-end output tok/s, the ratio to the raw reference, server-side utilization,
 start-up (process start to first request), the tail (95% of requests done to the last)
 and the client's CPU seconds (start-up included).
@@ -73,7 +74,8 @@ def write_shards(directory: Path, prompts: list[dict], shards: int) -> None:
 async def raw_run(endpoint, prompts: list[dict], settings: GenerateSettings) -> dict:
     """All prompts through one aiohttp session at C in flight (no retries: a reference)."""
     done = 0
-    sampler = ServerSampler([endpoint], lambda: [done])
+    open_requests = [0, 0.0]  # count, sum of send times
+    sampler = ServerSampler([endpoint], lambda: [done], lambda: tuple(open_requests))
     sampler.start()
     url = f"{endpoint.base_url}/chat/completions"
     gate = asyncio.Semaphore(settings.concurrency)
@@ -89,10 +91,14 @@ async def raw_run(endpoint, prompts: list[dict], settings: GenerateSettings) -> 
             for p in queue:
                 body = request_body(p["messages"], settings, p["id"], endpoint.model)
                 async with gate:
-                    t = time.monotonic()
+                    t, sent = time.monotonic(), time.time()
+                    open_requests[0] += 1
+                    open_requests[1] += sent
                     async with http.post(url, json=body) as resp:
                         resp.raise_for_status()
                         answer = await resp.json()
+                    open_requests[0] -= 1
+                    open_requests[1] = open_requests[1] - sent if open_requests[0] else 0.0
                     latencies.append(time.monotonic() - t)
                 tokens += answer["usage"]["completion_tokens"]
                 done += 1
@@ -205,15 +211,24 @@ def _fmt(value, spec: str) -> str:
     return "-" if value is None else format(value, spec)
 
 
+def gauge_fill(stage: dict) -> float | None:
+    """The running gauge's mean over the fill phase / C: a cross-check of run/C fill."""
+    running = stage["server"]["gauges"]["mean_running_fill"]
+    return None if running is None else running / stage["capacity"]
+
+
 def print_table(runs: dict[str, list[dict]], args, concurrency: int) -> None:
     raw = [s["client"]["output_tok_s"] for s in runs["raw aiohttp"]]
     reference = _median(raw)
     print(f"\n{args.prompts} prompts, C={concurrency}, max_tokens {args.max_tokens}, median of "
           f"{args.repetitions} interleaved repetitions; tok/s end to end (first start to last "
           "exit); ratio: of the medians, and the range of each repetition's ratio to the raw "
-          "run of the same repetition; running/C from the server's /metrics")
+          "run of the same repetition; run/C: mean running / C from the server's running-"
+          "seconds counter plus the client's open requests; gauge fill: from the server's "
+          "running gauge")
     header = (f"{'variant':<22} {'tok/s':>7} {'ratio':>6} {'ratio range':>11} {'run/C':>6} "
-              f"{'run/C fill':>10} {'start-up s':>10} {'tail s':>7} {'tail/p50':>8} "
+              f"{'run/C fill':>10} {'gauge fill':>10} {'start-up s':>10} {'tail s':>7} "
+              f"{'tail/p50':>8} "
               f"{'client CPU s':>12}")
     print(header)
     for variant, stages in runs.items():
@@ -224,6 +239,7 @@ def print_table(runs: dict[str, list[dict]], args, concurrency: int) -> None:
               f"{spread:>11} "
               f"{_fmt(_median(s['server']['utilization'] for s in stages), '6.3f')} "
               f"{_fmt(_median(s['server']['utilization_fill'] for s in stages), '10.3f')} "
+              f"{_fmt(_median(gauge_fill(s) for s in stages), '10.3f')} "
               f"{_fmt(_median(s['startup_s']['first_job_to_first_request'] for s in stages), '10.2f')} "  # noqa: E501
               f"{_fmt(_median(s['tail_s'] for s in stages), '7.2f')} "
               f"{_fmt(_median(s['tail_over_median_latency'] for s in stages), '8.2f')} "

@@ -3,7 +3,8 @@
 ``EndpointPool`` sends: per endpoint one official ``AsyncOpenAI`` client on an aiohttp
 transport, the least busy endpoint for each request, an endpoint that refuses connections set
 aside for a while. ``ServerSampler`` watches: the servers' own ``/metrics`` (requests running
-and waiting, generated tokens), sampled from a thread while the run goes on. Both share one TLS
+and waiting, generated tokens, running seconds) beside the client's open requests, sampled
+from a thread while the run goes on. Both share one TLS
 context.
 Used by ``draftline.generate`` (and ``benchmarks/generation.py``).
 """
@@ -20,7 +21,7 @@ import aiohttp
 import httpx
 import openai
 
-from draftline.loadgen import parse_metrics
+from draftline.loadgen import RUNNING_SECONDS, parse_metrics
 from draftline.server import Endpoint
 
 
@@ -134,24 +135,32 @@ class EndpointPool:
 # ----------------------------------------------------------------------------- the servers' view
 
 SERVER_SAMPLE_EVERY_S = 0.25
+# the servers' series in a row: gauges, then counters (the last one: seconds that finished
+# requests spent running, prefill and decode, added when each request finishes)
 SERVER_SERIES = ("vllm:num_requests_running", "vllm:num_requests_waiting",
-                 "vllm:generation_tokens")
+                 "vllm:generation_tokens", RUNNING_SECONDS)
 
 
 class ServerSampler:
-    """The servers' own view, sampled from ``/metrics``: requests running and waiting (gauges,
-    summed over endpoints and engines) and generated tokens (counter), with the client's counts
-    of completed requests (one per shard), stamped with wall-clock time.
+    """The servers' own view, sampled from ``/metrics`` (summed over endpoints and engines),
+    beside the client's, stamped with wall-clock time.
 
-    A row is ``[t, running, waiting, generation_tokens, completed_0, completed_1, ...]``.
+    A row is ``[t, running, waiting, generation_tokens, running_seconds, open_seconds,
+    completed_0, completed_1, ...]``: the running and waiting gauges; the generated-tokens and
+    running-seconds counters; the seconds so far of the requests the client has open
+    (``open_requests()`` gives their count and the sum of their send times); the client's
+    completed requests, one count per shard. Running seconds + open seconds is the request
+    time the run has put on the servers up to ``t`` (``draftline.generation_report``).
     It samples from its own thread: an event loop busy with a burst of answers would otherwise
     leave gaps in exactly the moments worth seeing.
     """
 
     def __init__(self, endpoints: list[Endpoint], completed: Callable[[], list[int]],
+                 open_requests: Callable[[], tuple[int, float]],
                  every_s: float = SERVER_SAMPLE_EVERY_S):
         self.endpoints = endpoints
         self.completed = completed
+        self.open_requests = open_requests
         self.every_s = every_s
         self.rows: list[list[float]] = []
         self.failures = 0
@@ -173,9 +182,11 @@ class ServerSampler:
         if any(m is None or not m.has("vllm:num_requests_running") for m in scraped):
             self.failures += 1
             return
-        gauges = [sum(m.total(name) for m in scraped) for name in SERVER_SERIES]
+        series = [sum(m.total(name) for m in scraped) for name in SERVER_SERIES]
         # stamped halfway between asking and parsing: the server answered about then
-        self.rows.append([(sent + time.time()) / 2, *gauges, *self.completed()])
+        t = (sent + time.time()) / 2
+        count, sent_sum = self.open_requests()
+        self.rows.append([t, *series, count * t - sent_sum, *self.completed()])
 
     def _loop(self, http: httpx.Client) -> None:
         try:
@@ -199,5 +210,6 @@ class ServerSampler:
             self._thread.join(15.0)
 
     def shard_rows(self, index: int) -> list[list[float]]:
-        """The rows as one shard's timeline: the servers' series and that shard's completed."""
-        return [row[:4] + [row[4 + index]] for row in self.rows]
+        """The rows as one shard's timeline: the servers' series, the run's open seconds and
+        that shard's completed requests."""
+        return [row[:6] + [row[6 + index]] for row in self.rows]

@@ -15,11 +15,12 @@ arrive, each with the fingerprint of what determined it; a rerun asks only for t
 without a valid kept answer. At the end each shard is written once, sorted in prompt order, by
 atomic rename.
 
-What the server shows: the run samples every endpoint's Prometheus ``/metrics``
-(``vllm:num_requests_running``, ``vllm:num_requests_waiting``, ``vllm:generation_tokens``)
-while it runs (``draftline.endpoint_clients.ServerSampler``); each shard summary reports the
-server-side mean running requests against the chosen concurrency and the server-side output
-tok/s over that shard's requests, and keeps a compact timeline (with that shard's completed
+What the server shows: the run samples every endpoint's Prometheus ``/metrics`` (requests
+running and waiting, generated tokens, running seconds) and the seconds so far of its open
+requests while it runs (``draftline.endpoint_clients.ServerSampler``); each shard summary
+reports the server-side mean running requests against the chosen concurrency (from request
+time, ``draftline.generation_report``) and the server-side output tok/s over that shard's
+requests, and keeps a compact timeline (with that shard's completed
 requests); ``stage_summary`` merges them into one stage view (and a plot).
 ``client_slot_utilization`` is the client-side figure: requests the client had open, not
 server work.
@@ -236,6 +237,7 @@ class GenerationRun:
         self.rng = random.Random(seed)
         self.queue = self._items()
         self.in_flight = 0  # requests open in this client
+        self.open_sent_sum = 0.0  # the sum of their send times (wall clock)
         self.bar: tqdm | None = None
         self.server: ServerSampler | None = None
 
@@ -254,7 +256,8 @@ class GenerationRun:
         self.bar = tqdm(total=total, desc="generate", unit="req", dynamic_ncols=True,
                         mininterval=1.0)
         self.server = ServerSampler(self.pool.endpoints,
-                                    lambda: [s.stats.done for s in self.shards])
+                                    lambda: [s.stats.done for s in self.shards],
+                                    lambda: (self.in_flight, self.open_sent_sum))
         self.server.start()
         samplers = [asyncio.create_task(self._sample_in_flight())]
         workers = [asyncio.create_task(self._worker()) for _ in range(self.capacity)]
@@ -358,11 +361,13 @@ class GenerationRun:
             body = request_body(messages, self.settings, prompt_id, endpoint.model)
             self.pool.in_flight[index] += 1
             self.pool.sent[index] += 1
+            sent = time.time()
             self.in_flight += 1
+            self.open_sent_sum += sent
             stats.requests_by_endpoint[endpoint.base_url] = (
                 stats.requests_by_endpoint.get(endpoint.base_url, 0) + 1)
             t0 = time.monotonic()
-            stats.t_first_request = stats.t_first_request or time.time()
+            stats.t_first_request = stats.t_first_request or sent
             try:
                 parsed = parse_completion(
                     await self._post(self.pool.clients[index], body))
@@ -372,6 +377,8 @@ class GenerationRun:
                 error = exc
             finally:
                 self.in_flight -= 1
+                # (reset when none is open: no rounding error of large sums carries on)
+                self.open_sent_sum = self.open_sent_sum - sent if self.in_flight else 0.0
                 self.pool.in_flight[index] -= 1
             kind = failure_kind(error)
             if kind == "refused":

@@ -1,18 +1,30 @@
 """The generation stage as the servers saw it: all shard jobs on one time axis.
 
 Every shard summary carries its job's timing (job start, first request, end of its fill phase,
-end) and a timeline sampled from the servers' ``/metrics`` (requests running and waiting,
-generated tokens, this job's completed requests). ``stage_summary`` merges them: the stage runs
+end) and a timeline sampled from the servers' ``/metrics`` and the client
+(``draftline.endpoint_clients.ServerSampler``). ``stage_summary`` merges them: the stage runs
 from the first job's start to the last job's end; its fill phase from the first request to
 the moment fewer requests than the capacity were left (from then on the servers cannot be
-full). Before the first sample nothing of this
-stage runs on the server (no job had sent a request), so it counts as 0 running.
+full).
+
+Mean running requests come from request time, not from the running gauge: the servers'
+counter of the seconds finished requests spent running (``vllm:request_inference_time_seconds``
+sum, added when each request finishes) plus the seconds so far of the requests the client still
+has open. That sum, R(t), rises at the rate of the requests running, so the mean over a span is
+R's rise over it divided by its length (Little's law). Over the whole run every request has
+finished, and the figure is the servers' own counter alone; at the end of a fill phase the
+requests still open count from when they were sent (an upper bound: it includes any time they
+waited in the server's queue). The gauge is a sample of one moment, and in one CI run it read 0
+at every one of 42 samples while the server generated tokens; it stays in the timeline, the plot
+and ``gauges`` as a cross-check.
 """
 
 from __future__ import annotations
 
+import bisect
 import json
 import math
+from itertools import pairwise
 from pathlib import Path
 
 from draftline.atomic import write_json
@@ -23,7 +35,9 @@ TAIL_FRACTION = 0.05  # the tail: the last 5% of the stage's requests
 # mostly learn unfinished reasoning and rarely see an answer.
 TRUNCATED_WARN_SHARE = 0.1
 TIMELINE_ROWS = 720  # a shard summary keeps at most this many timeline rows (bucket means)
-TIMELINE_COLUMNS = ["t", "running", "waiting", "generation_tokens", "completed"]
+TIMELINE_COLUMNS = ["t", "running", "waiting", "generation_tokens", "running_seconds",
+                    "open_seconds", "completed"]
+T, RUNNING, WAITING, TOKENS, RUNNING_S, OPEN_S, COMPLETED = range(len(TIMELINE_COLUMNS))
 
 
 # ----------------------------------------------------------------------------- one shard job
@@ -69,6 +83,51 @@ def counter_increase(times: list[float], counts: list[float], start: float,
     return total
 
 
+def cumulative(counts: list[float]) -> list[float]:
+    """A counter's rise since its first sample, at every sample (a restart and jitter handled
+    as in ``counter_increase``)."""
+    out, total, high = [], 0.0, None
+    for count in counts:
+        if high is None:
+            high = count
+        elif count < high / 2:
+            total += count
+            high = count
+        elif count > high:
+            total += count - high
+            high = count
+        out.append(total)
+    return out
+
+
+def interpolate(times: list[float], values: list[float], t: float) -> float:
+    """``values`` at ``t``: linear between samples, held before the first and after the last."""
+    i = bisect.bisect_left(times, t)
+    if i == 0:
+        return values[0]
+    if i == len(times):
+        return values[-1]
+    t0, t1 = times[i - 1], times[i]
+    if t1 <= t0:
+        return values[i]
+    return values[i - 1] + (values[i] - values[i - 1]) * (t - t0) / (t1 - t0)
+
+
+def request_seconds(rows: list[list[float]]) -> list[float]:
+    """R at every row of one run: the servers' running seconds since the first sample plus
+    the seconds so far of the client's open requests (see the module docstring)."""
+    served = cumulative([r[RUNNING_S] for r in rows])
+    return [done + r[OPEN_S] for done, r in zip(served, rows, strict=True)]
+
+
+def mean_running(times: list[float], seconds: list[float], start: float,
+                 end: float | None) -> float | None:
+    """Mean requests running over [start, end]: R's rise over it per second."""
+    if end is None or end <= start or not times:
+        return None
+    return (interpolate(times, seconds, end) - interpolate(times, seconds, start)) / (end - start)
+
+
 def fill_end_at(times: list[float], completed: list[float], total: int,
                 capacity: int) -> float | None:
     """When fewer requests than the capacity were left: from then on the servers cannot be
@@ -83,45 +142,67 @@ def server_view(rows: list[list[float]], capacity: int, first_request: float | N
                 end: float | None) -> dict:
     """What the servers ran while this job sent requests: mean running requests over the run
     (first request to the end) and over its fill phase (until fewer requests than the
-    capacity were left, ``fill_end_at``), against the capacity; the server-side output tok/s
+    capacity were left, ``fill_end_at``), against the capacity, from request time (module
+    docstring); the running and waiting gauges' means beside them; the server-side output tok/s
     (all clients of the servers); a compact timeline."""
     view: dict = {"samples": len(rows), "timeline": {"columns": TIMELINE_COLUMNS,
                                                      "rows": compact_timeline(rows)}}
     if len(rows) < 2 or first_request is None or end is None:
         return view
-    times = [r[0] for r in rows]
-    running = [r[1] for r in rows]
-    waiting = [r[2] for r in rows]
-    fill_end = fill_end_at(times, [r[4] for r in rows], int(rows[-1][4]), capacity)
-    over_run = step_mean(times, running, first_request, end, running[0])
-    over_fill = (step_mean(times, running, first_request, fill_end, running[0])
-                 if fill_end else None)
-    tokens = counter_increase(times, [r[3] for r in rows], first_request, end)
+    times = [r[T] for r in rows]
+    seconds = request_seconds(rows)
+    fill_end = fill_end_at(times, [r[COMPLETED] for r in rows], int(rows[-1][COMPLETED]),
+                           capacity)
+    over_run = mean_running(times, seconds, first_request, end)
+    over_fill = mean_running(times, seconds, first_request, fill_end)
+    tokens = counter_increase(times, [r[TOKENS] for r in rows], first_request, end)
     view.update({
         "fill_end": round_or_none(fill_end, 3),
-        "mean_running": round_or_none(over_run, 3),
-        "mean_running_fill": round_or_none(over_fill, 3),
-        "utilization": round_or_none(over_run and over_run / capacity, 4),
-        "utilization_fill": round_or_none(over_fill and over_fill / capacity, 4),
-        "mean_waiting_fill": round_or_none(step_mean(times, waiting, first_request, fill_end,
-                                              waiting[0]) if fill_end else None, 3),
+        **running_figures(over_run, over_fill, capacity),
+        "gauges": gauge_means(rows, (first_request, end),
+                              (first_request, fill_end) if fill_end else None),
         "output_tokens": round(tokens),
         "output_tok_s": round(tokens / max(end - first_request, 1e-9), 2),
     })
     return view
 
 
+def running_figures(over_run: float | None, over_fill: float | None, capacity: int) -> dict:
+    return {"mean_running": round_or_none(over_run, 3),
+            "mean_running_fill": round_or_none(over_fill, 3),
+            "utilization": round_or_none(over_run and over_run / capacity, 4),
+            "utilization_fill": round_or_none(over_fill and over_fill / capacity, 4)}
+
+
+def gauge_means(rows: list[list[float]], span: tuple[float, float],
+                fill: tuple[float, float] | None) -> dict:
+    """The running and waiting gauges, each sample held until the next, over ``span`` and the
+    fill phase."""
+    times = [r[T] for r in rows]
+
+    def mean(column: int, window: tuple[float, float] | None) -> float | None:
+        if not rows or window is None:
+            return None
+        values = [r[column] for r in rows]
+        return round_or_none(step_mean(times, values, *window, values[0]), 3)
+
+    return {"mean_running": mean(RUNNING, span), "mean_running_fill": mean(RUNNING, fill),
+            "mean_waiting_fill": mean(WAITING, fill)}
+
+
 def compact_timeline(rows: list[list[float]], limit: int = TIMELINE_ROWS) -> list[list]:
-    """At most ``limit`` rows: gauges averaged over buckets of samples, counters and time at
-    the bucket's end."""
+    """At most ``limit`` rows: gauges averaged over buckets of samples; time, counters, open
+    seconds and completed requests as at the bucket's last sample."""
     step = max(1, -(-len(rows) // limit))
     out = []
     for i in range(0, len(rows), step):
         bucket = rows[i:i + step]
         last = bucket[-1]
-        out.append([round(last[0], 3), round(sum(r[1] for r in bucket) / len(bucket), 2),
-                    round(sum(r[2] for r in bucket) / len(bucket), 2), int(last[3]),
-                    int(last[4])])
+        out.append([round(last[T], 3),
+                    round(sum(r[RUNNING] for r in bucket) / len(bucket), 2),
+                    round(sum(r[WAITING] for r in bucket) / len(bucket), 2),
+                    int(last[TOKENS]), round(last[RUNNING_S], 3), round(last[OPEN_S], 3),
+                    int(last[COMPLETED])])
     return out
 
 
@@ -139,16 +220,36 @@ def load_summaries(paths: list[Path | str]) -> list[dict]:
     return summaries
 
 
+def _run_timelines(summaries: list[dict]) -> list[list[list[float]]]:
+    """The timeline of each generate run: shards of one run (one job start) share its
+    samples."""
+    runs: dict = {}
+    for s in summaries:
+        runs.setdefault(s["timing"]["job_start"], s["server"]["timeline"]["rows"])
+    return [rows for rows in runs.values() if rows]
+
+
 def _merged_rows(summaries: list[dict]) -> list[list[float]]:
-    return sorted((row for s in summaries for row in s["server"]["timeline"]["rows"]),
-                  key=lambda r: r[0])
+    return sorted((row for rows in _run_timelines(summaries) for row in rows),
+                  key=lambda r: r[T])
+
+
+def stage_request_seconds(summaries: list[dict]) -> tuple[list[float], list[float]]:
+    """R (module docstring) at every merged sample: the servers' running-seconds counter, read
+    by whichever run sampled then, plus every run's open seconds at that moment."""
+    rows = _merged_rows(summaries)
+    times = [r[T] for r in rows]
+    served = cumulative([r[RUNNING_S] for r in rows])
+    runs = [([r[T] for r in run], [r[OPEN_S] for r in run]) for run in _run_timelines(summaries)]
+    return times, [done + sum(interpolate(*run, t) for run in runs)
+                   for t, done in zip(times, served, strict=True)]
 
 
 def _completed_at(summaries: list[dict]) -> list[tuple[float, int]]:
     """(time, requests completed by all shards so far), at every sample of any shard."""
     events = []
     for index, s in enumerate(summaries):
-        events += [(row[0], index, row[4]) for row in s["server"]["timeline"]["rows"]]
+        events += [(row[T], index, row[COMPLETED]) for row in s["server"]["timeline"]["rows"]]
     latest = [0] * len(summaries)
     out = []
     for t, index, done in sorted(events):
@@ -181,16 +282,18 @@ def stage_summary(summaries: list[dict]) -> dict:
     wall = t1 - t0
     capacity = max(s["capacity"] for s in summaries)
     rows = _merged_rows(summaries)
-    times, running = [r[0] for r in rows], [r[1] for r in rows]
-    tokens = counter_increase(times, [r[3] for r in rows], t0, t1)
+    times, seconds = stage_request_seconds(summaries)
+    tokens = counter_increase(times, [r[TOKENS] for r in rows], t0, t1)
     client_tokens = sum(s["output_tokens"] for s in summaries)
     new_requests = sum(s["responses"] - s["resumed"] for s in summaries)
     completed = _completed_at(summaries)
     fill_end = fill_end_at([c[0] for c in completed], [c[1] for c in completed],
                            new_requests, capacity)
     fill = (min(firsts), fill_end) if firsts and fill_end else None
-    over_wall = step_mean(times, running, t0, t1) if rows else None
-    over_fill = step_mean(times, running, *fill) if rows and fill else None
+    # every request of the stage was sent after t0 and finished by t1: the counter alone
+    busy = counter_increase(times, [r[RUNNING_S] for r in rows], t0, t1) if rows else None
+    over_wall = busy / wall if busy is not None and wall > 0 else None
+    over_fill = mean_running(times, seconds, *fill) if fill else None
     weights = [(s["latency_s"]["p50"], s["responses"] - s["resumed"]) for s in summaries
                if s.get("latency_s")]
     median_latency = _weighted_median(weights)
@@ -212,10 +315,8 @@ def stage_summary(summaries: list[dict]) -> dict:
                       "per_shard": [s["timing"]["startup_s"] for s in summaries]},
         "server": {
             "samples": len(rows),
-            "mean_running": round_or_none(over_wall),
-            "utilization": round_or_none(over_wall and over_wall / capacity, 4),
-            "mean_running_fill": round_or_none(over_fill),
-            "utilization_fill": round_or_none(over_fill and over_fill / capacity, 4),
+            **running_figures(over_wall, over_fill, capacity),
+            "gauges": gauge_means(rows, (t0, t1), fill),
             "output_tokens": round(tokens),
             "output_tok_s": round(tokens / wall, 2) if wall > 0 else None,
         },
@@ -280,8 +381,9 @@ def _weighted_median(pairs: list[tuple[float, int]]) -> float | None:
 
 
 def plot_running(summaries: list[dict], stage: dict, out_png: Path | str) -> None:
-    """Requests running (and waiting) on the servers over the stage, every shard job's span
-    below, the capacity as a line."""
+    """Requests running on the servers over the stage, from request time between samples
+    (module docstring) and from the running and waiting gauges; every shard job's span below,
+    the capacity as a line."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -291,11 +393,16 @@ def plot_running(summaries: list[dict], stage: dict, out_png: Path | str) -> Non
     rows = _merged_rows(summaries)
     fig, ax = plt.subplots(figsize=(8, 4.2), dpi=120)
     if rows:
-        times = [r[0] - t0 for r in rows]
-        ax.step(times, [r[1] for r in rows], where="post", color="tab:blue",
-                label="running (server)")
-        ax.step(times, [r[2] for r in rows], where="post", color="tab:orange", alpha=0.7,
-                label="waiting (server)")
+        times = [r[T] - t0 for r in rows]
+        at, seconds = stage_request_seconds(summaries)
+        rates = [(b - a) / (tb - ta) if tb > ta else 0.0
+                 for (ta, a), (tb, b) in pairwise(zip(at, seconds, strict=True))]
+        ax.step(times, rates + [0.0], where="post", color="tab:blue",
+                label="running (server counter + open requests)")
+        ax.step(times, [r[RUNNING] for r in rows], where="post", color="tab:cyan", alpha=0.6,
+                label="running (server gauge)")
+        ax.step(times, [r[WAITING] for r in rows], where="post", color="tab:orange",
+                alpha=0.7, label="waiting (server gauge)")
     capacity = stage["capacity"]
     ax.axhline(capacity, color="tab:green", linestyle="--", label=f"chosen C={capacity}")
     for i, s in enumerate(summaries):
