@@ -74,8 +74,8 @@ def write_shards(directory: Path, prompts: list[dict], shards: int) -> None:
 async def raw_run(endpoint, prompts: list[dict], settings: GenerateSettings) -> dict:
     """All prompts through one aiohttp session at C in flight (no retries: a reference)."""
     done = 0
-    open_requests = [0, 0.0]  # count, sum of send times
-    sampler = ServerSampler([endpoint], lambda: [done], lambda: tuple(open_requests))
+    open_requests = (0, 0.0)  # count, sum of send times: replaced whole (read by a thread)
+    sampler = ServerSampler([endpoint], lambda: [done], lambda: open_requests)
     sampler.start()
     url = f"{endpoint.base_url}/chat/completions"
     gate = asyncio.Semaphore(settings.concurrency)
@@ -87,18 +87,17 @@ async def raw_run(endpoint, prompts: list[dict], settings: GenerateSettings) -> 
     async with aiohttp.ClientSession(connector=connector, timeout=timeout) as http:
 
         async def worker():
-            nonlocal tokens, done, queue_empty
+            nonlocal tokens, done, queue_empty, open_requests
             for p in queue:
                 body = request_body(p["messages"], settings, p["id"], endpoint.model)
                 async with gate:
                     t, sent = time.monotonic(), time.time()
-                    open_requests[0] += 1
-                    open_requests[1] += sent
+                    open_requests = (open_requests[0] + 1, open_requests[1] + sent)
                     async with http.post(url, json=body) as resp:
                         resp.raise_for_status()
                         answer = await resp.json()
-                    open_requests[0] -= 1
-                    open_requests[1] = open_requests[1] - sent if open_requests[0] else 0.0
+                    open_requests = ((open_requests[0] - 1, open_requests[1] - sent)
+                                     if open_requests[0] > 1 else (0, 0.0))
                     latencies.append(time.monotonic() - t)
                 tokens += answer["usage"]["completion_tokens"]
                 done += 1

@@ -183,10 +183,10 @@ class ServerSampler:
             self.failures += 1
             return
         series = [sum(m.total(name) for m in scraped) for name in SERVER_SERIES]
-        # stamped halfway between asking and parsing: the server answered about then
-        t = (sent + time.time()) / 2
         count, sent_sum = self.open_requests()
-        self.rows.append([t, *series, count * t - sent_sum, *self.completed()])
+        now = time.time()
+        # stamped halfway between asking and parsing: the server answered about then
+        self.rows.append([(sent + now) / 2, *series, count * now - sent_sum, *self.completed()])
 
     def _loop(self, http: httpx.Client) -> None:
         try:

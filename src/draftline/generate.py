@@ -237,7 +237,9 @@ class GenerationRun:
         self.rng = random.Random(seed)
         self.queue = self._items()
         self.in_flight = 0  # requests open in this client
-        self.open_sent_sum = 0.0  # the sum of their send times (wall clock)
+        # (their count, the sum of their send times): one tuple, replaced whole, so the
+        # server sampler's thread never reads a count without its sum
+        self.open_requests: tuple[int, float] = (0, 0.0)
         self.bar: tqdm | None = None
         self.server: ServerSampler | None = None
 
@@ -257,7 +259,7 @@ class GenerationRun:
                         mininterval=1.0)
         self.server = ServerSampler(self.pool.endpoints,
                                     lambda: [s.stats.done for s in self.shards],
-                                    lambda: (self.in_flight, self.open_sent_sum))
+                                    lambda: self.open_requests)
         self.server.start()
         samplers = [asyncio.create_task(self._sample_in_flight())]
         workers = [asyncio.create_task(self._worker()) for _ in range(self.capacity)]
@@ -363,7 +365,8 @@ class GenerationRun:
             self.pool.sent[index] += 1
             sent = time.time()
             self.in_flight += 1
-            self.open_sent_sum += sent
+            count, sent_sum = self.open_requests
+            self.open_requests = (count + 1, sent_sum + sent)
             stats.requests_by_endpoint[endpoint.base_url] = (
                 stats.requests_by_endpoint.get(endpoint.base_url, 0) + 1)
             t0 = time.monotonic()
@@ -377,8 +380,9 @@ class GenerationRun:
                 error = exc
             finally:
                 self.in_flight -= 1
+                count, sent_sum = self.open_requests
                 # (reset when none is open: no rounding error of large sums carries on)
-                self.open_sent_sum = self.open_sent_sum - sent if self.in_flight else 0.0
+                self.open_requests = (count - 1, sent_sum - sent) if count > 1 else (0, 0.0)
                 self.pool.in_flight[index] -= 1
             kind = failure_kind(error)
             if kind == "refused":
