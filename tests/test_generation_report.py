@@ -135,6 +135,10 @@ def test_running_comes_from_request_time_even_when_the_gauge_reads_zero(tmp_path
     assert server["mean_running_fill"] == pytest.approx(
         true_running(requests, 100.3, fill_end), rel=0.01)
     assert server["mean_running_fill"] > 3.7  # the slots were busy but for the turnarounds
+    # how much of that is the open requests' time at the fill's end, from their sending
+    open_at_end = sum(fill_end - sent for *_, sent, done in requests if sent <= fill_end < done)
+    assert server["open_share_fill"] == pytest.approx(
+        open_at_end / (true_running(requests, 100.3, fill_end) * (fill_end - 100.3)), rel=0.02)
     assert server["gauges"]["mean_running"] == 0.0  # what the gauge said, kept as such
     assert server["output_tokens"] == 200
     # one shard's view: the server's running over that shard's requests

@@ -24,7 +24,6 @@ from __future__ import annotations
 import bisect
 import json
 import math
-from itertools import pairwise
 from pathlib import Path
 
 from draftline.atomic import write_json
@@ -155,10 +154,12 @@ def server_view(rows: list[list[float]], capacity: int, first_request: float | N
                            capacity)
     over_run = mean_running(times, seconds, first_request, end)
     over_fill = mean_running(times, seconds, first_request, fill_end)
+    open_end = interpolate(times, [r[OPEN_S] for r in rows], fill_end) if fill_end else None
     tokens = counter_increase(times, [r[TOKENS] for r in rows], first_request, end)
     view.update({
         "fill_end": round_or_none(fill_end, 3),
-        **running_figures(over_run, over_fill, capacity),
+        **running_figures(over_run, over_fill, capacity,
+                          open_share(open_end, over_fill, first_request, fill_end)),
         "gauges": gauge_means(rows, (first_request, end),
                               (first_request, fill_end) if fill_end else None),
         "output_tokens": round(tokens),
@@ -167,11 +168,23 @@ def server_view(rows: list[list[float]], capacity: int, first_request: float | N
     return view
 
 
-def running_figures(over_run: float | None, over_fill: float | None, capacity: int) -> dict:
+def running_figures(over_run: float | None, over_fill: float | None, capacity: int,
+                    open_share_fill: float | None) -> dict:
     return {"mean_running": round_or_none(over_run, 3),
             "mean_running_fill": round_or_none(over_fill, 3),
             "utilization": round_or_none(over_run and over_run / capacity, 4),
-            "utilization_fill": round_or_none(over_fill and over_fill / capacity, 4)}
+            "utilization_fill": round_or_none(over_fill and over_fill / capacity, 4),
+            "open_share_fill": round_or_none(open_share_fill, 4)}
+
+
+def open_share(open_end: float | None, over_fill: float | None, start: float,
+               fill_end: float | None) -> float | None:
+    """The share of the fill phase's request time that is the open requests' time at its
+    end, counted from their sending (the rest is the servers' counter): how far the fill
+    figure can be above the servers' own, at most."""
+    if open_end is None or not over_fill or fill_end is None:
+        return None
+    return open_end / (over_fill * (fill_end - start))
 
 
 def gauge_means(rows: list[list[float]], span: tuple[float, float],
@@ -234,14 +247,19 @@ def _merged_rows(summaries: list[dict]) -> list[list[float]]:
                   key=lambda r: r[T])
 
 
+def open_seconds_at(summaries: list[dict], t: float) -> float:
+    """Every run's open seconds at ``t``."""
+    return sum(interpolate([r[T] for r in run], [r[OPEN_S] for r in run], t)
+               for run in _run_timelines(summaries))
+
+
 def stage_request_seconds(summaries: list[dict]) -> tuple[list[float], list[float]]:
     """R (module docstring) at every merged sample: the servers' running-seconds counter, read
     by whichever run sampled then, plus every run's open seconds at that moment."""
     rows = _merged_rows(summaries)
     times = [r[T] for r in rows]
     served = cumulative([r[RUNNING_S] for r in rows])
-    runs = [([r[T] for r in run], [r[OPEN_S] for r in run]) for run in _run_timelines(summaries)]
-    return times, [done + sum(interpolate(*run, t) for run in runs)
+    return times, [done + open_seconds_at(summaries, t)
                    for t, done in zip(times, served, strict=True)]
 
 
@@ -294,6 +312,7 @@ def stage_summary(summaries: list[dict]) -> dict:
     busy = counter_increase(times, [r[RUNNING_S] for r in rows], t0, t1) if rows else None
     over_wall = busy / wall if busy is not None and wall > 0 else None
     over_fill = mean_running(times, seconds, *fill) if fill else None
+    open_end = open_seconds_at(summaries, fill[1]) if fill else None
     weights = [(s["latency_s"]["p50"], s["responses"] - s["resumed"]) for s in summaries
                if s.get("latency_s")]
     median_latency = _weighted_median(weights)
@@ -315,7 +334,8 @@ def stage_summary(summaries: list[dict]) -> dict:
                       "per_shard": [s["timing"]["startup_s"] for s in summaries]},
         "server": {
             "samples": len(rows),
-            **running_figures(over_wall, over_fill, capacity),
+            **running_figures(over_wall, over_fill, capacity,
+                              open_share(open_end, over_fill, *fill) if fill else None),
             "gauges": gauge_means(rows, (t0, t1), fill),
             "output_tokens": round(tokens),
             "output_tok_s": round(tokens / wall, 2) if wall > 0 else None,
@@ -381,9 +401,9 @@ def _weighted_median(pairs: list[tuple[float, int]]) -> float | None:
 
 
 def plot_running(summaries: list[dict], stage: dict, out_png: Path | str) -> None:
-    """Requests running on the servers over the stage, from request time between samples
-    (module docstring) and from the running and waiting gauges; every shard job's span below,
-    the capacity as a line."""
+    """Requests running and waiting on the servers over the stage as their gauges were
+    sampled, the means from request time over the stage and the fill phase (module
+    docstring), every shard job's span below, the capacity as a line."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -394,15 +414,20 @@ def plot_running(summaries: list[dict], stage: dict, out_png: Path | str) -> Non
     fig, ax = plt.subplots(figsize=(8, 4.2), dpi=120)
     if rows:
         times = [r[T] - t0 for r in rows]
-        at, seconds = stage_request_seconds(summaries)
-        rates = [(b - a) / (tb - ta) if tb > ta else 0.0
-                 for (ta, a), (tb, b) in pairwise(zip(at, seconds, strict=True))]
-        ax.step(times, rates + [0.0], where="post", color="tab:blue",
-                label="running (server counter + open requests)")
-        ax.step(times, [r[RUNNING] for r in rows], where="post", color="tab:cyan", alpha=0.6,
-                label="running (server gauge)")
+        ax.step(times, [r[RUNNING] for r in rows], where="post", color="tab:blue",
+                label="running (server gauge, sampled)")
         ax.step(times, [r[WAITING] for r in rows], where="post", color="tab:orange",
-                alpha=0.7, label="waiting (server gauge)")
+                alpha=0.7, label="waiting (server gauge, sampled)")
+    server = stage["server"]
+    t1 = max((s["timing"]["end"] or s["timing"]["job_start"]) for s in summaries)
+    if server["mean_running"] is not None:
+        ax.hlines(server["mean_running"], 0, t1 - t0, color="tab:purple", linestyle=":",
+                  label="mean running over the stage (server counter)")
+    if server["mean_running_fill"] is not None:
+        first = min(s["timing"]["first_request"] for s in summaries
+                    if s["timing"]["first_request"])
+        ax.hlines(server["mean_running_fill"], first - t0, first - t0 + stage["fill_s"],
+                  color="tab:red", linestyle="--", label="mean running over the fill phase")
     capacity = stage["capacity"]
     ax.axhline(capacity, color="tab:green", linestyle="--", label=f"chosen C={capacity}")
     for i, s in enumerate(summaries):
@@ -415,7 +440,6 @@ def plot_running(summaries: list[dict], stage: dict, out_png: Path | str) -> Non
     ax.set_xlabel("seconds since the first shard job started (bars: shard jobs, | first "
                   "request)")
     ax.set_ylabel("requests")
-    server = stage["server"]
     util = server["utilization"]
     fill = server["utilization_fill"]
     ax.set_title(f"generation: {stage['shards']} shard job(s), server-side mean running / C = "
