@@ -125,6 +125,59 @@ def test_the_aiohttp_transport_raises_what_the_openai_client_and_retry_policy_ex
                     "refused": "refused"}
 
 
+def test_a_kept_alive_connection_the_server_closed_is_resent_at_once_over_a_new_one():
+    """A server that answers the first request on a connection and drops the connection on
+    the next one, as vLLM does once its keep-alive timeout passed while the client was busy:
+    the transport sends that request once more over a new connection (marked ``resent``)
+    instead of failing it into a retry with backoff. A server that drops every request still
+    fails, as a disconnect, marked resent."""
+    import asyncio
+
+    from draftline.endpoint_clients import AiohttpTransport, shared_tls_context
+
+    body = b'{"ok": true}'
+    answer = b"HTTP/1.1 200 OK\r\ncontent-length: %d\r\n\r\n%s" % (len(body), body)
+    connections = []
+
+    async def serve(reader, writer):
+        connections.append(writer)
+        answered = 0
+        while True:
+            head = await reader.readuntil(b"\r\n\r\n")
+            length = int(next(line.split(b":")[1] for line in head.split(b"\r\n")
+                              if line.lower().startswith(b"content-length")))
+            await reader.readexactly(length)
+            if answered or b"/drop" in head.split(b"\r\n")[0]:
+                writer.close()  # no answer: the connection is gone
+                return
+            writer.write(answer)
+            await writer.drain()
+            answered += 1
+
+    async def run():
+        server = await asyncio.start_server(serve, "127.0.0.1", 0)
+        port = server.sockets[0].getsockname()[1]
+        client = openai.AsyncOpenAI(
+            base_url=f"http://127.0.0.1:{port}/v1", api_key="k", max_retries=0, timeout=5,
+            http_client=httpx.AsyncClient(transport=AiohttpTransport(4, shared_tls_context())))
+        first = await client.post("/a", cast_to=httpx.Response, body={"x": 1})
+        second = await client.post("/a", cast_to=httpx.Response, body={"x": 2})
+        try:
+            await client.post("/drop", cast_to=httpx.Response, body={"x": 3})
+            dropped = None
+        except Exception as exc:
+            dropped = (failure_kind(exc), getattr(exc.__cause__, "resent", False))
+        await client.close()
+        server.close()
+        return first, second, dropped
+
+    first, second, dropped = asyncio.run(run())
+    assert json.loads(first.content) == json.loads(second.content) == {"ok": True}
+    assert "resent" not in first.extensions and second.extensions["resent"] is True
+    assert len(connections) >= 3  # the kept one, the resend's, and /drop's own
+    assert dropped == ("disconnect", True)
+
+
 def test_reasoning_is_read_under_either_name_and_an_empty_one_is_kept():
     from draftline.generate import parse_completion
 
@@ -484,7 +537,7 @@ def test_one_run_keeps_the_server_full_across_shard_boundaries(tmp_path, vllm_se
     rows = summaries[0]["server"]["timeline"]["rows"]  # the one run's samples
     times, seconds = [r[0] for r in rows], request_seconds(rows)
     at_boundaries = [mean_running(times, seconds, t["first_request"] - 0.5,
-                                  t["first_request"] + 0.5) for t in timing[1:]]
+                                  t["first_request"] + 0.5, 4) for t in timing[1:]]
     assert sum(at_boundaries) / 2 >= 0.5 * stage["server"]["mean_running_fill"] > 0, (
         at_boundaries, stage["server"])
 

