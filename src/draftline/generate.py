@@ -4,9 +4,10 @@ Kept whole (about 620 lines): settings, the request and its retry policy, the ru
 shard summaries are one stage read in order; the endpoint clients (``draftline.endpoint_clients``)
 and the kept answers (``draftline.responses``) have their own modules.
 
-One generation job serves every shard: one process, one set of official ``AsyncOpenAI``
-clients and one fixed pool of C x endpoints worker coroutines (never one task per prompt) that
-pull prompts from all shard files in order (``GenerationRun``). The server so stays full across
+One generation job serves every shard: one process, one aiohttp client per endpoint
+(``draftline.endpoint_clients.EndpointClient``, which says why not the ``openai`` client) and
+one fixed pool of C x endpoints worker coroutines (never one task per prompt) that pull
+prompts from all shard files in order (``GenerationRun``). The server so stays full across
 shard boundaries (the next shard's prompts are asked while the last answers of the previous
 one are still generated), the run has one tail, and the process start-up is paid once.
 
@@ -43,12 +44,11 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import httpx
-import openai
+import aiohttp
 from tqdm import tqdm
 
 from draftline.atomic import write_json, write_jsonl
-from draftline.endpoint_clients import EndpointPool, ServerSampler
+from draftline.endpoint_clients import EndpointPool, ServerSampler, StatusError
 from draftline.generation_report import round_or_none, server_view
 from draftline.hub import hub_revision
 from draftline.loadgen import request_seed
@@ -152,28 +152,24 @@ def failure_kind(exc: BaseException) -> str:
     (408/409/429/5xx); ``invalid``: a complete response that does not parse; ``final``: an
     error that another try would repeat (400: prompt too long, ...).
     """
-    cause = exc.__cause__ or exc
-    if isinstance(exc, openai.APITimeoutError) or isinstance(cause, httpx.TimeoutException):
-        return "timeout"
-    if isinstance(cause, httpx.ConnectError):
-        return "refused"
-    if isinstance(exc, openai.APIConnectionError) or isinstance(cause, httpx.TransportError):
-        return "disconnect"
-    if isinstance(exc, openai.APIStatusError):
+    if isinstance(exc, StatusError):
         code = exc.status_code
         return "status" if code in RETRYABLE_STATUS or code >= 500 else "final"
-    if isinstance(exc, openai.APIResponseValidationError | json.JSONDecodeError |
-                  httpx.DecodingError | MalformedCompletion):
+    if isinstance(exc, aiohttp.ClientConnectorError) and not isinstance(exc, TimeoutError):
+        return "refused"
+    if isinstance(exc, TimeoutError):  # aiohttp's connect and read timeouts are TimeoutErrors
+        return "timeout"
+    if isinstance(exc, aiohttp.ClientError):  # dropped, reset, truncated, malformed HTTP
+        return "disconnect"
+    if isinstance(exc, json.JSONDecodeError | UnicodeDecodeError | MalformedCompletion):
         return "invalid"
     return "final"
 
 
 def was_resent(exc: BaseException) -> bool:
-    """Whether the transport sent the failed request once more over a new connection (its
+    """Whether the client sent the failed request once more over a new connection (its
     resend failed to connect or answer, or answered with an error status)."""
-    response = getattr(exc, "response", None)
-    return bool(getattr(exc.__cause__, "resent", False)
-                or (isinstance(response, httpx.Response) and response.extensions.get("resent")))
+    return bool(getattr(exc, "resent", False))
 
 
 def backoff_delay(attempt: int, settings: GenerateSettings, rng: random.Random) -> float:
@@ -383,9 +379,9 @@ class GenerationRun:
             t0 = time.monotonic()
             stats.t_first_request = stats.t_first_request or sent
             try:
-                response = await self._post(self.pool.clients[index], body)
-                stats.connection_resends += bool(response.extensions.get("resent"))
-                parsed = parse_completion(json.loads(response.content))
+                answer = await self.pool.clients[index].complete(body)
+                stats.connection_resends += answer.resent
+                parsed = parse_completion(answer.body)
                 self.pool.succeeded()
                 return parsed, time.monotonic() - t0, endpoint.base_url
             except Exception as exc:  # classified below; nothing is swallowed silently
@@ -415,16 +411,6 @@ class GenerationRun:
                 continue
             self._fail(shard, prompt_id, error, attempt + 1, kind)
             return None
-
-    @staticmethod
-    async def _post(client: openai.AsyncOpenAI, body: dict) -> httpx.Response:
-        """The completion's response, through the OpenAI client's documented ``post`` (its
-        connection handling, auth, timeouts and status errors) without its typed layer: the
-        typed ``chat.completions.create`` walks every request through its TypedDict
-        transforms and builds pydantic models of every answer, about 0.5 ms of client CPU a
-        request (``benchmarks/generation.py``), that this run would only turn back into dicts.
-        """
-        return await client.post("/chat/completions", cast_to=httpx.Response, body=body)
 
     async def _endpoint(self) -> int:
         while True:
