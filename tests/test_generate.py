@@ -267,7 +267,10 @@ def _prompts(tmp_path, n, long_ids=()):
     path = tmp_path / "shard-0.jsonl"
     with open(path, "w") as fh:
         for i in range(n):
-            text = f"Question {i}: what is {i} plus {i + 1}?"
+            # the toy's own arithmetic phrasing: on it every build reasons before answering;
+            # outside its families what a build does follows the host's training floats (one
+            # build answered 12 of 23 "Question 3: what is 3 plus 4?" with an empty reasoning)
+            text = f"What is {i} + {i + 1}?"
             if i in long_ids:
                 text = "word " * 3000  # longer than max_model_len
             fh.write(json.dumps({"id": f"p{i:03d}", "messages": [
