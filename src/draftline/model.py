@@ -13,6 +13,12 @@ state dict exports without renaming (``fc``, ``midlayer.*``, ``norm``, ``lm_head
     h_next = r + mlp(post_attention_layernorm(r))      "prenorm" state, fed to the next step
     logits = lm_head(norm(h_next))                     over the draft vocab
 
+Three flags of vLLM's ``Eagle3LlamaForCausalLM`` change where norms sit (``DraftConfig``; the
+exported config.json carries them): ``fc_norm`` (EAGLE-3.1) normalises each aux state on its
+own before ``fc`` (``fc_norm.{i}``); ``norm_before_residual`` makes the residual the normed
+state, r = hidden_norm(h) + self_attn(x); ``norm_output`` (EAGLE-3.1) feeds the next step
+norm(h_next) instead of the prenorm state.
+
 Alignment (as vLLM's EAGLE proposer): row i of step 0 holds the target state at position i and
 the token at i+1, sits at rotary position i, and predicts token i+2. Step k feeds row i its
 own step k-1 state, the token at i+1+k, at rotary position i+k, and predicts token i+2+k.
@@ -61,10 +67,15 @@ class DraftConfig:
     max_position_embeddings: int
     num_aux_hidden_states: int = NUM_AUX_LAYERS
     rope_scaling: dict | None = None  # None, or {"rope_type": "yarn", "factor", ...} as vLLM's
+    # Norm placements vLLM's Eagle3LlamaForCausalLM serves (module docstring).
+    fc_norm: bool = False
+    norm_before_residual: bool = False
+    norm_output: bool = False
 
     # The draft layer's own sizes, settable in config (train.draft); null keeps the target's.
     ARCHITECTURE_KEYS = ("intermediate_size", "num_attention_heads", "num_key_value_heads",
                          "head_dim", "rope_theta", "rope_scaling")
+    NORM_FLAGS = ("fc_norm", "norm_before_residual", "norm_output")
 
     @classmethod
     def from_target(cls, target_config: dict, draft_vocab_size: int,
@@ -83,8 +94,11 @@ class DraftConfig:
             "rope_theta": rope_theta_of(cfg),
             "rope_scaling": None,
         }
-        sizes.update({k: v for k, v in (architecture or {}).items() if v is not None})
+        architecture = architecture or {}
+        sizes.update({k: v for k, v in architecture.items()
+                      if k in cls.ARCHITECTURE_KEYS and v is not None})
         check_architecture(sizes)
+        flags = {k: bool(architecture.get(k, False)) for k in cls.NORM_FLAGS}
         return cls(
             hidden_size=hidden,
             target_hidden_size=hidden,
@@ -95,6 +109,7 @@ class DraftConfig:
             **{k: sizes[k] for k in ("num_attention_heads", "num_key_value_heads", "head_dim",
                                      "intermediate_size", "rope_scaling")},
             rope_theta=float(sizes["rope_theta"]),
+            **flags,
         )
 
     def to_dict(self) -> dict:
@@ -447,12 +462,15 @@ class DraftDecoderLayer(nn.Module):
         self.self_attn = DraftAttention(cfg)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = DraftMLP(cfg)
+        self.norm_before_residual = cfg.norm_before_residual
 
     def forward(self, embeds: torch.Tensor, hidden: torch.Tensor, cos: torch.Tensor,
                 sin: torch.Tensor, cache: TTTCache) -> torch.Tensor:
         """embeds, hidden ``[B, T, H]`` -> prenorm state ``[B, T, H]``."""
-        x = torch.cat([self.input_layernorm(embeds), self.hidden_norm(hidden)], dim=-1)  # 2H
-        hidden = hidden + self.self_attn(x, cos, sin, cache)
+        normed = self.hidden_norm(hidden)
+        residual = normed if self.norm_before_residual else hidden
+        x = torch.cat([self.input_layernorm(embeds), normed], dim=-1)  # [B, T, 2H]
+        hidden = residual + self.self_attn(x, cos, sin, cache)
         return hidden + self.mlp(self.post_attention_layernorm(hidden))
 
 
@@ -481,6 +499,9 @@ class Eagle3Draft(nn.Module):
         super().__init__()
         self.cfg = cfg
         self.embed_tokens = nn.Embedding.from_pretrained(embed_weight, freeze=True)  # [V, H]
+        if cfg.fc_norm:  # one norm per aux state, [Ht] each
+            self.fc_norm = nn.ModuleList(RMSNorm(cfg.target_hidden_size, cfg.rms_norm_eps)
+                                         for _ in range(cfg.num_aux_hidden_states))
         self.fc = nn.Linear(cfg.num_aux_hidden_states * cfg.target_hidden_size,
                             cfg.hidden_size, bias=False)
         self.midlayer = DraftDecoderLayer(cfg)
@@ -497,7 +518,7 @@ class Eagle3Draft(nn.Module):
         positions = torch.arange(length + ttt_steps, device=input_ids.device)  # [T+K]
         cos_all, sin_all = rotary_tables(positions, self.cfg.head_dim, self.cfg.rope_theta,
                                          self.cfg.rope_scaling)
-        hidden = self.fc(aux)  # [B, T, H]
+        hidden = self.combine_aux(aux)  # [B, T, H]
         cache = TTTCache()
         logits = []
         for step in range(ttt_steps):
@@ -505,9 +526,19 @@ class Eagle3Draft(nn.Module):
             embeds = self.embed_tokens(tokens).to(hidden.dtype)  # [B, T, H]
             cos = cos_all[step:step + length]  # positions shift by one per step, [T, hd]
             sin = sin_all[step:step + length]
-            hidden = self.midlayer(embeds, hidden, cos, sin, cache)  # [B, T, H]
-            logits.append(self.lm_head(self.norm(hidden)))  # [B, T, D]
+            prenorm = self.midlayer(embeds, hidden, cos, sin, cache)  # [B, T, H]
+            normed = self.norm(prenorm)
+            logits.append(self.lm_head(normed))  # [B, T, D]
+            hidden = normed if self.cfg.norm_output else prenorm  # the next step's state
         return logits
+
+    def combine_aux(self, aux: torch.Tensor) -> torch.Tensor:
+        """aux ``[B, T, A]`` -> the first state ``[B, T, H]`` (vLLM's combine_hidden_states)."""
+        if self.cfg.fc_norm:
+            chunks = aux.chunk(self.cfg.num_aux_hidden_states, dim=-1)  # each [B, T, Ht]
+            aux = torch.cat([norm(c) for norm, c in zip(self.fc_norm, chunks, strict=True)],
+                            dim=-1)
+        return self.fc(aux)
 
     def trainable_state_dict(self) -> dict[str, torch.Tensor]:
         return {k: v for k, v in self.state_dict().items() if k not in self.FROZEN}
@@ -519,7 +550,10 @@ def expected_shapes(cfg: DraftConfig) -> dict[str, tuple[int, ...]]:
                              cfg.num_key_value_heads, cfg.head_dim)
     attn = "midlayer.self_attn."
     mlp = "midlayer.mlp."
+    fc_norms = {f"fc_norm.{i}.weight": (cfg.target_hidden_size,)
+                for i in range(cfg.num_aux_hidden_states)} if cfg.fc_norm else {}
     return {
+        **fc_norms,
         "fc.weight": (hidden, cfg.num_aux_hidden_states * cfg.target_hidden_size),
         attn + "q_proj.weight": (heads * hd, 2 * hidden),
         attn + "k_proj.weight": (kv * hd, 2 * hidden),

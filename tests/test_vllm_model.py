@@ -1,0 +1,113 @@
+"""The exported draft computes in vLLM's own model class what draftline's model computes.
+
+For each norm placement (and a draft with its own sizes: grouped-query heads, a wider head,
+YaRN), a draft with random weights (norm weights too, so that every norm matters) is
+exported, loaded into vLLM's ``Eagle3LlamaForCausalLM`` in process on the CPU
+(tests/vllm_eagle3_reference.py; only the paged-attention kernel call is a plain causal one)
+and run on the same aux states and tokens as draftline's first unroll step. The first state
+(``fc``, with ``fc_norm``), the normed state and the draft-vocab logits, and the state vLLM
+feeds the next step (prenorm, or normed with ``norm_output``) must agree. A flag that the
+export dropped or that vLLM read differently changes these by O(1).
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+from conftest import DRAFT_ARCHITECTURE, requires_vllm
+from safetensors.torch import load_file, save_file
+
+from draftline.export import export_draft
+from draftline.model import DraftConfig, TTTCache, rotary_tables, shift_left
+from draftline.train.checkpoint import DRAFT_CONFIG_FILE, save_weights
+from draftline.train.draft import build_draft
+
+FLAGS = dict.fromkeys(DraftConfig.NORM_FLAGS, True)
+VARIANTS = {
+    "eagle3": {},
+    "eagle3.1": {"fc_norm": True, "norm_output": True},
+    "norm_before_residual": {"norm_before_residual": True},
+    "own-sizes-all-flags": {**DRAFT_ARCHITECTURE, **FLAGS},
+}
+REFERENCE = Path(__file__).with_name("vllm_eagle3_reference.py")
+LENGTH = 24
+
+
+def random_draft(inputs: dict, architecture: dict, seed: int):
+    """A draft of ``architecture`` with every weight random (norms around 1)."""
+    model, _, cfg = build_draft(inputs["target_dir"], inputs["vocab_map"], seed,
+                                architecture=architecture)
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for param in model.parameters():
+            if param.ndim == 1:
+                param.copy_(1 + 0.5 * torch.randn(param.shape, generator=gen))
+    return model, cfg
+
+
+def export(model, cfg, inputs: dict, directory: Path) -> Path:
+    best = directory / "best"
+    best.mkdir(parents=True)
+    save_weights(model.trainable_state_dict(), best)
+    (best / DRAFT_CONFIG_FILE).write_text(json.dumps(cfg.to_dict()))
+    return export_draft(best, inputs["target_dir"], inputs["vocab_map"], inputs["layer_ids"],
+                        directory / "checkpoint")
+
+
+def first_step(model, cfg, aux: torch.Tensor, input_ids: torch.Tensor) -> dict:
+    """draftline's unroll step 0, its intermediate states named as vLLM's outputs."""
+    length = input_ids.shape[1]
+    cos, sin = rotary_tables(torch.arange(length), cfg.head_dim, cfg.rope_theta,
+                             cfg.rope_scaling)
+    with torch.no_grad():
+        first = model.combine_aux(aux)
+        embeds = model.embed_tokens(shift_left(input_ids, 1))
+        prenorm = model.midlayer(embeds, first, cos, sin, TTTCache())
+        normed = model.norm(prenorm)
+        logits = model(aux, input_ids, 1)[0]
+    return {"first_state": first[0], "hidden": normed[0], "prenorm": prenorm[0],
+            "aux_output": (normed if cfg.norm_output else prenorm)[0], "logits": logits[0]}
+
+
+@requires_vllm
+def test_exported_drafts_compute_in_vllm_what_they_compute_in_training(draft_inputs, tmp_path):
+    jobs, ours = [], {}
+    for i, (name, architecture) in enumerate(VARIANTS.items()):
+        model, cfg = random_draft(draft_inputs, architecture, seed=i)
+        checkpoint = export(model, cfg, draft_inputs, tmp_path / name)
+        # draftline's model on the exported (bf16-rounded) weights, in fp32 as vLLM runs here
+        exported = load_file(str(checkpoint / "model.safetensors"))
+        model.load_state_dict({k: v.float() for k, v in exported.items()
+                               if k not in ("d2t", "t2d")}, strict=False)
+        gen = torch.Generator().manual_seed(100 + i)
+        aux = torch.randn(1, LENGTH, 3 * cfg.target_hidden_size, generator=gen)
+        input_ids = torch.randint(0, cfg.vocab_size, (1, LENGTH), generator=gen)
+        save_file({"aux": aux[0], "tokens": shift_left(input_ids, 1)[0],
+                   "positions": torch.arange(LENGTH)}, str(tmp_path / f"{name}.in"))
+        ours[name] = first_step(model, cfg, aux, input_ids)
+        jobs += [str(checkpoint), str(tmp_path / f"{name}.in"), str(tmp_path / f"{name}.out")]
+    done = subprocess.run([sys.executable, str(REFERENCE), str(draft_inputs["target_dir"]),
+                           *jobs], capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-4000:]
+
+    d2t = load_file(str(draft_inputs["vocab_map"]))["d2t"]
+    draft_ids = torch.arange(d2t.shape[0]) + d2t  # the target ids of the draft vocab
+    for name in VARIANTS:
+        theirs = load_file(str(tmp_path / f"{name}.out"))
+        mine = ours[name]
+        for key in ("first_state", "hidden", "aux_output"):
+            torch.testing.assert_close(theirs[key], mine[key], atol=2e-4, rtol=1e-4,
+                                       msg=lambda m, k=key, n=name: f"{n} {k}: {m}")
+        torch.testing.assert_close(theirs["logits"][:, draft_ids], mine["logits"],
+                                   atol=2e-4, rtol=1e-4, msg=lambda m, n=name: f"{n}: {m}")
+        outside = torch.ones(theirs["logits"].shape[1], dtype=torch.bool)
+        outside[draft_ids] = False
+        assert torch.isneginf(theirs["logits"][:, outside]).all()
+        # the comparison tells the flags apart: vLLM's state for the next step is the normed
+        # one exactly when norm_output is set
+        gap = (mine["hidden"] - mine["prenorm"]).abs().max()
+        assert gap > 0.1, f"{name}: normed and prenorm states too close to tell apart"

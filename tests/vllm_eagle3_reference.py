@@ -1,0 +1,99 @@
+"""Run vLLM's own ``Eagle3LlamaForCausalLM`` on an exported draft, in process on the CPU.
+
+    python tests/vllm_eagle3_reference.py TARGET CHECKPOINT INPUTS OUTPUTS [CHECKPOINT ...]
+
+Builds the model class vLLM serves the checkpoint with (``SpeculativeConfig(method="eagle3")``
+over the target's ``ModelConfig``), loads the checkpoint through the model's own
+``load_weights`` (its name mapping, ``d2t``, the norm flags of config.json) and the target's
+embedding, and runs one drafting step over a sequence: ``combine_hidden_states(aux)``, the
+model's forward, ``compute_logits``. Writes ``first_state`` ``[T, H]``, ``hidden`` (the normed
+state the logits read) and ``aux_output`` (the state vLLM feeds the next step) ``[T, H]``,
+``logits`` ``[T, V]`` (the draft vocab scattered into the target's, -inf elsewhere).
+
+One substitution: the paged attention kernel needs a KV cache and the scheduler's metadata,
+so its ``attn`` (the kernel call only: q, k, v after vLLM's projections and rotary) is a plain
+causal attention over the one sequence. Everything else is vLLM's code. Its own process: vLLM
+initialises a process-wide distributed group.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import torch
+import torch.nn.functional as F
+from safetensors.torch import load_file, save_file
+
+
+class CausalAttention(torch.nn.Module):
+    """q ``[T, nh*hd]``, k, v ``[T, nkv*hd]`` -> ``[T, nh*hd]``: one sequence, causal."""
+
+    def __init__(self, heads: int, kv_heads: int, head_dim: int):
+        super().__init__()
+        self.heads, self.kv_heads, self.head_dim = heads, kv_heads, head_dim
+
+    def forward(self, q, k, v):
+        length = q.shape[0]
+        q = q.view(length, self.heads, self.head_dim).transpose(0, 1)
+        k = k.view(length, self.kv_heads, self.head_dim).transpose(0, 1)
+        v = v.view(length, self.kv_heads, self.head_dim).transpose(0, 1)
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+        return out.transpose(0, 1).reshape(length, -1)
+
+
+def build(checkpoint: str, target: str):
+    from vllm.config import (
+        ModelConfig,
+        ParallelConfig,
+        SpeculativeConfig,
+        VllmConfig,
+        set_current_vllm_config,
+    )
+    from vllm.distributed import init_distributed_environment, initialize_model_parallel
+    from vllm.model_executor.model_loader.utils import process_weights_after_loading
+    from vllm.model_executor.models.llama_eagle3 import Eagle3LlamaForCausalLM
+
+    model_cfg = ModelConfig(model=target, dtype="float32", enforce_eager=True, max_model_len=512)
+    parallel = ParallelConfig()
+    spec = SpeculativeConfig(method="eagle3", model=checkpoint, num_speculative_tokens=3,
+                             target_model_config=model_cfg, target_parallel_config=parallel)
+    vllm_cfg = VllmConfig(model_config=model_cfg, speculative_config=spec,
+                          parallel_config=parallel)
+    with set_current_vllm_config(vllm_cfg):
+        if not torch.distributed.is_initialized():
+            init_distributed_environment(world_size=1, rank=0, local_rank=0, backend="gloo",
+                                         distributed_init_method="tcp://127.0.0.1:0")
+            initialize_model_parallel(1, 1)
+        model = Eagle3LlamaForCausalLM(vllm_config=vllm_cfg)
+        attn = model.model.layers[0].self_attn
+        attn.attn = CausalAttention(attn.num_heads, attn.num_kv_heads, attn.head_dim)
+        weights = load_file(f"{checkpoint}/model.safetensors")
+        embed = [v for k, v in load_file(f"{target}/model.safetensors").items()
+                 if k.endswith("embed_tokens.weight")]
+        weights["embed_tokens.weight"] = embed[0]
+        model.load_weights(weights.items())
+        process_weights_after_loading(model, model_cfg, torch.device("cpu"))
+    return model.float().eval(), vllm_cfg
+
+
+def run(checkpoint: str, target: str, inputs: str, outputs: str) -> None:
+    from vllm.config import set_current_vllm_config
+
+    model, vllm_cfg = build(checkpoint, target)
+    data = load_file(inputs)  # aux [T, A], tokens [T], positions [T]
+    with torch.no_grad(), set_current_vllm_config(vllm_cfg):
+        first = model.combine_hidden_states(data["aux"].float())
+        hidden, aux_output = model(data["tokens"], data["positions"], first)
+        logits = model.compute_logits(hidden)
+    out = {"first_state": first, "hidden": hidden, "aux_output": aux_output, "logits": logits}
+    save_file({k: v.clone().contiguous() for k, v in out.items()}, outputs)  # may share memory
+
+
+def main(argv: list[str]) -> None:
+    target, jobs = argv[0], argv[1:]
+    for i in range(0, len(jobs), 3):
+        run(jobs[i], target, jobs[i + 1], jobs[i + 2])
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
