@@ -38,7 +38,7 @@ optimizer step, with a checkpoint of that step (exit status 128 + signal).
 
 Modules: ``loop`` (``train_draft``: the loop, top to bottom), ``data`` (micro-batches and the batch
 source the loop reads), ``draft`` (the draft and its teacher from the target), ``distributed``
-(processes, DDP/FSDP, torchrun), ``checkpoint`` (checkpoints, resume, outputs), ``signals``
+(processes, DDP/FSDP, torchrun), ``optim`` (optimizer and schedule), ``checkpoint`` (checkpoints, resume, outputs), ``signals``
 (stop requests), ``metrics`` (the metrics log). This file only re-exports.
 """
 

@@ -9,7 +9,6 @@ take the same steps. The batches come from a batch source (``draftline.train.dat
 from __future__ import annotations
 
 import contextlib
-import math
 import random
 import sys
 import time
@@ -47,6 +46,7 @@ from draftline.train.distributed import (
 )
 from draftline.train.draft import build_draft, check_inputs
 from draftline.train.metrics import RunLog, train_record
+from draftline.train.optim import build_optimizer, lr_factor
 from draftline.train.signals import StopRequest
 
 
@@ -109,10 +109,10 @@ def run(rt: Runtime, store, vocab_map: Path, target_dir: Path, out_dir: Path,
     check_inputs(store, vocab_map, target_dir, cfg["draft"])  # before big reads
     model, head, draft_cfg = build_draft(target_dir, vocab_map, cfg["seed"], rt.device,
                                          cfg["draft"])
+    model.lm_head.weight.requires_grad_(cfg["lm_head"] == "trained")
     wrapped = wrap_model(model, cfg["strategy"], rt)
     params = [p for p in model.parameters() if p.requires_grad]
-    optimizer = torch.optim.AdamW(params, lr=cfg["lr"], weight_decay=cfg["weight_decay"],
-                                  betas=(0.9, 0.95))
+    optimizer = build_optimizer(model, cfg)  # after wrapping: FSDP replaces the parameters
 
     # the batches and the schedule
     workers = 2 if rt.device.type == "cuda" else 0
@@ -122,7 +122,7 @@ def run(rt: Runtime, store, vocab_map: Path, target_dir: Path, out_dir: Path,
     if cfg["max_steps"]:
         total = min(total, cfg["max_steps"])
     scheduler = torch.optim.lr_scheduler.LambdaLR(
-        optimizer, lambda s: lr_factor(s, cfg["warmup_steps"], total))
+        optimizer, lambda s: lr_factor(s, cfg["warmup_steps"], total, cfg["schedule"]))
 
     # resume this run's latest checkpoint, or start afresh
     state_root = out_dir / STATE_DIR
@@ -258,11 +258,3 @@ def evaluate(model, head, data, cfg: dict, rt: Runtime) -> dict:
                 counts += c
     model.train()
     return metrics_from_counts(all_reduce_sum(counts, rt))
-
-
-def lr_factor(step: int, warmup: int, total: int) -> float:
-    """Linear warmup to 1 over ``warmup`` steps, then cosine to 0 at ``total``."""
-    if step < warmup:
-        return (step + 1) / warmup
-    progress = (step - warmup) / max(1, total - warmup)
-    return 0.5 * (1.0 + math.cos(math.pi * min(1.0, progress)))
