@@ -37,9 +37,10 @@ rerun with anything changed starts afresh. SIGINT or SIGTERM stops the run after
 optimizer step, with a checkpoint of that step (exit status 128 + signal).
 
 Modules: ``loop`` (``train_draft``: the loop, top to bottom), ``data`` (micro-batches and the batch
-source the loop reads), ``draft`` (the draft and its teacher from the target), ``distributed``
-(processes, DDP/FSDP, torchrun), ``optim`` (optimizer and schedule), ``checkpoint`` (checkpoints, resume, outputs), ``signals``
-(stop requests), ``metrics`` (the metrics log). This file only re-exports.
+source the loop reads), ``draft`` (the draft and its teacher from the target), ``optim`` (the
+optimizer and the learning-rate schedule), ``distributed`` (processes, DDP/FSDP, torchrun),
+``checkpoint`` (checkpoints, resume, outputs), ``signals`` (stop requests), ``metrics`` (the
+metrics log). This file only re-exports.
 """
 
 from draftline.train.checkpoint import load_checkpoint
