@@ -327,6 +327,32 @@ def test_loss_and_gradients_equal_plain_autograd(dtype):
         assert float((g.float() - r.float()).abs().max() / r.float().abs().max()) < tol
 
 
+def test_lk_loss_and_gradients_equal_plain_autograd():
+    """The LK objective is -log(sum min(p, softmax(logits))) per loss row, weighted by
+    decay^k, with autograd's gradients; and it is not the KL objective."""
+    gen = torch.Generator().manual_seed(1)
+    batch, length, vocab, steps = 2, 30, 200, 3
+    target_logp = torch.log_softmax(torch.randn(batch, length, vocab, generator=gen) * 3, -1)
+    in_draft = torch.rand(batch, length, generator=gen) > 0.2
+    mask = torch.rand(batch, length, generator=gen) > 0.3
+    logits = [(torch.randn(batch, length, vocab, generator=gen) * 2).requires_grad_()
+              for _ in range(steps)]
+    loss, _ = ttt_loss(logits, target_logp, in_draft, mask, 0.8, objective="lk")
+    ref = logits[0].new_zeros(())
+    for k, step in enumerate(logits):
+        rows = length - 2 - k
+        use = mask[:, 2 + k:2 + k + rows] & in_draft[:, 1 + k:1 + k + rows]
+        p = target_logp[:, 1 + k:1 + k + rows].exp()
+        alpha = torch.minimum(torch.softmax(step[:, :rows], -1), p).sum(-1)
+        ref = ref + 0.8**k * (-alpha.log() * use).sum() / use.sum()
+    torch.testing.assert_close(loss, ref, rtol=1e-5, atol=0)
+    for g, r in zip(torch.autograd.grad(loss, logits), torch.autograd.grad(ref, logits),
+                    strict=True):
+        torch.testing.assert_close(g, r, rtol=1e-4, atol=1e-7)
+    kl_loss, _ = ttt_loss(logits, target_logp, in_draft, mask, 0.8)
+    assert abs(kl_loss.detach() - loss.detach()) > 0.1
+
+
 def test_loss_saves_only_the_logits_and_one_target_probability_tensor():
     """What the backward keeps: each step's logits and one [B, T, D] fp32 target-probability
     tensor shared by the steps; autograd alone kept two fp32 [B, n, D] tensors per step."""

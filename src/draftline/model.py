@@ -647,6 +647,39 @@ class DraftKL(torch.autograd.Function):
         return grad.to(logits.dtype), None, None
 
 
+class DraftLK(torch.autograd.Function):
+    """Per row, the LK loss -log(alpha), alpha = sum_x min(p_x, q_x) with q = softmax(logits):
+    the probability that a token sampled from the draft is accepted (LK losses, arXiv
+    2602.23881: the acceptance rate itself, where KL is its proxy), and the draft's argmax.
+
+    Saves what :class:`DraftKL` saves; the backward recomputes q.
+    d alpha / d logits_j = q_j (m_j - sum_x q_x m_x), m = [q < p] (where the draft is below the
+    target, raising it raises alpha). logits ``[B, n, D]``, target_p ``[B, n, D]`` fp32 ->
+    loss ``[B, n]`` fp32, argmax ``[B, n]``.
+    """
+
+    EPS = 1e-6  # alpha floor: an untrained draft can share almost no mass with the target
+
+    @staticmethod
+    def forward(ctx, logits, target_p):
+        probs = torch.softmax(logits.float(), dim=-1)  # [B, n, D]
+        alpha = torch.minimum(probs, target_p).sum(-1).clamp(min=DraftLK.EPS)  # [B, n]
+        argmax = probs.argmax(-1)
+        ctx.save_for_backward(logits, target_p, alpha)
+        ctx.mark_non_differentiable(argmax)
+        return -alpha.log(), argmax
+
+    @staticmethod
+    def backward(ctx, grad_loss, _):
+        logits, target_p, alpha = ctx.saved_tensors
+        probs = torch.softmax(logits.float(), dim=-1)  # [B, n, D]
+        below = (probs < target_p).float()
+        d_alpha = probs * (below - (probs * below).sum(-1, keepdim=True))
+        grad = -(grad_loss / alpha).unsqueeze(-1) * d_alpha
+        return grad.to(logits.dtype), None
+
+
+LOSSES = ("kl", "lk")
 COUNT_KEYS = ("valid", "loss_rows", "correct", "chain_eligible", "chain_correct", "kl_sum")
 
 
@@ -657,8 +690,10 @@ def ttt_loss(
     loss_mask: torch.Tensor,
     decay: float,
     greedy_path: torch.Tensor | None = None,
+    objective: str = "kl",
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Weighted forward KL over the unroll, and per-step counts for the metrics.
+    """Weighted forward KL (``objective`` "kl") or LK loss ("lk", :class:`DraftLK`) over the
+    unroll, and per-step counts for the metrics (``kl_sum`` holds the objective's sum).
 
     step_logits: K x ``[B, T, D]``; target_logp ``[B, T, D]`` and target_in_draft ``[B, T]``
     from :class:`TargetHead` at each position; loss_mask ``[B, T]`` (1 on generated tokens,
@@ -692,8 +727,11 @@ def ttt_loss(
         in_draft = target_in_draft[:, 1 + k:1 + k + rows]  # [B, n]
         valid = loss_mask[:, 2 + k:2 + k + rows].bool()  # [B, n]
         loss_rows = valid & in_draft
-        kl, draft_argmax = DraftKL.apply(logits[:, :rows], target_p[:, 1 + k:1 + k + rows],
-                                         tgt_logp)  # [B, n] each
+        step_p = target_p[:, 1 + k:1 + k + rows]  # [B, n, D]
+        if objective == "lk":
+            kl, draft_argmax = DraftLK.apply(logits[:, :rows], step_p)  # [B, n] each
+        else:
+            kl, draft_argmax = DraftKL.apply(logits[:, :rows], step_p, tgt_logp)
         kl_sum = (kl * loss_rows).sum()
         n_loss = loss_rows.sum()
         loss = loss + decay**k * kl_sum / n_loss.clamp(min=1)

@@ -244,7 +244,7 @@ def run_micro_batch(model, head, batch: dict, cfg: dict, rt: Runtime):
         target_logp, target_in_draft, argmax = head(final, with_argmax=True)  # [B, T, (D)]
         logits = model(aux, input_ids, cfg["ttt_steps"])  # K x [B, T, D]
         return ttt_loss(logits, target_logp, target_in_draft, loss_mask, cfg["loss_decay"],
-                        greedy_path=on_greedy_path(input_ids, argmax))
+                        greedy_path=on_greedy_path(input_ids, argmax), objective=cfg["loss"])
 
 
 def evaluate(model, head, data, cfg: dict, rt: Runtime) -> dict:
