@@ -31,6 +31,8 @@ VARIANTS = {
     "eagle3": {},
     "eagle3.1": {"fc_norm": True, "norm_output": True},
     "norm_before_residual": {"norm_before_residual": True},
+    "norm_before_fc+norm_output": {"norm_before_fc": True, "norm_before_residual": True,
+                                   "norm_output": True},
     "own-sizes-all-flags": {**DRAFT_ARCHITECTURE, **FLAGS},
 }
 REFERENCE = Path(__file__).with_name("vllm_eagle3_reference.py")

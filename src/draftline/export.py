@@ -3,11 +3,11 @@
 Format (docs/formats.md, matching vLLM's ``Eagle3LlamaForCausalLM`` loader): ``config.json`` with
 ``architectures: ["LlamaForCausalLMEagle3"]``, ``model_type: "llama"``, one hidden layer, the
 target's ``vocab_size``, ``draft_vocab_size``, ``eagle_config.eagle_aux_hidden_state_layer_ids``
-(vLLM captures exactly these target layers), the norm flags ``fc_norm``,
-``norm_before_residual`` and ``norm_output`` (EAGLE-3.1 sets the first and the last), and
-``model.safetensors`` with ``fc`` (and ``fc_norm.{i}``), ``midlayer.*``, ``norm``,
-``lm_head``, ``d2t`` (vLLM's ``draft_id_to_target_id``) and ``t2d`` (skipped by vLLM, used
-by SGLang). No ``embed_tokens``: vLLM shares the target's.
+(vLLM captures exactly these target layers), the norm flags ``norm_before_fc``, ``fc_norm``,
+``norm_before_residual`` and ``norm_output`` (EAGLE-3.1 sets ``fc_norm`` and ``norm_output``),
+and ``model.safetensors`` with ``fc`` (and ``input_norm``, ``fc_norm.{i}``), ``midlayer.*``,
+``norm``, ``lm_head``, ``d2t`` (vLLM's ``draft_id_to_target_id``) and ``t2d`` (skipped by
+vLLM, used by SGLang). No ``embed_tokens``: vLLM shares the target's.
 
 A draft vocab equal to the target's (the vocab stage's identity map, whenever
 ``vocab.draft_vocab_size`` >= the target vocab) ships neither ``d2t`` nor ``t2d``: vLLM then

@@ -13,11 +13,12 @@ state dict exports without renaming (``fc``, ``midlayer.*``, ``norm``, ``lm_head
     h_next = r + mlp(post_attention_layernorm(r))      "prenorm" state, fed to the next step
     logits = lm_head(norm(h_next))                     over the draft vocab
 
-Three flags of vLLM's ``Eagle3LlamaForCausalLM`` change where norms sit (``DraftConfig``; the
-exported config.json carries them): ``fc_norm`` (EAGLE-3.1) normalises each aux state on its
-own before ``fc`` (``fc_norm.{i}``); ``norm_before_residual`` makes the residual the normed
-state, r = hidden_norm(h) + self_attn(x); ``norm_output`` (EAGLE-3.1) feeds the next step
-norm(h_next) instead of the prenorm state.
+Four flags of vLLM's ``Eagle3LlamaForCausalLM`` change where norms sit (``DraftConfig``; the
+exported config.json carries them): ``norm_before_fc`` normalises the concatenated aux states
+before ``fc`` (``input_norm``, [A]); ``fc_norm`` (EAGLE-3.1) normalises each aux state on its
+own (``fc_norm.{i}``, after ``input_norm`` where both are set); ``norm_before_residual``
+makes the residual the normed state, r = hidden_norm(h) + self_attn(x); ``norm_output``
+(EAGLE-3.1) feeds the next step norm(h_next) instead of the prenorm state.
 
 Alignment (as vLLM's EAGLE proposer): row i of step 0 holds the target state at position i and
 the token at i+1, sits at rotary position i, and predicts token i+2. Step k feeds row i its
@@ -68,6 +69,7 @@ class DraftConfig:
     num_aux_hidden_states: int = NUM_AUX_LAYERS
     rope_scaling: dict | None = None  # None, or {"rope_type": "yarn", "factor", ...} as vLLM's
     # Norm placements vLLM's Eagle3LlamaForCausalLM serves (module docstring).
+    norm_before_fc: bool = False
     fc_norm: bool = False
     norm_before_residual: bool = False
     norm_output: bool = False
@@ -75,7 +77,7 @@ class DraftConfig:
     # The draft layer's own sizes, settable in config (train.draft); null keeps the target's.
     ARCHITECTURE_KEYS = ("intermediate_size", "num_attention_heads", "num_key_value_heads",
                          "head_dim", "rope_theta", "rope_scaling")
-    NORM_FLAGS = ("fc_norm", "norm_before_residual", "norm_output")
+    NORM_FLAGS = ("norm_before_fc", "fc_norm", "norm_before_residual", "norm_output")
 
     @classmethod
     def from_target(cls, target_config: dict, draft_vocab_size: int,
@@ -499,11 +501,13 @@ class Eagle3Draft(nn.Module):
         super().__init__()
         self.cfg = cfg
         self.embed_tokens = nn.Embedding.from_pretrained(embed_weight, freeze=True)  # [V, H]
+        aux_width = cfg.num_aux_hidden_states * cfg.target_hidden_size  # A
+        if cfg.norm_before_fc:  # one norm over all aux states, [A]
+            self.input_norm = RMSNorm(aux_width, cfg.rms_norm_eps)
         if cfg.fc_norm:  # one norm per aux state, [Ht] each
             self.fc_norm = nn.ModuleList(RMSNorm(cfg.target_hidden_size, cfg.rms_norm_eps)
                                          for _ in range(cfg.num_aux_hidden_states))
-        self.fc = nn.Linear(cfg.num_aux_hidden_states * cfg.target_hidden_size,
-                            cfg.hidden_size, bias=False)
+        self.fc = nn.Linear(aux_width, cfg.hidden_size, bias=False)
         self.midlayer = DraftDecoderLayer(cfg)
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.draft_vocab_size, bias=False)
@@ -534,6 +538,8 @@ class Eagle3Draft(nn.Module):
 
     def combine_aux(self, aux: torch.Tensor) -> torch.Tensor:
         """aux ``[B, T, A]`` -> the first state ``[B, T, H]`` (vLLM's combine_hidden_states)."""
+        if self.cfg.norm_before_fc:
+            aux = self.input_norm(aux)
         if self.cfg.fc_norm:
             chunks = aux.chunk(self.cfg.num_aux_hidden_states, dim=-1)  # each [B, T, Ht]
             aux = torch.cat([norm(c) for norm, c in zip(self.fc_norm, chunks, strict=True)],
@@ -550,11 +556,13 @@ def expected_shapes(cfg: DraftConfig) -> dict[str, tuple[int, ...]]:
                              cfg.num_key_value_heads, cfg.head_dim)
     attn = "midlayer.self_attn."
     mlp = "midlayer.mlp."
-    fc_norms = {f"fc_norm.{i}.weight": (cfg.target_hidden_size,)
-                for i in range(cfg.num_aux_hidden_states)} if cfg.fc_norm else {}
+    aux_width = cfg.num_aux_hidden_states * cfg.target_hidden_size
+    norms = {"input_norm.weight": (aux_width,)} if cfg.norm_before_fc else {}
+    norms.update({f"fc_norm.{i}.weight": (cfg.target_hidden_size,)
+                  for i in range(cfg.num_aux_hidden_states)} if cfg.fc_norm else {})
     return {
-        **fc_norms,
-        "fc.weight": (hidden, cfg.num_aux_hidden_states * cfg.target_hidden_size),
+        **norms,
+        "fc.weight": (hidden, aux_width),
         attn + "q_proj.weight": (heads * hd, 2 * hidden),
         attn + "k_proj.weight": (kv * hd, 2 * hidden),
         attn + "v_proj.weight": (kv * hd, 2 * hidden),
