@@ -109,6 +109,17 @@ def test_online_hf_training_is_bit_identical_to_offline(online_inputs, tmp_path)
     assert not (tmp_path / "online" / "hidden").exists()
 
 
+def test_online_auto_rate_is_the_offline_choice(online_inputs, tmp_path):
+    """train.lr auto probes online as offline: the same probes' scores, the same choice."""
+    auto = {**CFG, "lr": "auto", "lr_search": {"candidates": [1e-4, 1e-2], "probe_fraction": 0.5,
+                                               "min_probe_steps": 2}}
+    offline = run_offline(online_inputs, tmp_path / "offline", auto)
+    online = run_online(online_inputs, tmp_path / "online", auto)
+    assert online["lr_choice"]["probes"] == offline["lr_choice"]["probes"]
+    assert online["lr"] == offline["lr"] == offline["lr_choice"]["lr"]
+    assert_same_weights(tmp_path / "offline", tmp_path / "online")
+
+
 def test_bucketed_states_do_not_depend_on_the_samples_beside_them(online_inputs):
     """The same samples in other company (alone, in pairs, all together) give the same bits
     with bucketed batching; packed batching does not (which is why bucketed is the default)."""

@@ -45,6 +45,7 @@ from draftline.train.distributed import (
     wrap_model,
 )
 from draftline.train.draft import build_draft, check_inputs
+from draftline.train.lr_search import measured_lr
 from draftline.train.metrics import RunLog, train_record
 from draftline.train.optim import build_optimizer, lr_factor
 from draftline.train.signals import StopRequest
@@ -79,7 +80,11 @@ def train_draft(hidden_dir, vocab_map, target_dir, out_dir, train_cfg: dict | No
     rt = init_runtime()
     store = open_states(hidden_dir, online, target_dir, cfg)
     try:
-        return run(rt, store, vocab_map, target_dir, out_dir, cfg)
+        lr_choice = None
+        if cfg["lr"] == "auto":  # measured on this run's data before it trains
+            lr_choice = choose_lr(rt, store, vocab_map, target_dir, out_dir, cfg)
+            cfg = {**cfg, "lr": lr_choice["lr"]}
+        return run(rt, store, vocab_map, target_dir, out_dir, cfg, lr_choice)
     finally:
         store.close()
         close_runtime(rt)
@@ -97,10 +102,27 @@ def open_states(hidden_dir: Path | None, online: dict | None, target_dir: Path, 
                         Path(state_dir) if state_dir else None)
 
 
+def choose_lr(rt: Runtime, store, vocab_map: Path, target_dir: Path, out_dir: Path,
+               cfg: dict) -> dict:
+    """``train.lr: auto``: short probe runs of the candidate rates on these states
+    (``draftline.train.lr_search``; online, the probes have the target produce their states
+    too); the choice and its evidence."""
+    total = sum(StoredBatches(store, cfg, rt.rank, rt.world, 0).steps_per_epoch)  # plans only
+    total = min(total, cfg["max_steps"] or total)
+    run_id = fingerprint({**cfg, "lr": "auto"}, rt.world, store.identity(), vocab_map,
+                         target_dir)
+
+    def train_probe(probe_cfg: dict, probe_dir: Path) -> dict:
+        return run(rt, store, vocab_map, target_dir, probe_dir, probe_cfg,
+                   label=f"lr {probe_cfg['lr']:g} probe")
+
+    return measured_lr(train_probe, cfg, total, out_dir, run_id, rt.is_main)
+
+
 def run(rt: Runtime, store, vocab_map: Path, target_dir: Path, out_dir: Path,
-        cfg: dict) -> dict:
+        cfg: dict, lr_choice: dict | None = None, label: str = "draft") -> dict:
     """One process of a training run (rank ``rt.rank`` of ``rt.world``) on the states of
-    ``store`` (``open_states``)."""
+    ``store`` (``open_states``); ``lr_choice`` (``train.lr: auto``) goes to its record."""
     torch.manual_seed(cfg["seed"])
     random.seed(cfg["seed"])
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -134,11 +156,11 @@ def run(rt: Runtime, store, vocab_map: Path, target_dir: Path, out_dir: Path,
                           "best": None, "last_eval": None}
     log = RunLog(state_root, out_dir, resumed, rt)
     progress = tqdm(total=total, initial=trainer["step"], disable=not rt.is_main,
-                    unit="step", dynamic_ncols=True, desc="draft")
+                    unit="step", dynamic_ncols=True, desc=label)
     meta = {"layer_ids": data.layer_ids, "hidden_mode": "online" if online else "offline",
             "ttt_steps": cfg["ttt_steps"],
             "draft_config": draft_cfg.to_dict(), "world_size": rt.world,
-            "eval_split": data.eval_split,
+            "eval_split": data.eval_split, "lr": cfg["lr"], "lr_choice": lr_choice,
             # what trained the draft and what extracted its inputs (the bundle carries this)
             "machine": {"training": torch_machine(torch, rt.device, rt.world),
                         "hidden_states": (online_machine(store, rt) if online
