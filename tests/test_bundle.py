@@ -542,6 +542,19 @@ def test_model_card_records_the_hidden_state_mode(results):
         in readme
 
 
+def test_model_card_shows_how_the_learning_rate_was_chosen(results):
+    eval_path = results / "draft" / "eval.json"
+    choice = {"lr": 0.02, "candidates": [0.01, 0.02], "probe_steps": 20, "of_steps": 64,
+              "probes": [{"lr": 0.01, "simulated_acceptance_length": 2.41},
+                         {"lr": 0.02, "simulated_acceptance_length": 2.73}]}
+    write_json(eval_path, {**json.loads(eval_path.read_text()), "lr_choice": choice})
+    build(results)
+    readme = (results / "bundle" / "README.md").read_text()
+    assert "Learning rate 0.02, measured (train.lr auto)" in readme
+    assert "trained 20 of the run's 64 steps" in readme
+    assert "| 0.02 | 2.73 | yes |" in readme and "| 0.01 | 2.41 |  |" in readme
+
+
 def _command(readme: str, first: str) -> list[str]:
     block = readme.split(first, 1)[1].split("```", 1)[0]
     return shlex.split(first + block.replace("\\\n", " "))

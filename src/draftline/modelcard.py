@@ -306,6 +306,7 @@ def _training(card: Card, facts: dict) -> None:
     card.add(Heading(2, "Training settings"),
              Para(HIDDEN_MODES.get(mode, f"Hidden states: {mode}")),
              Table(["setting", "value"], [[k, train[k]] for k in sorted(train)]))
+    _learning_rate(card, facts.get("eval") or {})
     metrics = facts["metrics"]
     if metrics:
         first, last = metrics[0], metrics[-1]
@@ -314,6 +315,20 @@ def _training(card: Card, facts: dict) -> None:
         card.add(Para(f"Training metrics: {len(metrics)} records in training/metrics.jsonl; "
                       "first and last:"),
                  Table(["metric", "first", "last"], [[k, first.get(k), last[k]] for k in keys]))
+
+
+def _learning_rate(card: Card, ev: dict) -> None:
+    """How train.lr auto chose the rate (eval.json ``lr_choice``): each probe's score."""
+    choice = ev.get("lr_choice")
+    if not choice:
+        return
+    card.add(Para(f"Learning rate {fmt(choice['lr'])}, measured (train.lr auto): each candidate "
+                  f"trained {choice['probe_steps']} of the run's {choice['of_steps']} steps "
+                  "from the same start, scored by simulated acceptance length on the eval "
+                  "split; the best won."),
+             Table(["lr", "simulated acceptance length", "chosen"],
+                   [[fmt(p["lr"]), p["simulated_acceptance_length"],
+                     "yes" if p["lr"] == choice["lr"] else ""] for p in choice["probes"]]))
 
 
 def _evaluation(card: Card, facts: dict) -> None:
