@@ -75,25 +75,36 @@ REPO = Path(__file__).resolve().parents[1]
 # "trainer": "speculators" trains with benchmarks/peer_speculators.py (its lr and optimizer).
 PEER = "speculators"
 ROWS: dict[str, dict] = {
-    "default": {},
-    "lr=2e-2": {"lr": 0.02},
+    "default": {},  # Muon, lr auto, norm_before_fc, forward KL, loss decay 0.8
+    # the defaults before this benchmark (the toy config's AdamW at lr 2e-3, no norm before fc)
+    "previous default": {"optimizer": "adamw", "lr": 0.002, "draft.norm_before_fc": False},
+    # optimizer and learning rate
+    "adamw": {"optimizer": "adamw"},
     "lr=5e-3": {"lr": 0.005},
-    "lr=5e-2": {"lr": 0.05},
-    "muon": {"optimizer": "muon"},
-    "muon lr=5e-3": {"optimizer": "muon", "lr": 0.005},
-    "muon lr=2e-2": {"optimizer": "muon", "lr": 0.02},
-    "muon lr=5e-2": {"optimizer": "muon", "lr": 0.05},
-    "frozen-head": {"lm_head": "frozen"},
-    "decay=1.0": {"loss_decay": 1.0},
-    "linear": {"schedule": "linear"},
-    "norm-before-residual": {"draft.norm_before_residual": True},
-    "fc_norm": {"draft.fc_norm": True},
-    "norm_output": {"draft.norm_output": True},
-    "eagle3.1": {"draft.fc_norm": True, "draft.norm_output": True},
-    "peer": {"trainer": PEER, "lr": 0.02, "optimizer": "muon"},  # the peer CLI's default
+    "lr=1e-2": {"lr": 0.01},
+    "lr=2e-2": {"lr": 0.02},
+    "lr=4e-2": {"lr": 0.04},
+    "linear schedule": {"schedule": "linear"},
+    # norm placements vLLM serves
+    "no norm_before_fc": {"draft.norm_before_fc": False},
+    "eagle3.1 norms": {"draft.norm_before_fc": False, "draft.fc_norm": True,
+                       "draft.norm_output": True},
+    "+norm_before_residual +norm_output": {"draft.norm_before_residual": True,
+                                          "draft.norm_output": True},
+    # objective and head
+    "loss decay 1.0": {"loss_decay": 1.0},
+    "lk loss": {"loss": "lk"},
+    "frozen lm_head": {"lm_head": "frozen"},
+    # the peer: its CLI's defaults (Muon, norms before fc and residual, norm_output, frozen
+    # lm_head, decay 1.0, linear schedule, packing) at several rates, same tokens a step
     "peer lr=5e-3": {"trainer": PEER, "lr": 0.005, "optimizer": "muon"},
-    "peer lr=1e-1": {"trainer": PEER, "lr": 0.1, "optimizer": "muon"},
+    "peer lr=1e-2": {"trainer": PEER, "lr": 0.01, "optimizer": "muon"},
+    "peer lr=2e-2": {"trainer": PEER, "lr": 0.02, "optimizer": "muon"},
+    "peer lr=5e-2": {"trainer": PEER, "lr": 0.05, "optimizer": "muon"},
     "peer adamw lr=5e-3": {"trainer": PEER, "lr": 0.005, "optimizer": "adamw"},
+    # its CLI's own packing (8,192 tokens a step: 2 steps an epoch on the toy)
+    "peer lr=2e-2 packed 8192": {"trainer": PEER, "lr": 0.02, "optimizer": "muon",
+                                 "total_seq_len": 8192},
 }
 
 SCHEMA = "draftline.draft_quality/1"

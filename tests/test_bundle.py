@@ -544,14 +544,15 @@ def test_model_card_records_the_hidden_state_mode(results):
 
 def test_model_card_shows_how_the_learning_rate_was_chosen(results):
     eval_path = results / "draft" / "eval.json"
-    choice = {"lr": 0.02, "candidates": [0.01, 0.02], "probe_steps": 20, "of_steps": 64,
+    choice = {"lr": 0.01, "probe_lr": 0.02, "horizon_scale": 0.5, "candidates": [0.01, 0.02],
+              "probe_steps": 16, "of_steps": 64,
               "probes": [{"lr": 0.01, "simulated_acceptance_length": 2.41},
                          {"lr": 0.02, "simulated_acceptance_length": 2.73}]}
     write_json(eval_path, {**json.loads(eval_path.read_text()), "lr_choice": choice})
     build(results)
     readme = (results / "bundle" / "README.md").read_text()
-    assert "Learning rate 0.02, measured (train.lr auto)" in readme
-    assert "trained 20 of the run's 64 steps" in readme
+    assert "Learning rate 0.01, measured (train.lr auto)" in readme
+    assert "trained 16 of the run's 64 steps" in readme and "the best, 0.02, times" in readme
     assert "| 0.02 | 2.73 | yes |" in readme and "| 0.01 | 2.41 |  |" in readme
 
 

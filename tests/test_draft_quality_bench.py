@@ -22,9 +22,10 @@ PER_POS = "vllm:spec_decode_num_accepted_tokens_per_pos"
 
 def test_rows_table_and_picking():
     assert dq.ROWS["default"] == {}
-    assert dq.ROWS["peer"] == {"trainer": "speculators", "lr": 0.02, "optimizer": "muon"}
-    assert dq.ROWS["eagle3.1"] == {"draft.fc_norm": True, "draft.norm_output": True}
-    assert list(dq.pick_rows("muon,default")) == ["muon", "default"]
+    assert dq.ROWS["peer lr=2e-2"] == {"trainer": "speculators", "lr": 0.02,
+                                       "optimizer": "muon"}
+    assert dq.ROWS["no norm_before_fc"] == {"draft.norm_before_fc": False}
+    assert list(dq.pick_rows("adamw,default")) == ["adamw", "default"]
     assert dq.pick_rows(None) == dq.ROWS
     with pytest.raises(SystemExit, match="'nope'"):
         dq.pick_rows("default,nope")
@@ -35,7 +36,7 @@ def test_train_config_takes_overrides_and_refuses_unknown_keys():
     train = load_config(ROOT / "config" / "config.yaml")["train"]
     cfg = dq.train_config(train, {"lr": 0.02, "draft.head_dim": 64}, seed=2)
     assert (cfg["lr"], cfg["seed"], cfg["epochs"], cfg["draft"]["head_dim"]) == (0.02, 2, 4, 64)
-    assert train["lr"] == 0.002 and train["draft"]["head_dim"] is None  # the base is untouched
+    assert train["lr"] == "auto" and train["draft"]["head_dim"] is None  # the base untouched
     with pytest.raises(ConfigError, match="train.*no_such_key"):
         dq.train_config(train, {"no_such_key": 1}, seed=0)
 
@@ -120,12 +121,12 @@ def test_cells_are_reused_only_when_their_fingerprint_matches(tmp_path, monkeypa
     rows = {"default": {}, "lr=2e-2": {"lr": 0.02}, "bad": {"no_such_key": 1}}
     out = tmp_path / "out"
     first = dq.run(ctx, rows, [0], out)
-    assert trained == [(0, 0.002), (0, 0.02)]
+    assert trained == [(0, "auto"), (0, 0.02)]
     assert [c["status"] for c in first["cells"]] == ["done", "done", "failed"]
     assert "no_such_key" in first["cells"][2]["error"]
     # a new seed trains only its cells; the failed row is tried again
     second = dq.run(ctx, rows, [0, 1], out)
-    assert trained[2:] == [(1, 0.002), (1, 0.02)]
+    assert trained[2:] == [(1, "auto"), (1, 0.02)]
     assert [c["reused"] for c in second["cells"]] == [True, False, True, False, False, False]
     summary = {r["row"]: r for r in second["rows"]}
     assert summary["default"]["acceptance_length_by_seed"] == {"0": 2.5, "1": 2.5}
@@ -135,7 +136,7 @@ def test_cells_are_reused_only_when_their_fingerprint_matches(tmp_path, monkeypa
     fail_serving = True
     ctx.inputs = {**ctx.inputs, "hidden_index": "new"}
     dq.run(ctx, {"default": {}}, [0], out)
-    assert trained[-1] == (0, 0.002)
+    assert trained[-1] == (0, "auto")
     n_trained = len(trained)
     fail_serving = False
     third = dq.run(ctx, {"default": {}}, [0], out)

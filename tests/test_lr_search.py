@@ -10,9 +10,10 @@ from test_train import SMALL, run
 from draftline.train.lr_search import CHOICE_FILE, SEARCH_DIR, choose, probe_config, probe_steps
 from draftline.train.optim import lr_factor
 
-# 12-step probes of three rates 100x apart: on these states only the middle one learns
-# anything in 12 steps (simulated acceptance 1.04 against 1.0 for both others)
-AUTO = {**SMALL, "lr": "auto", "max_steps": 24, "eval_every": 6,
+# 12-step probes of three rates 100x apart: on these states, with AdamW and no norm before fc,
+# only the middle one learns anything in 12 steps (simulated acceptance 1.04 against 1.0)
+AUTO = {**SMALL, "lr": "auto", "max_steps": 24, "eval_every": 6, "optimizer": "adamw",
+        "draft": {"norm_before_fc": False},
         "lr_search": {"candidates": [1e-1, 1e-5, 1e-3], "probe_fraction": 0.5,
                       "min_probe_steps": 4}}
 
@@ -38,8 +39,9 @@ def test_auto_rate_is_measured_recorded_and_deterministic(draft_inputs, tmp_path
     choice = first["lr_choice"]
     probes = {p["lr"]: p["simulated_acceptance_length"] for p in choice["probes"]}
     assert list(probes) == [1e-5, 1e-3, 1e-1] and choice["probe_steps"] == 12
-    assert choice["lr"] == 1e-3 and probes[1e-3] > max(probes[1e-5], probes[1e-1])
-    assert first["lr"] == choice["lr"]
+    assert choice["probe_lr"] == 1e-3 and probes[1e-3] > max(probes[1e-5], probes[1e-1])
+    # 12-step probes for a 24-step run: the winner's rate x sqrt(12 / 24)
+    assert choice["lr"] == pytest.approx(1e-3 * 0.5**0.5) == first["lr"]
     # the run trained at the chosen rate (the rate logged after step 1 is that of step 2)
     steps = [json.loads(line) for line in (tmp_path / "a" / "metrics.jsonl").read_text()
              .splitlines() if '"lr"' in line]

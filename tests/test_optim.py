@@ -40,7 +40,7 @@ def one_step(model, optimizer, seed: int = 0) -> dict[str, torch.Tensor]:
 
 def test_muon_takes_the_hidden_matrices_and_adamw_the_rest(draft_inputs):
     model = draft(draft_inputs)
-    optimizer = build_optimizer(model, resolve_train_cfg({"optimizer": "muon"}))
+    optimizer = build_optimizer(model, resolve_train_cfg({"optimizer": "muon", "lr": 1e-2}))
     assert isinstance(optimizer, MuonWithAdamW)
     muon, adamw = group_names(model, optimizer)
     assert muon == MATRICES

@@ -239,7 +239,9 @@ def assert_sharded_muon_is_whole_matrix_muon(inputs: dict, one: dict, two: dict)
     a step's update by 37%."""
     from draftline.train import build_draft
 
-    initial = build_draft(inputs["target_dir"], inputs["vocab_map"], 0)[0].state_dict()
+    architecture = resolve_train_cfg({})["draft"]
+    initial = build_draft(inputs["target_dir"], inputs["vocab_map"], 0,
+                          architecture=architecture)[0].state_dict()
     for name in one:
         change = (one[name] - initial[name]).norm()
         bound = 0.15 if one[name].ndim == 2 and not name.startswith("lm_head") else 0.01

@@ -325,10 +325,11 @@ def _learning_rate(card: Card, ev: dict) -> None:
     card.add(Para(f"Learning rate {fmt(choice['lr'])}, measured (train.lr auto): each candidate "
                   f"trained {choice['probe_steps']} of the run's {choice['of_steps']} steps "
                   "from the same start, scored by simulated acceptance length on the eval "
-                  "split; the best won."),
-             Table(["lr", "simulated acceptance length", "chosen"],
+                  f"split; the best, {fmt(choice['probe_lr'])}, times sqrt(probe steps / run "
+                  f"steps) = {fmt(choice['horizon_scale'])}."),
+             Table(["lr", "simulated acceptance length", "best"],
                    [[fmt(p["lr"]), p["simulated_acceptance_length"],
-                     "yes" if p["lr"] == choice["lr"] else ""] for p in choice["probes"]]))
+                     "yes" if p["lr"] == choice["probe_lr"] else ""] for p in choice["probes"]]))
 
 
 def _evaluation(card: Card, facts: dict) -> None:

@@ -322,20 +322,36 @@ def _train_rows(config: dict, measured: dict, dims: dict | None, kind: str,
     train = config["train"]
     params = draft_params(dims, draft_vocab_size(config, dims), train.get("draft"))
     checkpoint = params * 2  # bf16 export
-    state = params * 16  # fp32 weights + 2 Adam moments + fp32 gradients, one state kept
+    # fp32 weights and gradients plus the optimizer's moments (AdamW 2; Muon's matrices, nearly
+    # all of the draft, 1), one state kept
+    state = params * (12 if train["optimizer"] == "muon" else 16)
     rate = measured.get("train_tok_s")
     rate_basis = "measured" if rate else "assumed"
     rate = rate or TRAIN_TOK_S[kind] * 3 / train["ttt_steps"]  # cost ~ linear in unroll steps
-    seconds = train["epochs"] * out_tokens / rate
+    probes = lr_probe_share(train)
+    seconds = train["epochs"] * out_tokens / rate * (1 + probes)
+    probe_note = (f"; lr auto: {len(train['lr_search']['candidates'])} probes of "
+                  f"{train['lr_search']['probe_fraction']:.0%} of the steps (+{probes:.0%})"
+                  if probes else "")
     return [
         _row("train", checkpoint + state, seconds,
              f"draft {params / 1e6:,.1f} M trainable params (+ shared embedding); "
              f"{train['epochs']} epochs x {out_tokens:,} supervised tokens at {rate:,.0f} tok/s "
-             f"({rate_basis}, ttt_steps {train['ttt_steps']})", draft_params=params),
+             f"({rate_basis}, ttt_steps {train['ttt_steps']}){probe_note}",
+             draft_params=params),
         _bench_row(config, measured, kind),
         _row("bundle", 2 * checkpoint, 2 * checkpoint / 200e6,
              "draft checkpoint twice (folder + tar)"),
     ]
+
+
+def lr_probe_share(train: dict) -> float:
+    """The extra training ``train.lr: auto`` costs, as a share of the run: its probes (at
+    least ``min_probe_steps`` each, which only a very short run reaches)."""
+    if train["lr"] != "auto":
+        return 0.0
+    search = train["lr_search"]
+    return len(search["candidates"]) * search["probe_fraction"]
 
 
 def _bench_row(config: dict, measured: dict, kind: str) -> dict:
