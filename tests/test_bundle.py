@@ -542,6 +542,19 @@ def test_model_card_records_the_hidden_state_mode(results):
         in readme
 
 
+def test_model_card_gives_no_sglang_command_for_norms_sglang_does_not_read(results):
+    """SGLang's LlamaForCausalLMEagle3 builds no input_norm / fc_norm and reads none of the
+    four norm flags: a draft that sets one gets no SGLang command, and says why."""
+    config_path = results / "draft" / "checkpoint" / "config.json"
+    write_json(config_path, {**json.loads(config_path.read_text()), "norm_before_fc": True,
+                             "norm_output": False})
+    build(results)
+    readme = (results / "bundle" / "README.md").read_text()
+    assert "--speculative-draft-model-path" not in readme
+    assert "Not with SGLang: this draft sets norm_before_fc (config.json)" in readme
+    assert "vllm serve" in readme
+
+
 def test_model_card_shows_how_the_learning_rate_was_chosen(results):
     eval_path = results / "draft" / "eval.json"
     choice = {"lr": 0.01, "probe_lr": 0.02, "horizon_scale": 0.5, "candidates": [0.01, 0.02],

