@@ -355,8 +355,8 @@ class Setup:
 
     def loss(self, steps_k: int):
         return run_micro_batch(self.model, self.head, self.batch,
-                               {"ttt_steps": steps_k, "loss_decay": TRAIN["loss_decay"]},
-                               self.rt)
+                               {"ttt_steps": steps_k, "loss_decay": TRAIN["loss_decay"],
+                                "loss": "kl"}, self.rt)
 
     def step(self, steps_k: int) -> float:
         """One optimizer step of one micro-batch (grad_accum 1), as draftline.train's loop."""
