@@ -28,6 +28,28 @@ def _interrupt_on_sigterm(signum, frame):
 
 signal.signal(signal.SIGTERM, _interrupt_on_sigterm)
 
+# Per-test time limits (pytest-timeout; the ini's `timeout` for the rest): a test's limit
+# covers its fixtures' set-up, and the first test of a vLLM session or of the pipeline module
+# starts servers and runs every stage (935 s seen for the pipeline's online test alone on a
+# loaded 2-core host).
+TIME_LIMITS_S = {"slow": 900, "vllm": 1500}
+
+
+def time_limit_s(item: pytest.Item) -> int | None:
+    """The limit a test gets from its markers; None where it sets its own or has none."""
+    if item.get_closest_marker("timeout"):
+        return None
+    return max((limit for marker, limit in TIME_LIMITS_S.items()
+                if item.get_closest_marker(marker)), default=None)
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        limit = time_limit_s(item)
+        if limit is not None:
+            item.add_marker(pytest.mark.timeout(limit))
+
+
 REPO = Path(__file__).resolve().parents[1]
 CACHE = REPO / ".pytest_cache" / "draftline"
 CONFIG = REPO / "config" / "config.yaml"  # the default config
