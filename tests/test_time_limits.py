@@ -30,7 +30,7 @@ def test_a_hanging_test_fails_at_the_configured_limit(tmp_path):
 
 def test_the_default_limit_and_the_marked_ones_are_set():
     ini = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["pytest"]["ini_options"]
-    assert 0 < int(ini["timeout"]) <= 300
+    assert 0 < int(ini["timeout"]) <= 600
     assert set(TIME_LIMITS_S) == {"slow", "vllm"}
     # the longest limit leaves most of CI's 90 minutes to the rest of the suite
     assert max(TIME_LIMITS_S.values()) <= 30 * 60
