@@ -30,8 +30,8 @@ signal.signal(signal.SIGTERM, _interrupt_on_sigterm)
 
 # Per-test time limits (pytest-timeout; the ini's `timeout`, 600 s, for the rest): a test's
 # limit covers its fixtures' set-up (the first user of the cached toy target builds it), and
-# the first test of a vLLM session or of the pipeline module starts servers and runs every stage (935 s seen for the pipeline's online test alone on a
-# loaded 2-core host).
+# the first test of a vLLM session or of the pipeline module starts servers and runs every
+# stage (935 s seen for the pipeline's online test alone on a loaded 2-core host).
 TIME_LIMITS_S = {"slow": 900, "vllm": 1500}
 
 

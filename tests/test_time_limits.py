@@ -5,9 +5,9 @@ from __future__ import annotations
 import subprocess
 import sys
 import textwrap
+import tomllib
 
 import pytest
-import tomllib
 from conftest import REPO, TIME_LIMITS_S, time_limit_s
 
 

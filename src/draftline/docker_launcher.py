@@ -64,8 +64,8 @@ def docker_client(timeout_s: float = 120.0):
     try:
         import docker
     except ImportError as exc:
-        raise ServerError("server.launcher docker needs the Docker SDK for Python "
-                          "(pip install docker)") from exc
+        raise ServerError("server.launcher docker needs the Docker SDK for Python: "
+                          "pip install 'draftline[docker]'") from exc
     try:
         client = docker.from_env(timeout=int(timeout_s))
         client.ping()

@@ -532,7 +532,7 @@ async def fetch_metrics_async(http: aiohttp.ClientSession, root_url: str) -> Met
         async with http.get(f"{root_url.rstrip('/')}/metrics") as resp:
             resp.raise_for_status()
             text = await resp.text()
-    except (aiohttp.ClientError, asyncio.TimeoutError):
+    except (TimeoutError, aiohttp.ClientError):
         return None  # metrics are a cross-check; their absence must not stop a measurement
     return parse_metrics(text)
 

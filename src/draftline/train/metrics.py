@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import json
+import logging
 import shutil
 from pathlib import Path
 
 from draftline.model import metrics_from_counts
 from draftline.train.checkpoint import BEST_DIR, METRICS_FILE
 from draftline.train.distributed import Runtime
+
+log = logging.getLogger(__name__)
 
 
 def train_record(step, epoch, scheduler, totals, counts, grad_norm, elapsed, rt) -> dict:
@@ -25,7 +28,8 @@ def train_record(step, epoch, scheduler, totals, counts, grad_norm, elapsed, rt)
 
 class RunLog:
     """Metrics on rank 0: ``state/metrics.jsonl`` (restored with a checkpoint), mirrored live
-    to ``out_dir/metrics.jsonl``, and TensorBoard events in ``out_dir/tb``.
+    to ``out_dir/metrics.jsonl``, and TensorBoard events in ``out_dir/tb`` where the
+    ``tensorboard`` extra is installed (the JSON lines are the record; the events a view).
 
     A resumed run continues the log of its checkpoint; TensorBoard drops the events past the
     resumed step.
@@ -35,8 +39,9 @@ class RunLog:
                  rt: Runtime):
         self.path = state_root / METRICS_FILE
         self.mirror = out_dir / METRICS_FILE
+        self.active = rt.is_main
         self.writer = None
-        if not rt.is_main:
+        if not self.active:
             return
         if resumed_step is None:  # a fresh run: nothing of an earlier one may remain
             for stale in (self.path, out_dir / "eval.json"):
@@ -46,19 +51,16 @@ class RunLog:
         state_root.mkdir(parents=True, exist_ok=True)
         self.path.touch()
         shutil.copy2(self.path, self.mirror)
-        try:  # imported here, on rank 0 only: the other ranks write no events
-            from torch.utils.tensorboard import SummaryWriter
-        except ImportError as exc:  # tensorboard is a dependency; say what is missing
-            raise ImportError("TensorBoard logging needs the 'tensorboard' package") from exc
-        purge = None if resumed_step is None else resumed_step + 1
-        self.writer = SummaryWriter(str(out_dir / "tb"), purge_step=purge)
+        self.writer = tensorboard_writer(out_dir / "tb", resumed_step)
 
     def write(self, record: dict, prefix: str) -> None:
-        if self.writer is None:
+        if not self.active:
             return
         for path in (self.path, self.mirror):
             with open(path, "a") as f:
                 f.write(json.dumps(record) + "\n")
+        if self.writer is None:
+            return
         step = record["step"]
         for key, value in record.items():
             if key == "step":
@@ -73,3 +75,19 @@ class RunLog:
     def close(self) -> None:
         if self.writer is not None:
             self.writer.close()
+
+
+def tensorboard_writer(tb_dir: Path, resumed_step: int | None):
+    """A TensorBoard SummaryWriter, or None (and a note naming the extra) without tensorboard.
+
+    Imported here, on rank 0 only: the other ranks write no events. A resumed run drops the
+    events past its checkpoint's step."""
+    try:
+        from torch.utils.tensorboard import SummaryWriter
+    except ImportError:
+        log.warning("TensorBoard events are not written: the 'tensorboard' package is not "
+                    "installed (pip install 'draftline[tensorboard]'); metrics.jsonl has "
+                    "every record")
+        return None
+    purge = None if resumed_step is None else resumed_step + 1
+    return SummaryWriter(str(tb_dir), purge_step=purge)
