@@ -10,6 +10,7 @@ from __future__ import annotations
 import base64
 import html
 import json
+import re
 import shlex
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -48,8 +49,14 @@ class Image:
 
 
 @dataclass
+class Bullets:
+    items: list[str]
+
+
+@dataclass
 class Markdown:
-    """Markdown written by another stage (the benchmark summary), included as it is."""
+    """Markdown written by another stage (the benchmark summary): included as it is in the
+    Markdown card, converted to the card's own blocks in the HTML one (``markdown_blocks``)."""
 
     text: str
 
@@ -155,6 +162,8 @@ def _markdown_block(block: Any) -> list[str]:
         return [f"```{block.lang}", block.text, "```"]
     if isinstance(block, Image):
         return [f"![{block.alt}]({block.path})"]
+    if isinstance(block, Bullets):
+        return [f"- {item}" for item in block.items]
     if isinstance(block, Markdown):
         return [block.text.rstrip("\n")]
     raise TypeError(f"unknown card block {block!r}")
@@ -179,18 +188,82 @@ def _html_block(block: Any, root: Path) -> str:
     if isinstance(block, Heading):
         return f"<h{block.level}>{esc(block.text)}</h{block.level}>"
     if isinstance(block, Para):
-        return f"<p>{esc(block.text)}</p>"
+        return f"<p>{_inline_html(block.text)}</p>"
     if isinstance(block, Table):
-        head = "".join(f"<th>{esc(h)}</th>" for h in block.header)
-        rows = "".join("<tr>" + "".join(f"<td>{esc(fmt(c))}</td>" for c in row) + "</tr>"
-                       for row in block.rows)
+        head = "".join(f"<th>{_inline_html(h)}</th>" for h in block.header)
+        rows = "".join("<tr>" + "".join(f"<td>{_inline_html(fmt(c))}</td>" for c in row)
+                       + "</tr>" for row in block.rows)
         return f"<table><tr>{head}</tr>{rows}</table>"
-    if isinstance(block, (Code, Markdown)):
+    if isinstance(block, Bullets):
+        return "<ul>" + "".join(f"<li>{_inline_html(i)}</li>" for i in block.items) + "</ul>"
+    if isinstance(block, Code):
         return f"<pre>{esc(block.text)}</pre>"
+    if isinstance(block, Markdown):
+        return "\n".join(_html_block(b, root) for b in markdown_blocks(block.text))
     if isinstance(block, Image):
         data = base64.b64encode((root / block.path).read_bytes()).decode()
         return f"<p><img alt=\"{esc(block.alt)}\" src=\"data:image/png;base64,{data}\"></p>"
     raise TypeError(f"unknown card block {block!r}")
+
+
+def _inline_html(text: str) -> str:
+    """Escaped text with Markdown's inline code and bold as HTML."""
+    text = html.escape(text)
+    text = re.sub(r"`([^`]+)`", r"<code>\1</code>", text)
+    return re.sub(r"\*\*(.+?)\*\*", r"<strong>\1</strong>", text)
+
+
+def markdown_blocks(text: str) -> list[Any]:
+    """The Markdown other stages write (headings, pipe tables, fenced code, bullet lists,
+    paragraphs) as card blocks, so the HTML card renders their tables as tables."""
+    lines, blocks, i = text.splitlines(), [], 0
+    while i < len(lines):
+        line = lines[i]
+        if not line.strip():
+            i += 1
+        elif line.startswith("```"):
+            end = next((k for k in range(i + 1, len(lines)) if lines[k].startswith("```")),
+                       len(lines))
+            blocks.append(Code(line[3:].strip(), "\n".join(lines[i + 1:end])))
+            i = end + 1
+        elif heading := re.match(r"(#{1,6}) +(.*)", line):
+            blocks.append(Heading(len(heading.group(1)), heading.group(2).strip()))
+            i += 1
+        else:
+            kind = _line_kind(line)
+            end = i
+            while end < len(lines) and lines[end].strip() and _line_kind(lines[end]) == kind:
+                end += 1
+            blocks.append(_run_block(kind, lines[i:end]))
+            i = end
+    return blocks
+
+
+def _line_kind(line: str) -> str:
+    if line.startswith("|"):
+        return "table"
+    if line.startswith(("- ", "* ")):
+        return "bullets"
+    if line.startswith(("#", "```")):
+        return "other"
+    return "para"
+
+
+def _run_block(kind: str, lines: list[str]) -> Any:
+    """One block from a run of lines of one kind."""
+    if kind == "table":
+        rows = [_table_cells(line) for line in lines]
+        body = [r for r in rows[1:] if not all(re.fullmatch(r":?-+:?", c) for c in r)]
+        return Table(rows[0], body)
+    if kind == "bullets":
+        return Bullets([line[2:].strip() for line in lines])
+    return Para(" ".join(line.strip() for line in lines))
+
+
+def _table_cells(line: str) -> list[str]:
+    """A pipe-table row's cells; ``\\|`` is a pipe inside a cell."""
+    inner = line.strip().removeprefix("|").removesuffix("|")
+    return [c.strip().replace("\\|", "|") for c in re.split(r"(?<!\\)\|", inner)]
 
 
 # ----------------------------------------------------------------------------- content

@@ -1,0 +1,79 @@
+"""The model card's HTML: other stages' Markdown (the benchmark summary) rendered as HTML,
+tables as tables."""
+
+from __future__ import annotations
+
+from html.parser import HTMLParser
+
+from draftline.modelcard import Card, Heading, Markdown, Para, render_html
+
+SUMMARY = """# Deployment benchmark: baseline vs EAGLE-3
+
+closed-loop windows of 3 s; `running` is the server's mean running requests,
+`*` marks a cell below 0.9 x C.
+
+| config | T | C | output tok/s | note |
+|---|---|---|---|---|
+| baseline | 0 | 1 | 226.0 (212.6-236.6) | a \\| b |
+| eagle3-k3 | 0 | 1 | 120.0 (117.0-120.7) | - |
+
+**eagle3-k3 is slower than the baseline here:** below break-even.
+
+- one
+- two
+
+```bash
+vllm serve x
+```
+"""
+
+
+class Tables(HTMLParser):
+    """The text of every table cell, per table, per row; and the text inside <pre>."""
+
+    def __init__(self):
+        super().__init__()
+        self.tables, self.pre, self._cell, self._in_pre = [], [], None, False
+
+    def handle_starttag(self, tag, attrs):
+        if tag == "table":
+            self.tables.append([])
+        elif tag == "tr":
+            self.tables[-1].append([])
+        elif tag in ("td", "th"):
+            self._cell = ""
+        elif tag == "pre":
+            self._in_pre = True
+            self.pre.append("")
+
+    def handle_endtag(self, tag):
+        if tag in ("td", "th"):
+            self.tables[-1][-1].append(self._cell)
+            self._cell = None
+        elif tag == "pre":
+            self._in_pre = False
+
+    def handle_data(self, data):
+        if self._cell is not None:
+            self._cell += data
+        if self._in_pre:
+            self.pre[-1] += data
+
+
+def test_markdown_from_another_stage_renders_as_html_tables_and_text():
+    card = Card({}, [Heading(1, "card"), Para("served with `vllm`"), Markdown(SUMMARY)])
+    page = render_html(card, root=".")
+    parsed = Tables()
+    parsed.feed(page)
+    assert parsed.tables == [[
+        ["config", "T", "C", "output tok/s", "note"],
+        ["baseline", "0", "1", "226.0 (212.6-236.6)", "a | b"],
+        ["eagle3-k3", "0", "1", "120.0 (117.0-120.7)", "-"],
+    ]]
+    assert parsed.pre == ["vllm serve x"]  # only the code block stays preformatted
+    assert "|---|" not in page
+    assert "<h1>Deployment benchmark: baseline vs EAGLE-3</h1>" in page
+    assert "<code>running</code> is the server&#x27;s mean running requests, <code>*</code>" in page
+    assert "<strong>eagle3-k3 is slower than the baseline here:</strong>" in page
+    assert "<ul><li>one</li><li>two</li></ul>" in page
+    assert "<p>served with <code>vllm</code></p>" in page
