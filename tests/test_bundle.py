@@ -521,7 +521,14 @@ def test_model_card(results):
     assert "| Draft parameters (without the shared target embedding) | 1296 |" in readme
     spec = json.loads(re.search(r"--speculative-config '(.*)'", readme).group(1))
     assert spec == {"method": "eagle3", "model": "org/eagle3-draft", "num_speculative_tokens": 3}
-    assert "--speculative-draft-model-path org/eagle3-draft" in readme
+    # SGLang serves a copy whose config lists the ids one lower (test_sglang_layer_ids...)
+    vllm_ids = json.loads((results / "bundle" / "config.json").read_text())[
+        "eagle_config"]["eagle_aux_hidden_state_layer_ids"]
+    sglang_ids = [k - 1 for k in vllm_ids]
+    assert f"Serve a copy of the draft whose config lists {sglang_ids}" in readme
+    assert f"['eagle_aux_hidden_state_layer_ids'] = {sglang_ids};" in readme
+    assert "cp -r org/eagle3-draft sglang-draft" in readme
+    assert "--speculative-draft-model-path sglang-draft" in readme
     assert "--speculative-num-steps 3" in readme and "--speculative-num-draft-tokens 4" in readme
     assert "served this draft with vLLM 0.32.0 (bench/results.json)" in readme
     html = (results / "report" / "card.html").read_text()

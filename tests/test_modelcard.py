@@ -77,3 +77,29 @@ def test_markdown_from_another_stage_renders_as_html_tables_and_text():
     assert "<strong>eagle3-k3 is slower than the baseline here:</strong>" in page
     assert "<ul><li>one</li><li>two</li></ul>" in page
     assert "<p>served with <code>vllm</code></p>" in page
+
+
+def test_sglang_layer_ids_capture_the_states_vllm_captures():
+    """Both servers' capture rules, as their sources state them, on one layer stack: the
+    residual stream entering layer i is ``stream[i]`` (stream[0] the embeddings).
+
+    vLLM (EAGLE-3 aux ids): id k captures the stream entering layer k. SGLang
+    (python/sglang/srt/models/llama.py): ``layers_to_capture = [val + 1 for val in
+    layer_ids]``, and the layer loop appends ``hidden_states + residual`` before running layer
+    i for i in layers_to_capture."""
+    from draftline.modelcard import sglang_layer_ids
+
+    num_layers = 8
+    stream = [f"entering layer {i}" for i in range(num_layers)]
+
+    def vllm_captures(ids):
+        return [stream[i] for i in range(num_layers) if i in ids]
+
+    def sglang_captures(ids):
+        layers_to_capture = [val + 1 for val in ids]
+        return [stream[i] for i in range(num_layers) if i in layers_to_capture]
+
+    for vllm_ids in ([2, 4, 5], [1, 3, 6], [2, 30 % num_layers, 7]):
+        assert sglang_captures(sglang_layer_ids(vllm_ids)) == vllm_captures(vllm_ids)
+        assert sglang_captures(vllm_ids) != vllm_captures(vllm_ids)  # the same ids would not
+    assert sglang_layer_ids([2, 30, 58]) == [1, 29, 57]  # the published Kimi drafts' ids

@@ -327,6 +327,19 @@ def _model_details(card: Card, facts: dict, draft_cfg: dict) -> None:
 SGLANG_UNREAD = ("norm_before_fc", "fc_norm", "norm_before_residual", "norm_output")
 
 
+def sglang_layer_ids(vllm_ids: list[int]) -> list[int]:
+    """The ``eagle_config.eagle_aux_hidden_state_layer_ids`` that make SGLang capture the
+    states vLLM captures for ``vllm_ids``.
+
+    vLLM's id k is the residual stream entering decoder layer k. SGLang reads the same config
+    key and captures ``layers_to_capture = [val + 1 for val in layer_ids]``, taking
+    ``hidden_states + residual`` as it enters each of those layers ("for the ith layer, it
+    takes the output of the (i-1)th layer": python/sglang/srt/models/llama.py,
+    ``set_eagle3_layers_to_capture``), so SGLang's id k is vLLM's k + 1.
+    """
+    return [k - 1 for k in vllm_ids]
+
+
 def _serving(card: Card, facts: dict) -> None:
     target = facts["target"]
     cfg = facts["config"]
@@ -341,18 +354,41 @@ def _serving(card: Card, facts: dict) -> None:
                   "`python -m vllm.entrypoints.openai.api_server --model <target>` and the "
                   "same options."),
              Heading(3, "SGLang"))
-    unread = [flag for flag in SGLANG_UNREAD if (facts.get("draft_config") or {}).get(flag)]
+    draft_cfg = facts.get("draft_config") or {}
+    unread = [flag for flag in SGLANG_UNREAD if draft_cfg.get(flag)]
     if unread:
         card.add(Para(f"Not with SGLang: this draft sets {', '.join(unread)} (config.json), "
                       "which SGLang's LlamaForCausalLMEagle3 does not read; it would load the "
                       "draft without them and serve another model than the one trained. Serve "
                       "it with vLLM."))
     else:
-        card.add(Code("bash", sglang_command(*args)))
+        from_hub = facts["draft_ref"] == (cfg.get("bundle") or {}).get("hf_repo")
+        card.add(*_sglang_blocks(args, draft_cfg, from_hub))
     versions = (facts.get("bench_results") or {}).get("vllm_versions")
     if versions:
         card.add(Para(f"The deployment benchmark served this draft with vLLM "
                       f"{', '.join(versions)} (bench/results.json)."))
+
+
+def _sglang_blocks(args: tuple, draft_cfg: dict, from_hub: bool) -> list[Any]:
+    """SGLang serves the draft from a copy whose config lists the aux layer ids in SGLang's
+    convention (``sglang_layer_ids``); this config.json's, read by SGLang, would feed the
+    draft the states one layer later than those it was trained on."""
+    vllm_ids = (draft_cfg.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
+    if not vllm_ids:
+        return [Code("bash", sglang_command(*args))]
+    ids = sglang_layer_ids(vllm_ids)
+    copy, copy_to = (("huggingface-cli download", "--local-dir sglang-draft") if from_hub
+                     else ("cp -r", "sglang-draft"))
+    edit = ("python -c \"import json, sys; p = sys.argv[1]; c = json.load(open(p)); "
+            f"c['eagle_config']['eagle_aux_hidden_state_layer_ids'] = {ids}; "
+            "json.dump(c, open(p, 'w'), indent=2)\" sglang-draft/config.json")
+    return [Para(f"SGLang counts the aux layer ids one layer later than vLLM (it captures "
+                 f"the output of each listed layer, vLLM the state entering it): this "
+                 f"config.json's {vllm_ids} would feed the draft other states under SGLang. "
+                 f"Serve a copy of the draft whose config lists {ids}:"),
+            Code("bash", f"{copy} {shlex.quote(args[1])} {copy_to}\n{edit}\n"
+                 + sglang_command(args[0], "sglang-draft", *args[2:]))]
 
 
 def _data(card: Card, facts: dict) -> None:
