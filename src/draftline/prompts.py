@@ -1,6 +1,6 @@
 """Prompt shards: read prompt sources, normalize them to OpenAI chat messages, shard them.
 
-Kept whole (about 690 lines): most of the length is one reader per source format with its
+Kept whole (about 880 lines): most of the length is one reader per source format with its
 per-record checks, each naming the file and record it refuses.
 
 Stage 1 of the pipeline. ``build_prompt_shards`` reads every configured source, turns each
@@ -26,7 +26,12 @@ Rules (see docs/formats.md for the file formats):
   messages. Records with the same normalized messages are duplicates (the first one wins); a
   repeated explicit id on different content is rejected.
 * Selection: the first ``max_samples`` unique records in source order (sources in config order,
-  records in file order).
+  records in file order). Reading stops there: later records and sources are not read, so
+  memory holds the kept prompts and nothing that grows with the files.
+* Files: UTF-8, a leading byte order mark allowed; a file that starts like UTF-16 or UTF-32 (a
+  byte order mark or NUL bytes) is refused whole. A ``.jsonl`` line longer than
+  ``max_line_bytes`` is rejected (``line_too_long``) and skipped without being held; JSON nested
+  deeper than 100 levels is rejected (``too_deeply_nested``).
 * Sharding: the selected records are sorted by ``sha256(f"{seed}:{id}")`` and dealt round-robin,
   so shard sizes differ by at most one and the same inputs give byte-identical files.
 * Text checks: kept contents and ids must not hold control characters (tab, newline and
@@ -34,7 +39,9 @@ Rules (see docs/formats.md for the file formats):
   JSON object may repeat a key (which value wins would be up to the parser).
 * A bad record never stops the run: it goes to ``rejected.jsonl`` with its source, index, line,
   reason code, a detail naming the field and position, and an excerpt; the summary and the log
-  line count rejections per reason. A missing or unreadable source raises an error naming its path.
+  line count rejections per reason. A missing source raises FileNotFoundError; an unreadable
+  one, or one that gives no usable prompt (all its records rejected), raises
+  PromptSourceError, a RecordError whose reason is a code and whose message names the path.
 """
 
 from __future__ import annotations
