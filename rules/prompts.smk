@@ -14,6 +14,7 @@ rule prompt_shards:
         max_samples=config["prompts"]["max_samples"],
         num_shards=config["prompts"]["num_shards"],
         seed=config["prompts"]["seed"],
+        max_line_bytes=config["prompts"]["max_line_bytes"],
         code=code_hash("prompt_shards.py"),
     script:
         "../scripts/prompt_shards.py"

@@ -10,4 +10,5 @@ with logged(snakemake.log[0]):
         num_shards=snakemake.params.num_shards,
         max_samples=snakemake.params.max_samples,
         seed=snakemake.params.seed,
+        max_line_bytes=snakemake.params.max_line_bytes,
     )

@@ -7,10 +7,13 @@ import json
 import os
 import re
 import socket
+import tempfile
 from collections import Counter
 from pathlib import Path
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from draftline.prompts import (
     PromptSourceError,
@@ -118,9 +121,10 @@ def test_prompt_field_is_configurable(tmp_path):
     _, summary, rows = build(tmp_path, [{"path": str(src), "prompt_field": "question"}])
     assert sorted(r["messages"][0]["content"] for r in rows) == ["What is 2+2?", "Why?"]
     assert all(r["messages"] == [u(r["messages"][0]["content"])] for r in rows)
-    # with the default field name the same records lack a prompt
-    _, summary, _ = build(tmp_path, [{"path": str(src)}], name="default")
-    assert summary["rejected"] == {"missing_prompt_field": 2}
+    # with the default field name the same records lack a prompt: the source gives none
+    with pytest.raises(PromptSourceError, match=r"rejected: missing_prompt_field=2\)") as info:
+        build(tmp_path, [{"path": str(src)}], name="default")
+    assert info.value.reason == "no_prompts"
 
 
 # --- source formats ---------------------------------------------------------------------------
@@ -293,10 +297,18 @@ def test_max_samples_takes_first_unique_records_in_source_order(tmp_path):
     _, summary, rows = build(tmp_path, sources, num_shards=2, max_samples=6)
     contents = sorted(r["messages"][0]["content"] for r in rows)
     assert contents == ["p0", "p1", "p2", "p3", "p4", "q"]
-    assert summary["accepted"] == 6 and summary["duplicates"] == 2 and summary["written"] == 6
+    # the sixth unique prompt ends the reading: the repeated "q" after it is never read
+    assert (summary["read"], summary["accepted"], summary["duplicates"]) == (7, 6, 1)
+    assert summary["written"] == 6 and summary["stopped_at_max_samples"] is True
     _, summary, rows = build(tmp_path, sources, num_shards=2, max_samples=3, name="capped")
     assert sorted(r["messages"][0]["content"] for r in rows) == ["p0", "p1", "p2"]
-    assert summary["dropped_by_max_samples"] == 3 and summary["shard_sizes"] == [2, 1]
+    assert summary["shard_sizes"] == [2, 1]
+    assert [(src["read"], src.get("skipped")) for src in summary["sources"]] == [
+        (3, None), (0, "max_samples reached"),
+    ]
+    _, summary, _ = build(tmp_path, sources, num_shards=2, max_samples=100, name="all")
+    assert (summary["read"], summary["accepted"], summary["duplicates"]) == (8, 6, 2)
+    assert summary["stopped_at_max_samples"] is False
 
 
 # --- sharding ---------------------------------------------------------------------------------
@@ -550,3 +562,165 @@ def test_read_shard_names_the_bad_line(tmp_path):
     path.write_text('{"id": "a", "messages": []}\n{"id": "b"}\n')
     with pytest.raises(RecordError, match=r"shard-0.jsonl:2"):
         read_shard(path)
+
+
+# --- encodings, line cap, nesting, streaming ---------------------------------------------------
+
+GOOD_LINES = [b'{"prompt": "first"}', b'{"prompt": "second"}']
+
+
+def write_lines(path: Path, lines: list[bytes], prefix: bytes = b"") -> Path:
+    path.write_bytes(prefix + b"".join(line + b"\n" for line in lines))
+    return path
+
+
+def test_deeply_nested_line_is_rejected_and_the_run_continues(tmp_path):
+    deep = b'{"p": ' + b"[" * 1000 + b"]" * 1000 + b"}"
+    src = write_lines(tmp_path / "deep.jsonl", [GOOD_LINES[0], deep, GOOD_LINES[1]])
+    out, summary, rows = build(tmp_path, [{"path": str(src)}])
+    assert sorted(r["messages"][0]["content"] for r in rows) == ["first", "second"]
+    assert summary["rejected"] == {"too_deeply_nested": 1}
+    [entry] = read_jsonl(out / "rejected.jsonl")
+    assert (entry["line"], entry["reason"]) == (2, "too_deeply_nested")
+    assert "nested deeper than 100 levels" in entry["detail"]
+
+
+def test_deep_but_parseable_nesting_in_a_json_source_is_rejected(tmp_path):
+    src = tmp_path / "rows.json"
+    src.write_text('[{"prompt": "ok"}, {"prompt": "x", "extra": ' + "[" * 500 + "]" * 500 + "}]")
+    out, summary, rows = build(tmp_path, [{"path": str(src)}])
+    assert [r["messages"] for r in rows] == [[u("ok")]]
+    assert summary["rejected"] == {"too_deeply_nested": 1}
+    assert read_jsonl(out / "rejected.jsonl")[0]["index"] == 1
+
+
+def test_utf8_bom_is_accepted_in_jsonl_and_json(tmp_path):
+    bom = b"\xef\xbb\xbf"
+    jsonl = write_lines(tmp_path / "bom.jsonl", GOOD_LINES, prefix=bom)
+    _, summary, rows = build(tmp_path, [{"path": str(jsonl)}])
+    assert summary["rejected_total"] == 0
+    assert sorted(r["messages"][0]["content"] for r in rows) == ["first", "second"]
+    whole = tmp_path / "bom.json"
+    whole.write_bytes(bom + b'[{"prompt": "first"}]')
+    _, summary, rows = build(tmp_path, [{"path": str(whole)}], name="json")
+    assert [r["messages"] for r in rows] == [[u("first")]]
+
+
+@pytest.mark.parametrize("encoding, what", [
+    ("utf-16", "UTF-16"), ("utf-16-le", "UTF-16 or UTF-32"), ("utf-16-be", "UTF-16 or UTF-32"),
+    ("utf-32", "UTF-32"),
+])
+@pytest.mark.parametrize("suffix", [".jsonl", ".json"])
+def test_utf16_and_utf32_files_are_refused_naming_the_file(tmp_path, encoding, what, suffix):
+    text = '{"prompt": "first"}\n' if suffix == ".jsonl" else '[{"prompt": "first"}]'
+    src = tmp_path / f"wide{suffix}"
+    src.write_bytes(text.encode(encoding))
+    with pytest.raises(PromptSourceError) as info:
+        build(tmp_path, [{"path": str(src)}])
+    assert isinstance(info.value, RecordError)
+    assert info.value.reason == "unsupported_encoding"
+    assert f"prompt source {src}: " in str(info.value)
+    assert f"{what}" in str(info.value) and "UTF-8" in str(info.value)
+
+
+def test_a_source_without_a_usable_prompt_fails_the_stage_naming_it(tmp_path):
+    good = write_lines(tmp_path / "good.jsonl", GOOD_LINES)
+    latin1 = write_lines(tmp_path / "latin1.jsonl", [b'{"prompt": "caf\xe9"}', b"", b"{"])
+    with pytest.raises(PromptSourceError) as info:
+        build(tmp_path, [{"path": str(good)}, {"path": str(latin1)}])
+    message = str(info.value)
+    assert info.value.reason == "no_prompts"
+    assert f"prompt source {latin1}: no usable prompt in 3 records" in message
+    assert "invalid_utf8=1" in message and "empty_line=1" in message
+    assert "malformed_json=1" in message
+    assert "line 1: invalid_utf8: line is not valid UTF-8" in message
+    assert info.value.counts == {"path": str(latin1), "read": 3, "accepted": 0,
+                                 "duplicates": 0, "rejected": 3}
+    empty = tmp_path / "empty.jsonl"
+    empty.write_bytes(b"")
+    with pytest.raises(PromptSourceError, match=r"empty.jsonl: no usable prompt in 0 records"):
+        build(tmp_path, [{"path": str(empty)}])
+
+
+def test_a_source_of_duplicates_only_is_not_an_error(tmp_path):
+    first = write_lines(tmp_path / "1.jsonl", GOOD_LINES)
+    again = write_lines(tmp_path / "2.jsonl", GOOD_LINES)
+    _, summary, _ = build(tmp_path, [{"path": str(first)}, {"path": str(again)}])
+    assert (summary["accepted"], summary["duplicates"]) == (2, 2)
+
+
+def test_lines_over_the_cap_are_rejected_and_later_lines_still_read(tmp_path):
+    long_line = b'{"prompt": "' + b"x" * 5000 + b'"}'
+    src = write_lines(tmp_path / "long.jsonl", [GOOD_LINES[0], long_line, GOOD_LINES[1]])
+    out = tmp_path / "out"
+    summary = build_prompt_shards([{"path": str(src)}], out, 1, 100, max_line_bytes=1024)
+    assert summary["accepted"] == 2 and summary["rejected"] == {"line_too_long": 1}
+    [entry] = read_jsonl(out / "rejected.jsonl")
+    assert (entry["line"], entry["index"]) == (2, 1)
+    assert entry["detail"] == (
+        f"line of {len(long_line) + 1} bytes is longer than prompts.max_line_bytes (1024)"
+    )
+    assert entry["excerpt"] == long_line[:200].decode()
+    # the cap counts the line's bytes: the same line fits under a larger one
+    summary = build_prompt_shards([{"path": str(src)}], out, 1, 100, max_line_bytes=8192)
+    assert summary["accepted"] == 3 and summary["rejected_total"] == 0
+
+
+def test_reading_stops_once_max_samples_prompts_are_found(tmp_path):
+    """Records past the first max_samples unique prompts are never read (nor held), so a
+    later source is not opened at all: not even its encoding is checked."""
+    first = write_lines(tmp_path / "1.jsonl", [b"{", GOOD_LINES[0], GOOD_LINES[0],
+                                                GOOD_LINES[1], b'{"prompt": "third"}'])
+    wide = tmp_path / "2.jsonl"
+    wide.write_bytes('{"prompt": "never read"}\n'.encode("utf-16"))
+    out, summary, rows = build(tmp_path, [{"path": str(first)}, {"path": str(wide)}],
+                               max_samples=2)
+    assert sorted(r["messages"][0]["content"] for r in rows) == ["first", "second"]
+    assert (summary["read"], summary["accepted"], summary["duplicates"]) == (4, 2, 1)
+    assert summary["rejected_total"] == 1 and summary["stopped_at_max_samples"] is True
+    assert [(s["path"], s["read"], s.get("skipped")) for s in summary["sources"]] == [
+        (str(first), 4, None), (str(wide), 0, "max_samples reached"),
+    ]
+
+
+# --- any bytes in, only the reader's own errors out ---------------------------------------------
+
+RECORD_LINES = st.sampled_from([
+    *GOOD_LINES, b'{"prompt": "first"}', b'{"messages": [{"role": "user", "content": "m"}]}',
+    b"", b"   ", b"{", b"[1, 2]", b"null", b'{"p": ' + b"[" * 1200 + b"]" * 1200 + b"}",
+    b'{"prompt": "' + b"y" * 300 + b'"}', b'{"prompt": "caf\xe9"}', b'{"prompt": "a\x00b"}',
+    b'{"prompt": "\\ud800"}', b'{"prompt": "x", "prompt": "y"}', b"\xef\xbb\xbf",
+    b"\xff\xfe", b"\x00\x00\xfe\xff", b"\r", '{"prompt": "ünï"}'.encode(),
+])
+PROMPT_FILE_BYTES = st.one_of(
+    st.binary(max_size=600),
+    st.builds(lambda lines, sep: sep.join(lines), st.lists(RECORD_LINES, max_size=8),
+              st.sampled_from([b"\n", b"\r\n"])),
+    st.builds(lambda prefix, lines: prefix + b"\n".join(lines),
+              st.sampled_from([b"\xef\xbb\xbf", b"\xff\xfe", b"\xfe\xff", b"\xff\xfe\x00\x00"]),
+              st.lists(RECORD_LINES, max_size=4)),
+)
+
+
+@settings(max_examples=200, deadline=None)
+@given(raw=PROMPT_FILE_BYTES, suffix=st.sampled_from([".jsonl", ".json"]))
+def test_any_bytes_give_counted_records_or_the_readers_own_error(raw, suffix):
+    with tempfile.TemporaryDirectory() as tmp:
+        src = Path(tmp) / f"fuzz{suffix}"
+        src.write_bytes(raw)
+        try:
+            summary = build_prompt_shards([{"path": str(src)}], Path(tmp) / "out", 2, 1000,
+                                          max_line_bytes=256)
+        except RecordError as exc:  # PromptSourceError is one: a whole file refused
+            assert str(src) in str(exc)
+            counts = getattr(exc, "counts", None)
+            if counts is not None:
+                assert counts["accepted"] + counts["duplicates"] == 0
+                assert counts["read"] == counts["rejected"]
+            return
+    [source] = summary["sources"]
+    for counts in (summary, source):
+        rejected = counts.get("rejected_total", counts["rejected"])
+        assert counts["read"] == counts["accepted"] + counts["duplicates"] + rejected
+    assert summary["accepted"] >= 1
+    assert summary["rejected_total"] == sum(summary["rejected"].values())

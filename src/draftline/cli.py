@@ -38,7 +38,8 @@ def cmd_prompts(cfg: dict, lay: Layout, args) -> None:
 
     p = cfg["prompts"]
     build_prompt_shards(p["sources"], lay.prompts, num_shards=p["num_shards"],
-                 max_samples=p["max_samples"], seed=p["seed"])
+                        max_samples=p["max_samples"], seed=p["seed"],
+                        max_line_bytes=p["max_line_bytes"])
 
 
 def cmd_profile(cfg: dict, lay: Layout, args) -> None:

@@ -1,6 +1,6 @@
 """Prompt shards: read prompt sources, normalize them to OpenAI chat messages, shard them.
 
-Kept whole (about 690 lines): most of the length is one reader per source format with its
+Kept whole (about 880 lines): most of the length is one reader per source format with its
 per-record checks, each naming the file and record it refuses.
 
 Stage 1 of the pipeline. ``build_prompt_shards`` reads every configured source, turns each
@@ -26,7 +26,12 @@ Rules (see docs/formats.md for the file formats):
   messages. Records with the same normalized messages are duplicates (the first one wins); a
   repeated explicit id on different content is rejected.
 * Selection: the first ``max_samples`` unique records in source order (sources in config order,
-  records in file order).
+  records in file order). Reading stops there: later records and sources are not read, so
+  memory holds the kept prompts and nothing that grows with the files.
+* Files: UTF-8, a leading byte order mark allowed; a file that starts like UTF-16 or UTF-32 (a
+  byte order mark or NUL bytes) is refused whole. A ``.jsonl`` line longer than
+  ``max_line_bytes`` is rejected (``line_too_long``) and skipped without being held; JSON nested
+  deeper than 100 levels is rejected (``too_deeply_nested``).
 * Sharding: the selected records are sorted by ``sha256(f"{seed}:{id}")`` and dealt round-robin,
   so shard sizes differ by at most one and the same inputs give byte-identical files.
 * Text checks: kept contents and ids must not hold control characters (tab, newline and
@@ -34,7 +39,9 @@ Rules (see docs/formats.md for the file formats):
   JSON object may repeat a key (which value wins would be up to the parser).
 * A bad record never stops the run: it goes to ``rejected.jsonl`` with its source, index, line,
   reason code, a detail naming the field and position, and an excerpt; the summary and the log
-  line count rejections per reason. A missing or unreadable source raises an error naming its path.
+  line count rejections per reason. A missing source raises FileNotFoundError; an unreadable
+  one, or one that gives no usable prompt (all its records rejected), raises
+  PromptSourceError, a RecordError whose reason is a code and whose message names the path.
 """
 
 from __future__ import annotations
@@ -44,14 +51,14 @@ import json
 import re
 from collections import Counter
 from collections.abc import Iterable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from importlib import resources
 from pathlib import Path
-from typing import Any
+from typing import IO, Any, BinaryIO
 
 from tqdm import tqdm
 
-from draftline.atomic import write_jsonl, write_text
+from draftline.atomic import atomic_open, write_text
 from draftline.layout import PROMPTS_REJECTED, PROMPTS_SUMMARY, shard_file
 from draftline.records import Prompt, RecordError, write_shard
 
@@ -61,6 +68,20 @@ BUNDLED_ID_FIELD = "id"
 HASH_ID_PREFIX = "h-"
 HASH_ID_HEX_DIGITS = 16
 EXCERPT_CHARS = 200
+DEFAULT_MAX_LINE_BYTES = 1 << 20  # prompts.max_line_bytes in the config schema
+# Deeper JSON is no prompt anyone wrote, and past about 1000 levels the parser (and every
+# recursive walk of the value) would exhaust Python's stack.
+MAX_NESTING = 100
+UTF8_BOM = b"\xef\xbb\xbf"
+# UTF-32 LE's mark begins with UTF-16 LE's, so it is tested first.
+_WIDE_BOMS = (
+    (b"\x00\x00\xfe\xff", "UTF-32"),
+    (b"\xff\xfe\x00\x00", "UTF-32"),
+    (b"\xfe\xff", "UTF-16"),
+    (b"\xff\xfe", "UTF-16"),
+)
+SNIFF_BYTES = 4096  # how much of a file's start is looked at to tell its encoding
+SKIP_CHUNK = 1 << 16  # the part of an over-long line held at a time while skipping it
 
 OPENAI_ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
 SHAREGPT_ROLES = {
@@ -84,8 +105,16 @@ SHARDING_RULE = "sorted by sha256('{seed}:{id}'), dealt round-robin"
 _SHARD_NAME = re.compile(r"shard-(\d+)\.jsonl")
 
 
-class PromptSourceError(ValueError):
-    """A prompt source that cannot be read as a whole (bad format, unreadable file, bad split)."""
+class PromptSourceError(RecordError):
+    """A prompt source that cannot be used as a whole (bad format or encoding, unreadable file,
+    bad split, no usable prompt); the message names the source. ``counts`` holds what was read
+    of it when the failure came after reading (no usable prompt)."""
+
+    def __init__(
+        self, source: object, reason: str, detail: str, counts: dict[str, Any] | None = None
+    ):
+        super().__init__(reason, f"prompt source {source}: {detail}")
+        self.counts = counts
 
 
 class _RepeatedKeyObject(dict):
@@ -139,7 +168,7 @@ class SourceSpec:
     @classmethod
     def from_config(cls, item: dict[str, Any]) -> SourceSpec:
         if "path" not in item:
-            raise PromptSourceError(f"prompt source {item!r}: missing key 'path'")
+            raise PromptSourceError(repr(item), "missing_path", "missing key 'path'")
         path = str(item["path"])
         id_field = item.get("id_field")
         if path == BUNDLED and id_field is None:
@@ -175,8 +204,11 @@ def bundled_prompts_path() -> Path:
     return Path(str(resources.files("draftline") / "data" / "prompts.jsonl"))
 
 
-def iter_source(spec: SourceSpec) -> Iterator[RawRecord]:
-    """Yield the raw records of one source; raise for a source that cannot be read at all."""
+def iter_source(
+    spec: SourceSpec, max_line_bytes: int = DEFAULT_MAX_LINE_BYTES
+) -> Iterator[RawRecord]:
+    """Yield the raw records of one source, one at a time (a .json file is parsed whole);
+    raise PromptSourceError for a source that cannot be read at all."""
     if spec.path.startswith(HF_PREFIX):
         yield from _iter_hub_dataset(spec.path[len(HF_PREFIX) :], spec.split)
         return
@@ -186,57 +218,135 @@ def iter_source(spec: SourceSpec) -> Iterator[RawRecord]:
     if path.is_dir():
         yield from _iter_saved_dataset(path, spec.split)
     elif path.suffix == ".jsonl":
-        yield from _iter_jsonl(path)
+        yield from _iter_jsonl(path, max_line_bytes)
     elif path.suffix == ".json":
         yield from _iter_json(path)
     elif path.suffix == ".parquet":
         yield from _iter_parquet(path)
     else:
         raise PromptSourceError(
-            f"prompt source {path}: unsupported format '{path.suffix}' "
-            "(expected .jsonl, .json, .parquet, a saved HF dataset dir, hf:<id> or bundled)"
+            path,
+            "unsupported_format",
+            f"unsupported format '{path.suffix}' "
+            "(expected .jsonl, .json, .parquet, a saved HF dataset dir, hf:<id> or bundled)",
         )
 
 
-def _iter_jsonl(path: Path) -> Iterator[RawRecord]:
+def _check_encoding(head: bytes, path: Path) -> None:
+    """Refuse a file whose first bytes show UTF-16 or UTF-32: read as UTF-8, every line of it
+    would be rejected one by one and the real cause would be lost."""
+    for bom, name in _WIDE_BOMS:
+        if head.startswith(bom):
+            raise PromptSourceError(
+                path,
+                "unsupported_encoding",
+                f"starts with a {name} byte order mark; prompt files must be UTF-8 "
+                f"(convert it, e.g. iconv -f {name} -t UTF-8)",
+            )
+    if b"\x00" in head:  # never in UTF-8 JSON text, always in UTF-16/32 text of ASCII
+        raise PromptSourceError(
+            path,
+            "unsupported_encoding",
+            "holds NUL bytes near its start, as UTF-16 or UTF-32 text does; "
+            "prompt files must be UTF-8",
+        )
+
+
+def _open_text_source(path: Path) -> BinaryIO:
+    """The file opened in binary mode past its UTF-8 byte order mark, its encoding checked."""
+    f = path.open("rb")
+    try:
+        head = f.read(SNIFF_BYTES)
+        _check_encoding(head, path)
+    except BaseException:
+        f.close()
+        raise
+    f.seek(len(UTF8_BOM) if head.startswith(UTF8_BOM) else 0)
+    return f
+
+
+def _capped_lines(f: BinaryIO, max_line_bytes: int) -> Iterator[tuple[bytes, int]]:
+    """(line, its length in bytes) for each line; a line longer than ``max_line_bytes`` comes
+    cut to that many bytes, its rest skipped without being held."""
+    while line := f.readline(max_line_bytes):
+        length = len(line)
+        if length == max_line_bytes and not line.endswith(b"\n"):
+            length += _skip_rest_of_line(f)
+        yield line, length
+
+
+def _skip_rest_of_line(f: BinaryIO) -> int:
+    """Read past the end of the current line a chunk at a time; return how many bytes."""
+    skipped = 0
+    while rest := f.readline(SKIP_CHUNK):
+        skipped += len(rest)
+        if rest.endswith(b"\n"):
+            break
+    return skipped
+
+
+def _iter_jsonl(path: Path, max_line_bytes: int) -> Iterator[RawRecord]:
     # Binary mode: one badly encoded line is rejected instead of aborting the whole file.
-    with path.open("rb") as f:
-        for line_no, raw in enumerate(f, start=1):
-            index = line_no - 1
-            try:
-                text = raw.decode("utf-8")
-            except UnicodeDecodeError as exc:
-                excerpt = raw[:EXCERPT_CHARS].decode("utf-8", errors="replace")
-                error = RecordError("invalid_utf8", f"line is not valid UTF-8: {exc.reason}")
-                yield RawRecord(index, line_no, raw_text=excerpt, error=error)
-                continue
-            text = text.rstrip("\r\n")
-            if not text.strip():
-                error = RecordError("empty_line", "blank line")
-                yield RawRecord(index, line_no, raw_text=text, error=error)
-                continue
-            try:
-                value = _parse_json(text)
-            except json.JSONDecodeError as exc:
-                error = RecordError(
-                    "malformed_json", f"invalid JSON: {exc.msg} at column {exc.colno}"
-                )
-                yield RawRecord(index, line_no, raw_text=text, error=error)
-                continue
-            yield RawRecord(index, line_no, value=value, raw_text=text)
+    with _open_text_source(path) as f:
+        for line_no, (raw, length) in enumerate(_capped_lines(f, max_line_bytes), start=1):
+            yield _jsonl_record(line_no, raw, length, max_line_bytes)
+
+
+def _jsonl_record(line_no: int, raw: bytes, length: int, max_line_bytes: int) -> RawRecord:
+    index = line_no - 1
+    if length > max_line_bytes:
+        excerpt = raw[:EXCERPT_CHARS].decode("utf-8", errors="replace")
+        error = RecordError(
+            "line_too_long",
+            f"line of {length} bytes is longer than prompts.max_line_bytes ({max_line_bytes})",
+        )
+        return RawRecord(index, line_no, raw_text=excerpt, error=error)
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        excerpt = raw[:EXCERPT_CHARS].decode("utf-8", errors="replace")
+        error = RecordError("invalid_utf8", f"line is not valid UTF-8: {exc.reason}")
+        return RawRecord(index, line_no, raw_text=excerpt, error=error)
+    text = text.rstrip("\r\n")
+    if not text.strip():
+        error = RecordError("empty_line", "blank line")
+        return RawRecord(index, line_no, raw_text=text, error=error)
+    try:
+        value = _parse_json(text)
+    except json.JSONDecodeError as exc:
+        error = RecordError("malformed_json", f"invalid JSON: {exc.msg} at column {exc.colno}")
+        return RawRecord(index, line_no, raw_text=text, error=error)
+    except RecursionError:
+        return RawRecord(index, line_no, raw_text=text, error=_too_deep_error())
+    return RawRecord(index, line_no, value=value, raw_text=text)
+
+
+def _too_deep_error() -> RecordError:
+    return RecordError("too_deeply_nested", f"JSON nested deeper than {MAX_NESTING} levels")
 
 
 def _iter_json(path: Path) -> Iterator[RawRecord]:
+    with _open_text_source(path) as f:
+        raw = f.read()
     try:
-        data = _parse_json(path.read_text(encoding="utf-8"))
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise PromptSourceError(f"prompt source {path}: not valid JSON: {exc}") from exc
+        data = _parse_json(raw.decode("utf-8"))
+    except UnicodeDecodeError as exc:
+        raise PromptSourceError(
+            path, "unsupported_encoding", f"not valid UTF-8 ({exc}); prompt files must be UTF-8"
+        ) from exc
+    except json.JSONDecodeError as exc:
+        raise PromptSourceError(path, "not_json", f"not valid JSON: {exc}") from exc
+    except RecursionError as exc:
+        raise PromptSourceError(
+            path, "not_json", "not valid JSON: nested too deep to parse"
+        ) from exc
     if isinstance(data, dict) and isinstance(data.get("data"), list):
         data = data["data"]
     if not isinstance(data, list):
         raise PromptSourceError(
-            f'prompt source {path}: expected a list of records or {{"data": [...]}}, '
-            f"got {type(data).__name__}"
+            path,
+            "not_a_record_list",
+            f'expected a list of records or {{"data": [...]}}, got {type(data).__name__}',
         )
     for index, value in enumerate(data):
         yield RawRecord(index, None, value=value)
@@ -250,7 +360,7 @@ def _iter_parquet(path: Path) -> Iterator[RawRecord]:
         parquet = pq.ParquetFile(path)
     except (pa.ArrowException, OSError) as exc:
         raise PromptSourceError(
-            f"prompt source {path}: not a readable parquet file: {exc}"
+            path, "unreadable_parquet", f"not a readable parquet file: {exc}"
         ) from exc
     index = 0
     for batch in parquet.iter_batches(batch_size=1024):
@@ -266,7 +376,7 @@ def _iter_saved_dataset(path: Path, split: str) -> Iterator[RawRecord]:
         loaded = datasets.load_from_disk(str(path))
     except (FileNotFoundError, ValueError, OSError) as exc:
         raise PromptSourceError(
-            f"prompt source {path}: not a dataset saved with save_to_disk: {exc}"
+            path, "not_a_saved_dataset", f"not a dataset saved with save_to_disk: {exc}"
         ) from exc
     yield from _iter_dataset_rows(loaded, split, str(path))
 
@@ -278,7 +388,7 @@ def _iter_hub_dataset(hub_id: str, split: str) -> Iterator[RawRecord]:
         loaded = datasets.load_dataset(hub_id, split=split)
     except Exception as exc:  # the hub client raises many unrelated types; name the source
         raise PromptSourceError(
-            f"prompt source {HF_PREFIX}{hub_id} (split {split!r}): cannot load: {exc}"
+            f"{HF_PREFIX}{hub_id} (split {split!r})", "cannot_load", f"cannot load: {exc}"
         ) from exc
     yield from _iter_dataset_rows(loaded, split, f"{HF_PREFIX}{hub_id}")
 
@@ -289,11 +399,11 @@ def _iter_dataset_rows(loaded: Any, split: str, name: str) -> Iterator[RawRecord
     if isinstance(loaded, datasets.DatasetDict):
         if split not in loaded:
             raise PromptSourceError(
-                f"prompt source {name}: no split {split!r} (available: {sorted(loaded)})"
+                name, "no_such_split", f"no split {split!r} (available: {sorted(loaded)})"
             )
         loaded = loaded[split]
     if not isinstance(loaded, datasets.Dataset):
-        raise PromptSourceError(f"prompt source {name}: expected a Dataset, got {type(loaded)}")
+        raise PromptSourceError(name, "not_a_dataset", f"expected a Dataset, got {type(loaded)}")
     for index, row in enumerate(loaded):
         yield RawRecord(index, None, value=row)
 
@@ -305,6 +415,8 @@ def normalize_messages(record: Any, spec: SourceSpec) -> list[dict[str, str]]:
     """Turn one record into chat messages ending with a user turn; raise RecordError if unusable."""
     if not isinstance(record, dict):
         raise RecordError("not_an_object", f"expected a JSON object, got {_json_type(record)}")
+    if _nested_deeper_than(record, MAX_NESTING):  # before any recursive walk of it
+        raise _too_deep_error()
     _check_no_repeated_keys(record)
     # Rows of columnar sources (parquet, datasets) hold None for fields a record lacks.
     present = {key: value for key, value in record.items() if value is not None}
@@ -335,6 +447,19 @@ def normalize_messages(record: Any, spec: SourceSpec) -> list[dict[str, str]]:
         )
     labels = [f"{field}[{i}]" for i in range(len(turns))]
     return _finish_conversation(turns, labels, spec.system_prompt)
+
+
+def _nested_deeper_than(value: Any, limit: int) -> bool:
+    """Whether lists and objects nest more than ``limit`` levels (walked without recursion)."""
+    pending = [(value, 1)]
+    while pending:
+        item, depth = pending.pop()
+        if isinstance(item, (dict, list)):
+            if depth > limit:
+                return True
+            children = item.values() if isinstance(item, dict) else item
+            pending.extend((child, depth + 1) for child in children)
+    return False
 
 
 def _check_no_repeated_keys(record: dict[str, Any]) -> None:
@@ -409,7 +534,7 @@ def _holds_json_list(text: str) -> bool:
         return False
     try:
         return isinstance(json.loads(text), list)
-    except json.JSONDecodeError:
+    except (json.JSONDecodeError, RecursionError):
         return False
 
 
@@ -525,7 +650,10 @@ def _excerpt(raw: RawRecord) -> str:
     if raw.raw_text is not None:
         text = raw.raw_text
     else:
-        text = json.dumps(raw.value, ensure_ascii=False, default=str)
+        try:
+            text = json.dumps(raw.value, ensure_ascii=False, default=str)
+        except RecursionError:  # a record rejected for its nesting
+            text = "(nested too deep to show)"
     return _writable(text[:EXCERPT_CHARS])
 
 
@@ -534,61 +662,122 @@ def _writable(text: str) -> str:
     return text.encode("utf-8", "backslashreplace").decode("utf-8")
 
 
-class _Collector:
-    """Accepts records in order, tracking duplicates, rejections and per-source counts."""
+@dataclass
+class _SourceTally:
+    """What reading one source gave: the counts the summary reports, and for an error message
+    the rejections by reason and the first of them."""
 
-    def __init__(self) -> None:
+    path: str
+    read: int = 0
+    accepted: int = 0
+    duplicates: int = 0
+    rejected: int = 0
+    reasons: Counter[str] = field(default_factory=Counter)
+    first_rejection: str | None = None
+    skipped: str | None = None  # why the source was not read at all
+
+    def counts(self) -> dict[str, Any]:
+        counts = {"path": self.path, "read": self.read, "accepted": self.accepted,
+                  "duplicates": self.duplicates, "rejected": self.rejected}
+        if self.skipped is not None:
+            counts["skipped"] = self.skipped
+        return counts
+
+    @property
+    def usable(self) -> int:
+        return self.accepted + self.duplicates
+
+
+class _Collector:
+    """Accepts records in order until ``max_samples`` prompts are kept, tracking duplicates and
+    per-source counts; each rejection is written out as it comes, so memory holds only the
+    kept prompts and their hashes and ids."""
+
+    def __init__(self, max_samples: int, rejected_out: IO[str]) -> None:
+        self.max_samples = max_samples
         self.accepted: list[Prompt] = []
-        self.rejected: list[dict[str, Any]] = []
         self.reasons: Counter[str] = Counter()
-        self.duplicates = 0
-        self.read = 0
-        self.per_source: list[dict[str, Any]] = []
+        self.sources: list[_SourceTally] = []
+        self._rejected_out = rejected_out
         self._hashes: set[str] = set()
         self._ids: dict[str, str] = {}  # id -> source path where it was first seen
 
-    def add_source(self, spec: SourceSpec, records: Iterable[RawRecord]) -> None:
-        counts = {"path": spec.path, "read": 0, "accepted": 0, "duplicates": 0, "rejected": 0}
-        for raw in records:
-            counts["read"] += 1
-            outcome = self._add(spec, raw)
-            counts[outcome] += 1
-        self.read += counts["read"]
-        self.per_source.append(counts)
+    @property
+    def full(self) -> bool:
+        return len(self.accepted) >= self.max_samples
 
-    def _add(self, spec: SourceSpec, raw: RawRecord) -> str:
+    def total(self, count: str) -> int:
+        return sum(getattr(tally, count) for tally in self.sources)
+
+    def add_source(self, spec: SourceSpec, records: Iterable[RawRecord]) -> _SourceTally:
+        """Read records until the source ends or max_samples prompts are kept: a record past
+        that point is never pulled from ``records``."""
+        tally = _SourceTally(spec.path)
+        self.sources.append(tally)
+        if self.full:
+            tally.skipped = "max_samples reached"
+            return tally
+        for raw in records:
+            tally.read += 1
+            self._add(spec, raw, tally)
+            if self.full:
+                break
+        return tally
+
+    def _add(self, spec: SourceSpec, raw: RawRecord, tally: _SourceTally) -> None:
         try:
             if raw.error is not None:
                 raise raw.error
             prompt = to_prompt(raw.value, spec)
             if prompt.content_hash in self._hashes:
-                self.duplicates += 1
-                return "duplicates"
+                tally.duplicates += 1
+                return
             if prompt.id in self._ids:
                 raise RecordError(
                     "duplicate_id",
                     f"id {prompt.id!r} already used (first in {self._ids[prompt.id]})",
                 )
         except RecordError as err:
-            self._reject(spec, raw, err)
-            return "rejected"
+            self._reject(spec, raw, err, tally)
+            return
         self._hashes.add(prompt.content_hash)
         self._ids[prompt.id] = spec.path
         self.accepted.append(prompt)
-        return "accepted"
+        tally.accepted += 1
 
-    def _reject(self, spec: SourceSpec, raw: RawRecord, err: RecordError) -> None:
+    def _reject(
+        self, spec: SourceSpec, raw: RawRecord, err: RecordError, tally: _SourceTally
+    ) -> None:
         self.reasons[err.reason] += 1
-        self.rejected.append(
-            {
-                "source": spec.path,
-                "index": raw.index,
-                "line": raw.line,
-                "reason": err.reason,
-                "detail": _writable(err.detail),
-                "excerpt": _excerpt(raw),
-            }
-        )
+        tally.rejected += 1
+        tally.reasons[err.reason] += 1
+        if tally.first_rejection is None:
+            tally.first_rejection = f"{_position(raw)}: {err.reason}: {_writable(err.detail)}"
+        row = {
+            "source": spec.path,
+            "index": raw.index,
+            "line": raw.line,
+            "reason": err.reason,
+            "detail": _writable(err.detail),
+            "excerpt": _excerpt(raw),
+        }
+        self._rejected_out.write(json.dumps(row, ensure_ascii=False) + "\n")
+
+
+def _position(raw: RawRecord) -> str:
+    return f"line {raw.line}" if raw.line is not None else f"record {raw.index}"
+
+
+def _check_usable(tally: _SourceTally) -> None:
+    """A source that was read and gave no usable prompt is a mistake (a wrong file, encoding
+    or field name) that must stop the stage here, not as an empty dataset stages later."""
+    if tally.skipped is not None or tally.usable:
+        return
+    reasons = ", ".join(f"{k}={v}" for k, v in sorted(tally.reasons.items())) or "none"
+    detail = f"no usable prompt in {tally.read} records (rejected: {reasons})"
+    if tally.first_rejection is not None:
+        detail += f"; first: {tally.first_rejection}"
+    raise PromptSourceError(tally.path, "no_prompts", detail, counts=tally.counts())
 
 
 def shard_key(prompt_id: str, seed: int) -> str:
@@ -617,12 +806,13 @@ def _summary(
 ) -> dict[str, Any]:
     written = sum(len(s) for s in shards)
     return {
-        "read": collector.read,
-        "accepted": len(collector.accepted),
-        "duplicates": collector.duplicates,
-        "rejected_total": len(collector.rejected),
+        "read": collector.total("read"),
+        "accepted": collector.total("accepted"),
+        "duplicates": collector.total("duplicates"),
+        "rejected_total": collector.total("rejected"),
         "rejected": dict(sorted(collector.reasons.items())),
-        "dropped_by_max_samples": len(collector.accepted) - written,
+        # reading stopped there: later records and sources were not read
+        "stopped_at_max_samples": collector.full,
         "written": written,
         "num_shards": len(shards),
         "shard_sizes": [len(s) for s in shards],
@@ -630,17 +820,18 @@ def _summary(
         "seed": seed,
         "selection": SELECTION_RULE,
         "sharding": SHARDING_RULE,
-        "sources": collector.per_source,
+        "sources": [tally.counts() for tally in collector.sources],
     }
 
 
 def format_summary(summary: dict[str, Any]) -> str:
     """One log line with every count, rejections broken down as ``reason=count``."""
     reasons = ", ".join(f"{k}={v}" for k, v in summary["rejected"].items()) or "none"
+    stopped = ", reading stopped at max_samples" if summary["stopped_at_max_samples"] else ""
     return (
         f"prompts: read {summary['read']}, accepted {summary['accepted']}, "
-        f"duplicates {summary['duplicates']}, rejected {summary['rejected_total']} ({reasons}), "
-        f"dropped by max_samples {summary['dropped_by_max_samples']}, "
+        f"duplicates {summary['duplicates']}, rejected {summary['rejected_total']} ({reasons})"
+        f"{stopped}, "
         f"written {summary['written']} in {summary['num_shards']} shards {summary['shard_sizes']}"
     )
 
@@ -651,12 +842,14 @@ def build_prompt_shards(
     num_shards: int,
     max_samples: int,
     seed: int = 0,
+    max_line_bytes: int = DEFAULT_MAX_LINE_BYTES,
 ) -> dict[str, Any]:
     """Read ``sources`` (``prompts.sources`` config items), write shards, rejects and a summary.
 
     Writes ``out_dir/shard-{i}.jsonl`` for i in 0..num_shards-1, ``out_dir/rejected.jsonl`` and
-    ``out_dir/summary.json``; returns the summary dict. Raises FileNotFoundError or
-    PromptSourceError (a ValueError) for a source that cannot be read at all.
+    ``out_dir/summary.json``; returns the summary dict. Raises FileNotFoundError for a missing
+    source and PromptSourceError (a RecordError) for one that cannot be read at all or that
+    gives no usable prompt.
     """
     if num_shards < 1:
         raise ValueError(f"num_shards must be >= 1, got {num_shards}")
@@ -666,23 +859,22 @@ def build_prompt_shards(
         raise ValueError("no prompt sources given")
     specs = [SourceSpec.from_config(item) for item in sources]
 
-    collector = _Collector()
-    for spec in specs:
-        records = tqdm(iter_source(spec), desc=f"prompts {spec.path}", unit="rec", mininterval=1)
-        collector.add_source(spec, records)
-
-    selected = collector.accepted[:max_samples]
-    shards = assign_shards(selected, num_shards, seed)
-
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
+    with atomic_open(out_dir / PROMPTS_REJECTED) as rejected_out:
+        collector = _Collector(max_samples, rejected_out)
+        for spec in specs:
+            records = iter_source(spec, max_line_bytes)
+            progress = tqdm(records, desc=f"prompts {spec.path}", unit="rec", mininterval=1)
+            _check_usable(collector.add_source(spec, progress))
+
+    shards = assign_shards(collector.accepted, num_shards, seed)
     for i, shard in enumerate(shards):
         write_shard(out_dir / shard_file(i), shard)
     _remove_stale_shards(out_dir, num_shards)
-    write_jsonl(out_dir / PROMPTS_REJECTED, collector.rejected)
     summary = _summary(collector, shards, max_samples, seed)
     write_text(out_dir / PROMPTS_SUMMARY, json.dumps(summary, indent=2, ensure_ascii=False) + "\n")
     print(format_summary(summary))
-    if collector.rejected:
+    if summary["rejected_total"]:
         print(f"prompts: rejected records with reason and detail: {out_dir / PROMPTS_REJECTED}")
     return summary

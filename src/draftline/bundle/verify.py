@@ -5,10 +5,12 @@ from __future__ import annotations
 
 import hashlib
 import json
+import lzma
 import os
 import re
 import sys
 import tarfile
+import zlib
 from collections.abc import Mapping
 from pathlib import Path, PurePosixPath
 from typing import Any, BinaryIO
@@ -36,21 +38,43 @@ def _check_member_path(name: str, what: str) -> PurePosixPath:
 
 
 def _parse_manifest(data: bytes, where: str) -> dict[str, Any]:
+    """The manifest, its file list checked entry by entry: whatever the bytes hold, a problem
+    is a VerifyError naming it, never a lookup or type error further on."""
     try:
         manifest = json.loads(data)
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+    except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as exc:
         raise VerifyError(f"{where}: not JSON ({exc})") from exc
     if not isinstance(manifest, dict) or manifest.get("format") != BUNDLE_FORMAT:
         raise VerifyError(f"{where}: not a {BUNDLE_FORMAT} manifest")
+    if "files" not in manifest:
+        raise VerifyError(f"{where}: no 'files' list")
+    files = manifest["files"]
+    if not isinstance(files, list):
+        raise VerifyError(f"{where}: 'files' must be a list of file entries, "
+                          f"got {type(files).__name__}")
     seen = set()
-    for i, entry in enumerate(manifest.get("files", [])):
-        if not {"path", "sha256", "size"} <= set(entry):
-            raise VerifyError(f"{where}: files[{i}] lacks path, sha256 or size")
-        _check_member_path(entry["path"], f"{where}: files[{i}]")
+    for i, entry in enumerate(files):
+        _check_file_entry(entry, f"{where}: files[{i}]")
         if entry["path"] in seen or entry["path"] == MANIFEST:
             raise VerifyError(f"{where}: {entry['path']} listed twice")
         seen.add(entry["path"])
     return manifest
+
+
+def _check_file_entry(entry: Any, what: str) -> None:
+    if not isinstance(entry, dict):
+        raise VerifyError(f"{what} must be an object with path, sha256 and size, "
+                          f"got {type(entry).__name__}")
+    if not {"path", "sha256", "size"} <= set(entry):
+        raise VerifyError(f"{what} lacks path, sha256 or size")
+    for key in ("path", "sha256"):
+        if not isinstance(entry[key], str):
+            raise VerifyError(f"{what} {key!r} must be a string, got {entry[key]!r}")
+    size = entry["size"]
+    # bool is an int subclass, but True is not a size anyone wrote.
+    if isinstance(size, bool) or not isinstance(size, int) or size < 0:
+        raise VerifyError(f"{what} 'size' must be a non-negative integer, got {size!r}")
+    _check_member_path(entry["path"], what)
 
 
 def _compare(manifest: dict, found: Mapping[str, tuple[str, int]]) -> None:
@@ -109,26 +133,37 @@ def _hash_stream(fh: BinaryIO, bar: tqdm) -> tuple[str, int]:
     return digest.hexdigest(), size
 
 
+# What a damaged or truncated archive raises while it is read: tarfile's own errors, and the
+# decompressors' (gzip, bz2 and xz streams end early or hold garbage).
+_ARCHIVE_READ_ERRORS = (tarfile.TarError, EOFError, OSError, zlib.error, lzma.LZMAError)
+
+
 def _verify_tar(tar_path: Path) -> dict[str, Any]:
     try:
-        tar = tarfile.open(tar_path, "r:*")
-    except tarfile.TarError as exc:
-        raise VerifyError(f"{tar_path}: not a tar archive ({exc})") from exc
+        members, manifest_bytes = _read_tar(tar_path)
+    except _ARCHIVE_READ_ERRORS as exc:
+        raise VerifyError(f"{tar_path}: cannot read the archive ({exc})") from exc
+    prefix = _archive_prefix(list(manifest_bytes), tar_path)
+    for name in members:
+        if not name.startswith(prefix):
+            raise VerifyError(f"archive member {name!r}: outside the bundle folder {prefix!r}")
+    manifest = _parse_manifest(manifest_bytes[prefix + MANIFEST], f"{prefix}{MANIFEST}")
+    _compare(manifest, {n[len(prefix):]: v for n, v in members.items()
+                        if n[len(prefix):] != MANIFEST})
+    return manifest
+
+
+def _read_tar(tar_path: Path) -> tuple[dict[str, tuple[str, int]], dict[str, bytes]]:
+    """(sha256, size) of every file member, and the bytes of each candidate manifest; unsafe
+    members are refused before anything is read from them."""
     members: dict[str, tuple[str, int]] = {}
     manifest_bytes: dict[str, bytes] = {}
-    with tar, tqdm(unit="B", unit_scale=True, desc="verify", mininterval=1) as bar:
+    with tarfile.open(tar_path, "r:*") as tar, \
+            tqdm(unit="B", unit_scale=True, desc="verify", mininterval=1) as bar:
         for member in tar:
             name = member.name.rstrip("/")
             path = _check_member_path(member.name, "archive member")
-            if member.issym() or member.islnk():
-                kind = "symbolic link" if member.issym() else "hard link"
-                target = PurePosixPath(member.linkname)
-                outside = (target.is_absolute() or ".." in
-                           (path.parent / target if member.issym() else target).parts)
-                raise VerifyError(f"archive member {name!r}: {kind} to {member.linkname!r}"
-                                  f"{' (outside the bundle)' if outside else ''} refused")
-            if not (member.isfile() or member.isdir()):
-                raise VerifyError(f"archive member {name!r}: not a regular file or folder")
+            _check_member_kind(member, path, name)
             if name in members or name in manifest_bytes:
                 raise VerifyError(f"archive member {name!r}: appears twice")
             if member.isfile():
@@ -139,14 +174,20 @@ def _verify_tar(tar_path: Path) -> dict[str, Any]:
                                      len(manifest_bytes[name]))
                 else:
                     members[name] = _hash_stream(fh, bar)
-    prefix = _archive_prefix(list(manifest_bytes), tar_path)
-    for name in members:
-        if not name.startswith(prefix):
-            raise VerifyError(f"archive member {name!r}: outside the bundle folder {prefix!r}")
-    manifest = _parse_manifest(manifest_bytes[prefix + MANIFEST], f"{prefix}{MANIFEST}")
-    _compare(manifest, {n[len(prefix):]: v for n, v in members.items()
-                        if n[len(prefix):] != MANIFEST})
-    return manifest
+    return members, manifest_bytes
+
+
+def _check_member_kind(member: tarfile.TarInfo, path: PurePosixPath, name: str) -> None:
+    """Only regular files and folders: links could point anywhere once extracted."""
+    if member.issym() or member.islnk():
+        kind = "symbolic link" if member.issym() else "hard link"
+        target = PurePosixPath(member.linkname)
+        outside = (target.is_absolute() or ".." in
+                   (path.parent / target if member.issym() else target).parts)
+        raise VerifyError(f"archive member {name!r}: {kind} to {member.linkname!r}"
+                          f"{' (outside the bundle)' if outside else ''} refused")
+    if not (member.isfile() or member.isdir()):
+        raise VerifyError(f"archive member {name!r}: not a regular file or folder")
 
 
 def _archive_prefix(manifest_names: list[str], tar_path: Path) -> str:
