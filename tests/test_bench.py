@@ -109,19 +109,29 @@ def test_simulated_acceptance_is_the_training_evaluation_figure():
 
 def test_train_serve_gap_warns_over_ten_percent():
     rows = [_row("eagle3-k1", 1, 0, 10, 5, drafts=100, accepted=50)]
-    summary = summarise(rows)
     configs = [{"name": "eagle3-k1", "num_speculative_tokens": 1}]
     messages = []
-    (gap,) = train_serve_gap(summary, configs,
+    (gap,) = train_serve_gap(rows, configs,
                              {"simulated_acceptance_length_by_num_drafts": [1.8]},
                              log=messages.append)
     assert gap["serving"] == 1.5 and gap["simulated"] == 1.8
     assert gap["gap_pct"] == pytest.approx(-16.67, abs=0.01) and gap["warning"]
     assert messages and "WARNING" in messages[0]
-    (ok,) = train_serve_gap(summary, configs,
+    (ok,) = train_serve_gap(rows, configs,
                             {"simulated_acceptance_length_by_num_drafts": [1.52]},
                             log=messages.append)
     assert not ok["warning"]
+
+
+def test_train_serve_gap_pools_the_counters_over_levels():
+    """100 drafts with 50 accepted at C=1, 10 with 9 at C=4: pooled 1 + 59/110, where the mean
+    of the two levels' acceptance lengths (1.5, 1.9) would say 1.7."""
+    rows = [_row("eagle3-k1", 1, 0, 10, 5, drafts=100, accepted=50),
+            _row("eagle3-k1", 4, 0, 10, 5, drafts=10, accepted=9),
+            _row("eagle3-k1", 4, 0, 10, 5, drafts=10, accepted=0, temp=0.7)]  # not T = 0
+    (gap,) = train_serve_gap(rows, [{"name": "eagle3-k1", "num_speculative_tokens": 1}],
+                             {"simulated_acceptance_length_by_num_drafts": [1.5]}, log=print)
+    assert gap["serving"] == pytest.approx(1 + 59 / 110, abs=1e-4)
 
 
 def test_eval_prompts_are_the_eval_split_only(tmp_path):

@@ -288,20 +288,20 @@ def simulated_acceptance(eval_json: dict, num_speculative_tokens: int) -> float 
     return round(by_drafts[num_speculative_tokens - 1], 4)
 
 
-def train_serve_gap(summary: list[dict], configs: list[dict], eval_json: dict | None,
+def train_serve_gap(rows: list[dict], configs: list[dict], eval_json: dict | None,
                     log=print) -> list[dict]:
-    """Serving acceptance (temperature 0, pooled over levels) against the simulated one."""
+    """Serving acceptance at temperature 0, its counters pooled over every level and
+    repetition (``pooled_acceptance``), against the simulated one."""
     gaps = []
     for cfg in configs:
         n = cfg["num_speculative_tokens"]
         if n is None or eval_json is None:
             continue
-        greedy = [s for s in summary if s["config"] == cfg["name"] and s["temperature"] == 0]
-        serving = [s["acceptance_length"] for s in greedy if s["acceptance_length"]]
+        greedy = [r for r in rows if r["config"] == cfg["name"] and r["temperature"] == 0]
+        serve = pooled_acceptance(greedy)["acceptance_length"] if greedy else None
         simulated = simulated_acceptance(eval_json, n)
-        if not serving or simulated is None:
+        if not serve or simulated is None:
             continue
-        serve = statistics.mean(serving)
         gap = 100.0 * (serve - simulated) / simulated
         warning = abs(gap) > GAP_WARN_PCT
         if warning:
@@ -600,7 +600,7 @@ def measure_deployment_benchmark(response_files: list[str], draft_dir: str, eval
                                          managed=not external_urls),
               "rows": rows, "summary": summary,
               "step_costs": step_costs(summary, configs),
-              "train_serve_gap": train_serve_gap(summary, configs, train_eval, log),
+              "train_serve_gap": train_serve_gap(rows, configs, train_eval, log),
               "best": best_config(summary)}
     write_json(out / BENCH_RESULTS, result, indent=2)
     write_text(out / BENCH_SUMMARY, summary_markdown(result))
