@@ -275,3 +275,39 @@ def test_a_killed_producer_server_stops_training_naming_the_server_and_log(input
     while group_alive(killed["server_pgid"]) and time.monotonic() < deadline:
         time.sleep(0.2)
     assert not group_alive(killed["server_pgid"])
+
+
+def test_request_names_stay_unique_when_two_threads_produce(tmp_path, monkeypatch):
+    """The prefetch thread and evaluation call produce() at once: every request (and spool
+    file) name is given out once. The counter here is slow to read (a sleep in its getter),
+    so a read and an increment not made under one lock interleave between the threads."""
+    from draftline.hidden import vllm_producer
+
+    class SlowCounter(VLLMProducer):
+        @property
+        def _count(self):
+            time.sleep(0.001)
+            return self.__dict__["count"]
+
+        @_count.setter
+        def _count(self, value):
+            self.__dict__["count"] = value
+
+    producer = SlowCounter.__new__(SlowCounter)  # no server: only the naming is exercised
+    producer.run, producer._count, producer.spool_dir = "run", 0, tmp_path
+    producer._count_lock = threading.Lock()
+    done = Future()
+    done.set_result(None)
+    producer.pool = type("Pool", (), {"submit": lambda self, *args: done})()
+    names: list[str] = []
+    producer._wait_for_files = lambda batch, futures: names.extend(batch)
+    (tmp_path / "file").write_bytes(b"x")
+    monkeypatch.setattr(vllm_producer, "spool_file", lambda folder, name: tmp_path / "file")
+    threads = [threading.Thread(target=lambda: [producer.produce([[1], [2]])
+                                                for _ in range(20)]) for _ in range(2)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert len(names) == 2 * 20 * 2
+    assert len(set(names)) == len(names)

@@ -31,6 +31,7 @@ import logging
 import os
 import shutil
 import tempfile
+import threading
 import time
 import uuid
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -111,6 +112,7 @@ class VLLMProducer:
         self.spool_dir.mkdir(parents=True, exist_ok=True)
         self.run = uuid.uuid4().hex[:10]  # this producer's request names: {run}-{n}
         self._count = 0
+        self._count_lock = threading.Lock()  # the prefetch thread and evaluation both produce
         self.client = httpx.Client(timeout=httpx.Timeout(wait_timeout_s, connect=10.0))
         self.pool = ThreadPoolExecutor(max_workers=16, thread_name_prefix="hs-request")
 
@@ -160,15 +162,19 @@ class VLLMProducer:
 
     def produce(self, samples: list[list[int]]) -> SpoolBatch:
         """Send ``samples`` (token ids) and return once every spool file is complete."""
-        names = []
-        for _ in samples:
-            names.append(f"{self.run}-{self._count}")
-            self._count += 1
+        names = self._request_names(len(samples))
         futures = [self.pool.submit(self._request, name, ids)
                    for name, ids in zip(names, samples, strict=True)]
         self._wait_for_files(names, futures)
         size = sum(spool_file(self.spool_dir, n).stat().st_size for n in names)
         return SpoolBatch(names, [list(map(int, s)) for s in samples], size)
+
+    def _request_names(self, count: int) -> list[str]:
+        """``count`` request (and spool file) names no other call of this producer gets."""
+        with self._count_lock:
+            first = self._count
+            self._count += count
+        return [f"{self.run}-{n}" for n in range(first, first + count)]
 
     def _request(self, name: str, ids: list[int]) -> None:
         reply = self.client.post(f"{self.url}/v1/completions", json={
