@@ -26,11 +26,12 @@ requests); ``stage_summary`` merges them into one stage view (and a plot).
 ``client_slot_utilization`` is the client-side figure: requests the client had open, not
 server work.
 
-Failures (``failure_kind``): a refused connection sets the endpoint aside for a few seconds
-and costs the prompt nothing; a timeout, a dropped connection, a retryable status or an
-unparseable body costs one retry (backoff with jitter); what another try would repeat goes to
-the errors file at once. When nothing has succeeded for ``endpoint_down_timeout_s`` while
-requests kept failing, the run stops with ``EndpointsDown``. The summary counts retries by kind.
+Failures (``failure_kind``): a refused connection sets the endpoint aside for a few seconds and
+costs the prompt nothing; a timeout, a dropped connection, a retryable status or an unparseable
+or incomplete answer (``check_completion``) costs one retry (backoff with jitter); what another
+try would repeat goes to the errors file at once. When nothing has succeeded for
+``endpoint_down_timeout_s`` while requests kept failing, the run stops with ``EndpointsDown``.
+The summary counts retries by kind.
 """
 
 from __future__ import annotations
@@ -114,7 +115,8 @@ def request_body(messages: list[dict], settings: GenerateSettings, prompt_id: st
 
 
 class MalformedCompletion(ValueError):
-    """A complete response body that is JSON but not a chat completion."""
+    """A complete response body that is JSON but not a chat completion we can keep (its
+    ``invalid`` failure kind is retried: the prompt is asked again)."""
 
 
 def parse_completion(body: dict) -> dict:
@@ -124,6 +126,8 @@ def parse_completion(body: dict) -> dict:
         message = choice["message"]
     except (KeyError, IndexError, TypeError) as exc:
         raise MalformedCompletion(f"not a chat completion: {str(body)[:200]}") from exc
+    if not isinstance(message, dict):
+        raise MalformedCompletion(f"choice without a message (message: {message!r})")
     reasoning = message.get("reasoning")
     if reasoning is None:  # an empty reasoning ("": the think block was empty) is kept as such
         reasoning = message.get("reasoning_content")
@@ -135,6 +139,29 @@ def parse_completion(body: dict) -> dict:
         "output_token_ids": choice.get("token_ids"),
         "usage": body.get("usage"),
     }
+
+
+def _token_ids(parsed: dict, key: str) -> list[int]:
+    ids = parsed[key]
+    if not isinstance(ids, list) or not ids or not all(isinstance(i, int) for i in ids):
+        raise MalformedCompletion(f"{key} missing, empty or not integers (got {str(ids)[:80]})")
+    return ids
+
+
+def check_completion(parsed: dict) -> None:
+    """Raise ``MalformedCompletion`` unless the answer can be trained on: both token id lists
+    present and non-empty, and as long as the usage figures say. The ids are what the dataset
+    is built from, and the usage is the server's own count of them: an answer where they
+    disagree was cut or mangled on its way, so it is asked again rather than kept."""
+    prompt_ids = _token_ids(parsed, "prompt_token_ids")
+    output_ids = _token_ids(parsed, "output_token_ids")
+    usage = parsed["usage"]
+    if not isinstance(usage, dict):
+        raise MalformedCompletion(f"no usage figures (usage: {usage!r})")
+    for figure, ids in (("prompt_tokens", prompt_ids), ("completion_tokens", output_ids)):
+        if usage.get(figure) != len(ids):
+            raise MalformedCompletion(
+                f"usage.{figure} is {usage.get(figure)!r} but the answer has {len(ids)} ids")
 
 
 def assistant_message(parsed: dict) -> dict:
@@ -149,7 +176,9 @@ def failure_kind(exc: BaseException) -> str:
     ``refused``: no connection (the endpoint is down, not the prompt's fault); ``timeout``: no
     answer within the request timeout; ``disconnect``: the connection dropped before the
     whole response arrived (reset, truncated body); ``status``: a retryable HTTP status
-    (408/409/429/5xx); ``invalid``: a complete response that does not parse; ``final``: an
+    (408/409/429/5xx); ``invalid``: a complete response that does not parse or is not a whole
+    answer (``check_completion``: no message, token ids missing or disagreeing with the usage
+    figures); ``final``: an
     error that another try would repeat (400: prompt too long, ...).
     """
     if isinstance(exc, StatusError):
@@ -347,9 +376,9 @@ class GenerationRun:
         stats = shard.stats
         stats.done += 1
         stats.latencies.append(latency)
-        usage = parsed["usage"] or {}
-        stats.prompt_tokens += usage.get("prompt_tokens", 0)
-        stats.output_tokens += usage.get("completion_tokens", 0)
+        # checked against the usage figures (``check_completion``)
+        stats.prompt_tokens += len(parsed["prompt_token_ids"])
+        stats.output_tokens += len(parsed["output_token_ids"])
         self._progress()
 
     def _progress(self) -> None:
@@ -382,6 +411,7 @@ class GenerationRun:
                 answer = await self.pool.clients[index].complete(body)
                 stats.connection_resends += answer.resent
                 parsed = parse_completion(answer.body)
+                check_completion(parsed)
                 self.pool.succeeded()
                 return parsed, time.monotonic() - t0, endpoint.base_url
             except Exception as exc:  # classified below; nothing is swallowed silently
@@ -473,7 +503,8 @@ def prepare_shard(files: ShardFiles, settings: GenerateSettings, endpoints: list
     todo = [p for p in prompts if p.id not in kept.records and p.id not in kept.errors]
     print(f"{files.prompts}: {len(prompts)} prompts, {len(kept.records)} done "
           f"({kept.adopted} from other shards' kept files), {kept.discarded_stale} kept "
-          f"answers discarded (made under other settings), {len(kept.errors)} failed before, "
+          f"answers discarded (made under other settings), {kept.discarded_incomplete} "
+          f"(without token ids), {len(kept.errors)} failed before, "
           f"{len(todo)} to ask")
     return PreparedShard(files, prompts, fingerprints, kept, todo)
 
@@ -550,6 +581,7 @@ def finish_shard(shard: PreparedShard, stats: ShardStats, settings: GenerateSett
         "resumed": len(kept.records),
         "resumed_from_other_shards": kept.adopted,
         "discarded_stale": kept.discarded_stale,
+        "discarded_incomplete": kept.discarded_incomplete,
         "retries": stats.retries,
         "retries_by_kind": dict(sorted(stats.retries_by_kind.items())),
         "endpoint_set_asides": stats.set_asides,

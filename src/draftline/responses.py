@@ -4,11 +4,12 @@ Results are appended and flushed to ``<out_dir>/.partial/shard-{i}.jsonl`` as th
 (``AppendLog``; Snakemake deletes declared outputs of failed jobs, the partial file survives).
 Every kept record carries the ``fingerprint`` of what determined its answer (target, served
 name, sampling settings, chat template kwargs, multi_turn, the prompt's messages). A rerun
-(``resume_shard``) keeps only records with the current fingerprint (the others are discarded
-and counted as ``discarded_stale``), takes valid answers for its ids from any shard's kept file
-(so a changed shard assignment loses nothing), drops a torn last line, and only asks for the
-rest. ``draftline.generate`` writes each shard's final file once, from these, in prompt order.
-The stages after it read those final files through ``iter_response_records``.
+(``resume_shard``) keeps only records with the current fingerprint (the others are discarded and
+counted as ``discarded_stale``), takes valid answers for its ids from any shard's kept file (so
+a changed shard assignment loses nothing), drops a torn last line and answers without token ids
+(``discarded_incomplete``), and only asks for the rest. ``draftline.generate`` writes each
+shard's final file once, from these, in prompt order. The stages after it read those final files
+through ``iter_response_records``.
 """
 
 from __future__ import annotations
@@ -160,6 +161,15 @@ class Resumed:
     errors: dict[str, dict]  # valid final errors for this shard's ids
     discarded_stale: int  # kept records for this shard's ids made under other settings
     adopted: int  # valid answers found in another shard's kept file
+    discarded_incomplete: int = 0  # kept with missing or empty token ids: asked again
+
+
+def has_token_ids(record: dict) -> bool:
+    """Whether a kept answer has both token id lists, non-empty. Runs before answers were
+    checked (``draftline.generate.check_completion``) kept some without them, under a valid
+    fingerprint; the dataset cannot use those, so a rerun asks for them again."""
+    return all(isinstance(record.get(key), list) and record[key]
+               for key in ("prompt_token_ids", "output_token_ids"))
 
 
 def valid_records(records: dict[str, dict], fingerprints: dict[str, str]) -> dict[str, dict]:
@@ -176,24 +186,26 @@ def resume_shard(partial: Path, partial_errors: Path,
     for ids this shard no longer owns stay in its file for the shard that does.
     """
     own = read_jsonl_ids(partial)
-    records = valid_records(own, fingerprints)
-    discarded = sum(1 for k in own if k in fingerprints and k not in records)
+    fingerprinted = valid_records(own, fingerprints)
+    records = {k: r for k, r in fingerprinted.items() if has_token_ids(r)}
+    incomplete = len(fingerprinted) - len(records)
+    discarded = sum(1 for k in own if k in fingerprints and k not in fingerprinted)
     adopted = 0
     for other in sorted(partial.parent.glob("*.jsonl")):
         if other == partial or other.name.endswith(".errors.jsonl"):
             continue
         found = valid_records(read_jsonl_ids(other, cut_torn=False), fingerprints)
-        new = {k: r for k, r in found.items() if k not in records}
+        new = {k: r for k, r in found.items() if k not in records and has_token_ids(r)}
         records.update(new)
         adopted += len(new)
     foreign = {k: r for k, r in own.items() if k not in fingerprints}
-    if discarded or adopted:
+    if discarded or adopted or incomplete:
         write_jsonl(partial, [*records.values(), *foreign.values()])
     # Final errors (e.g. 400: prompt too long) stay; retryable ones get another chance.
     errors = {k: e for k, e in valid_records(read_jsonl_ids(partial_errors), fingerprints).items()
               if not e.get("retryable") and k not in records}
     write_jsonl(partial_errors, errors.values())
-    return Resumed(records, errors, discarded, adopted)
+    return Resumed(records, errors, discarded, adopted, incomplete)
 
 
 # ----------------------------------------------------------------------------- the final files

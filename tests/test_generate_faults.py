@@ -1,0 +1,135 @@
+"""Generation against a faulty endpoint of the tests' own making (``fake_endpoint``): malformed
+answers, slow bodies, a proxy in front of a dead server, interrupted and concurrent runs."""
+
+from __future__ import annotations
+
+import copy
+import json
+from pathlib import Path
+
+import pytest
+from fake_endpoint import (
+    OUTPUT_TOKEN_IDS,
+    PROMPT_TOKEN_IDS,
+    FakeEndpoint,
+    Reply,
+    good_completion,
+    user_prompts,
+)
+
+from draftline.generate import GenerateSettings, generate_shard
+
+IDS = ["q0", "q1", "q2"]
+FAST = dict(concurrency=2, max_retries=3, backoff_base_s=0.01, backoff_cap_s=0.05,
+            request_timeout_s=5.0, endpoint_down_timeout_s=30.0)
+
+
+def _lines(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def _run(tmp_path: Path, endpoint, settings: GenerateSettings, ids=IDS) -> tuple[Path, dict]:
+    prompts = user_prompts(tmp_path / "shard-0.jsonl", ids)
+    out = tmp_path / "out" / "shard-0.jsonl"
+    summary = generate_shard(prompts, out, out.with_name("shard-0.errors.jsonl"),
+                             out.with_name("shard-0.summary.json"), [endpoint], settings)
+    return out, summary
+
+
+# ----------------------------------------------------------------------------- malformed answers
+
+
+def _without(path: tuple, completion: dict) -> dict:
+    *parents, last = path
+    node = completion
+    for key in parents:
+        node = node[key]
+    del node[last]
+    return completion
+
+
+def _with(path: tuple, value, completion: dict) -> dict:
+    *parents, last = path
+    node = completion
+    for key in parents:
+        node = node[key]
+    node[last] = value
+    return completion
+
+
+MALFORMED = {
+    "no token_ids": lambda c: _without(("choices", 0, "token_ids"), c),
+    "empty token_ids": lambda c: _with(("choices", 0, "token_ids"), [], c),
+    "no prompt_token_ids": lambda c: _without(("prompt_token_ids",), c),
+    "message null": lambda c: _with(("choices", 0, "message"), None, c),
+    "completion_tokens null": lambda c: _with(("usage", "completion_tokens"), None, c),
+    "ids disagree with usage": lambda c: _with(("usage", "completion_tokens"), 9, c),
+    "prompt ids disagree with usage": lambda c: _with(("usage", "prompt_tokens"), 1, c),
+    "no usage": lambda c: _without(("usage",), c),
+}
+
+
+@pytest.mark.parametrize("fault", list(MALFORMED))
+def test_a_malformed_answer_is_asked_again_and_the_good_answer_kept(tmp_path, fault):
+    """q1's first answer is a complete 200 that lacks what an answer needs: it is not kept,
+    the prompt is asked once more (one ``invalid`` retry) and the good answer is the record."""
+
+    def reply(prompt_id: str, attempt: int) -> Reply:
+        good = good_completion(prompt_id)
+        if prompt_id == "q1" and attempt == 0:
+            return Reply(MALFORMED[fault](copy.deepcopy(good)))
+        return Reply(good)
+
+    with FakeEndpoint(reply) as fake:
+        out, summary = _run(tmp_path, fake.endpoint, GenerateSettings(**FAST))
+    assert dict(fake.asked) == {"q0": 1, "q1": 2, "q2": 1}
+    records = _lines(out)
+    assert [r["id"] for r in records] == IDS
+    q1 = records[1]
+    assert q1["output_token_ids"] == OUTPUT_TOKEN_IDS
+    assert q1["prompt_token_ids"] == PROMPT_TOKEN_IDS
+    assert q1["messages"][-1]["content"] == "answer to q1"
+    assert _lines(out.with_name("shard-0.errors.jsonl")) == []
+    assert summary["retries_by_kind"] == {"invalid": 1}
+    assert summary["output_tokens"] == 3 * len(OUTPUT_TOKEN_IDS)
+    assert summary["prompt_tokens"] == 3 * len(PROMPT_TOKEN_IDS)
+
+
+def test_an_endpoint_that_only_answers_malformed_files_a_retryable_invalid_error(tmp_path):
+    def reply(prompt_id: str, attempt: int) -> Reply:
+        good = good_completion(prompt_id)
+        return Reply(MALFORMED["message null"](good) if prompt_id == "q2" else good)
+
+    with FakeEndpoint(reply) as fake:
+        out, summary = _run(tmp_path, fake.endpoint, GenerateSettings(**FAST))
+    assert fake.asked["q2"] == 1 + FAST["max_retries"]
+    [error] = _lines(out.with_name("shard-0.errors.jsonl"))
+    assert (error["id"], error["kind"], error["retryable"]) == ("q2", "invalid", True)
+    assert "message" in error["error"]
+    assert [r["id"] for r in _lines(out)] == ["q0", "q1"]
+
+
+def test_a_kept_answer_without_token_ids_is_asked_again_on_the_rerun(tmp_path):
+    """Answers an earlier run kept with null or empty ids (before answers were checked) carry a
+    valid fingerprint, yet cannot be trained on: the rerun discards and re-asks them."""
+    from draftline.records import read_shard
+    from draftline.responses import partial_paths, prompt_fingerprints
+
+    settings = GenerateSettings(**FAST)
+    with FakeEndpoint(lambda pid, attempt: Reply(good_completion(pid))) as fake:
+        prompts = user_prompts(tmp_path / "shard-0.jsonl", IDS)
+        fingerprints = prompt_fingerprints(read_shard(prompts), settings, [fake.endpoint], {})
+        partial = partial_paths(tmp_path / "out" / "shard-0.jsonl")[0]
+        partial.parent.mkdir(parents=True)
+        kept = {"q0": (PROMPT_TOKEN_IDS, OUTPUT_TOKEN_IDS), "q1": (PROMPT_TOKEN_IDS, None),
+                "q2": (None, [])}
+        partial.write_text("".join(json.dumps({
+            "id": pid, "messages": [], "prompt_token_ids": prompt_ids,
+            "output_token_ids": output_ids, "finish_reason": "stop", "usage": None,
+            "fingerprint": fingerprints[pid]}) + "\n" for pid, (prompt_ids, output_ids)
+            in kept.items()))
+        out, summary = _run(tmp_path, fake.endpoint, settings)
+    assert dict(fake.asked) == {"q1": 1, "q2": 1}
+    assert [(r["id"], r["output_token_ids"]) for r in _lines(out)] == [
+        (pid, OUTPUT_TOKEN_IDS) for pid in IDS]
+    assert (summary["resumed"], summary["discarded_incomplete"]) == (1, 2)
