@@ -133,3 +133,27 @@ def test_a_kept_answer_without_token_ids_is_asked_again_on_the_rerun(tmp_path):
     assert [(r["id"], r["output_token_ids"]) for r in _lines(out)] == [
         (pid, OUTPUT_TOKEN_IDS) for pid in IDS]
     assert (summary["resumed"], summary["discarded_incomplete"]) == (1, 2)
+
+
+# -------------------------------------------------------------------------- whole-request deadline
+
+
+def test_request_timeout_bounds_the_whole_request_not_each_read(tmp_path):
+    """q1's first answer comes one byte every 20 ms (about 12 s for the body): no single read
+    waits past ``request_timeout_s`` = 1 s, but the request as a whole does, so it times out
+    after about a second and the prompt is asked again."""
+    import time
+
+    def reply(prompt_id: str, attempt: int) -> Reply:
+        slow = prompt_id == "q1" and attempt == 0
+        return Reply(good_completion(prompt_id), trickle_s=0.02 if slow else None)
+
+    settings = GenerateSettings(**{**FAST, "request_timeout_s": 1.0})
+    t0 = time.monotonic()
+    with FakeEndpoint(reply) as fake:
+        out, summary = _run(tmp_path, fake.endpoint, settings)
+        elapsed = time.monotonic() - t0
+    assert elapsed < 5.0
+    assert dict(fake.asked) == {"q0": 1, "q1": 2, "q2": 1}
+    assert summary["retries_by_kind"] == {"timeout": 1}
+    assert [r["output_token_ids"] for r in _lines(out)] == [OUTPUT_TOKEN_IDS] * 3

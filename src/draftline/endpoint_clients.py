@@ -89,8 +89,10 @@ class EndpointClient:
                  tls: ssl.SSLContext):
         self.url = f"{endpoint.base_url}/chat/completions"
         self.headers = {"Authorization": f"Bearer {endpoint.api_key}"}
-        self.timeout = aiohttp.ClientTimeout(total=None, sock_connect=timeout_s,
-                                             sock_read=timeout_s)
+        # The timeout bounds the whole request (``complete``), a resend included: a per-read
+        # timeout lets a server that sends a byte now and then hold a request for ever.
+        self.timeout_s = timeout_s
+        self.timeout = aiohttp.ClientTimeout(total=timeout_s, sock_connect=timeout_s)
         self.max_connections = max_connections
         self.tls = tls
         self.session: aiohttp.ClientSession | None = None
@@ -113,21 +115,30 @@ class EndpointClient:
         return session
 
     async def complete(self, body: dict) -> Answer:
-        """The chat completion's JSON for ``body``."""
+        """The chat completion's JSON for ``body``; ``TimeoutError`` when the whole request
+        (connecting, sending, the full answer, a resend) took longer than the timeout."""
+        deadline = time.monotonic() + self.timeout_s
         try:
             return Answer(await self._post(self._session(), body), resent=False)
         except aiohttp.ClientConnectorError:
             raise  # no connection at all: nothing was sent
         except (aiohttp.ServerDisconnectedError, aiohttp.ClientOSError):
             try:
-                return Answer(await self._post(self._session(force_close=True), body),
-                              resent=True)
+                return Answer(await self._post(self._session(force_close=True), body,
+                                               deadline), resent=True)
             except Exception as again:
                 again.resent = True
                 raise
 
-    async def _post(self, session: aiohttp.ClientSession, body: dict) -> dict:
-        async with session.post(self.url, json=body) as response:
+    async def _post(self, session: aiohttp.ClientSession, body: dict,
+                    deadline: float | None = None) -> dict:
+        """One POST; by ``deadline`` (monotonic) when given, else within the timeout (aiohttp's
+        ``total``: connecting, sending and reading the whole answer)."""
+        timeout = self.timeout
+        if deadline is not None:
+            timeout = aiohttp.ClientTimeout(total=max(deadline - time.monotonic(), 1e-3),
+                                            sock_connect=self.timeout_s)
+        async with session.post(self.url, json=body, timeout=timeout) as response:
             content = await response.read()
         if response.status >= 400:
             raise StatusError(response.status, error_message(content))
