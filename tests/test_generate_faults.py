@@ -157,3 +157,58 @@ def test_request_timeout_bounds_the_whole_request_not_each_read(tmp_path):
     assert dict(fake.asked) == {"q0": 1, "q1": 2, "q2": 1}
     assert summary["retries_by_kind"] == {"timeout": 1}
     assert [r["output_token_ids"] for r in _lines(out)] == [OUTPUT_TOKEN_IDS] * 3
+
+
+# ----------------------------------------------------------------------------- 5xx: endpoint down
+
+
+@pytest.fixture
+def quick_set_aside(monkeypatch):
+    """An endpoint that answered only 5xx for 0.2 s is down, and rests 0.2 s (not 5 and 5)."""
+    from draftline.endpoint_clients import EndpointPool
+
+    monkeypatch.setattr(EndpointPool, "DOWN_AFTER_SERVER_ERRORS_S", 0.2, raising=False)
+    monkeypatch.setattr(EndpointPool, "COOLDOWN_S", 0.2)
+
+
+# the retries' backoff spans more than the 0.2 s it takes to call an endpoint down (as the
+# defaults' 1, 2, 4 s spans more than 5 s), yet only about half a second in all
+SLOWER_BACKOFF = {**FAST, "backoff_base_s": 0.1, "backoff_cap_s": 0.4}
+
+
+def test_an_endpoint_answering_502_is_set_aside_and_the_prompts_wait_for_it(tmp_path,
+                                                                          quick_set_aside):
+    """A proxy in front of a server that is restarting answers 502 for 1.5 s: the prompts do
+    not spend their retries on it (they would be spent in well under a second) but wait while
+    the endpoint rests, and every one is answered once the server is back."""
+    import time
+
+    back_at = time.monotonic() + 1.5
+
+    def reply(prompt_id: str, attempt: int) -> Reply:
+        if time.monotonic() < back_at:
+            return Reply({"error": {"message": "Bad Gateway"}}, status=502)
+        return Reply(good_completion(prompt_id))
+
+    with FakeEndpoint(reply) as fake:
+        out, summary = _run(tmp_path, fake.endpoint, GenerateSettings(**SLOWER_BACKOFF))
+    assert [r["id"] for r in _lines(out)] == IDS
+    assert _lines(out.with_name("shard-0.errors.jsonl")) == []
+    assert summary["endpoint_set_asides"] >= 2
+    assert summary["retries_by_kind"].get("status", 0) <= 2 * FAST["max_retries"]
+
+
+def test_an_endpoint_that_only_answers_502_ends_the_run_as_down_with_no_prompt_failed(
+        tmp_path, quick_set_aside):
+    from draftline.generate import EndpointsDown
+    from draftline.responses import partial_paths
+
+    def reply(prompt_id: str, attempt: int) -> Reply:
+        return Reply({"error": {"message": "Bad Gateway"}}, status=502)
+
+    settings = GenerateSettings(**{**SLOWER_BACKOFF, "endpoint_down_timeout_s": 1.0})
+    with FakeEndpoint(reply) as fake, pytest.raises(EndpointsDown, match="no endpoint answered"):
+        _run(tmp_path, fake.endpoint, settings)
+    errors = partial_paths(tmp_path / "out" / "shard-0.jsonl")[1]
+    assert errors.read_text() == ""  # the endpoint failed, not the prompts: all asked again
+    assert min(fake.asked.values()) >= 2

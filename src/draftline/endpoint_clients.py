@@ -151,12 +151,18 @@ class EndpointClient:
 
 
 class EndpointPool:
-    """Least-in-flight balancing; an endpoint that fails to connect is set aside for a while.
+    """Least-in-flight balancing; an endpoint that fails to connect, or has answered nothing but
+    server errors (5xx) for a while, is set aside for a while.
 
     One ``EndpointClient`` per endpoint, with room for the run's C connections.
     """
 
     COOLDOWN_S = 5.0
+    # A 5xx alone may be the prompt's (a request the server chokes on) or a passing overload:
+    # it costs a retry. Only 5xx from an endpoint for this long, no answer between, says the
+    # server behind it is gone (a proxy in front of a dead server answers 502 at once, and the
+    # prompts would spend their whole retry budget in seconds).
+    DOWN_AFTER_SERVER_ERRORS_S = 5.0
 
     def __init__(self, endpoints: list[Endpoint], timeout_s: float, max_connections: int):
         tls = shared_tls_context()
@@ -167,6 +173,8 @@ class EndpointPool:
         self.sent = [0] * len(endpoints)
         # Since when no request has succeeded while connections kept failing (None: healthy).
         self.failing_since: float | None = None
+        # Per endpoint: since when it has answered only server errors (None: it answered).
+        self.server_errors_since: list[float | None] = [None] * len(endpoints)
 
     def pick(self) -> int | None:
         now = time.monotonic()
@@ -183,8 +191,25 @@ class EndpointPool:
         """A request got no answer (refused, timed out, dropped): start the down clock."""
         self.failing_since = self.failing_since or time.monotonic()
 
-    def succeeded(self) -> None:
+    def server_error(self, i: int) -> bool:
+        """Endpoint ``i`` answered a 5xx: start the down clock; True when it has answered only
+        server errors for ``DOWN_AFTER_SERVER_ERRORS_S``, so it is down (set aside, as one that
+        refuses connections)."""
+        self.failed()
+        now = time.monotonic()
+        since = self.server_errors_since[i]
+        if since is None:
+            self.server_errors_since[i] = now
+            return False
+        if now - since < self.DOWN_AFTER_SERVER_ERRORS_S:
+            return False
+        self.set_aside(i)
+        return True
+
+    def succeeded(self, i: int | None = None) -> None:
         self.failing_since = None
+        if i is not None:
+            self.server_errors_since[i] = None
 
     def down_for(self) -> float:
         return 0.0 if self.failing_since is None else time.monotonic() - self.failing_since

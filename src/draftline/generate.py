@@ -26,12 +26,13 @@ requests); ``stage_summary`` merges them into one stage view (and a plot).
 ``client_slot_utilization`` is the client-side figure: requests the client had open, not
 server work.
 
-Failures (``failure_kind``): a refused connection sets the endpoint aside for a few seconds and
-costs the prompt nothing; a timeout, a dropped connection, a retryable status or an unparseable
-or incomplete answer (``check_completion``) costs one retry (backoff with jitter); what another
-try would repeat goes to the errors file at once. When nothing has succeeded for
-``endpoint_down_timeout_s`` while requests kept failing, the run stops with ``EndpointsDown``.
-The summary counts retries by kind.
+Failures (``failure_kind``): a refused connection, or an endpoint that has answered only server
+errors (5xx) for a few seconds (``EndpointPool.server_error``), sets the endpoint aside for a
+few seconds and costs the prompt nothing; a timeout, a dropped connection, a retryable status or
+an unparseable or incomplete answer (``check_completion``) costs one retry (backoff with
+jitter); what another try would repeat goes to the errors file at once. When nothing has
+succeeded for ``endpoint_down_timeout_s`` while requests kept failing, the run stops with
+``EndpointsDown``. The summary counts retries by kind.
 """
 
 from __future__ import annotations
@@ -412,7 +413,7 @@ class GenerationRun:
                 stats.connection_resends += answer.resent
                 parsed = parse_completion(answer.body)
                 check_completion(parsed)
-                self.pool.succeeded()
+                self.pool.succeeded(index)
                 return parsed, time.monotonic() - t0, endpoint.base_url
             except Exception as exc:  # classified below; nothing is swallowed silently
                 error = exc
@@ -424,14 +425,15 @@ class GenerationRun:
                 self.open_requests = (count - 1, sent_sum - sent) if count > 1 else (0, 0.0)
                 self.pool.in_flight[index] -= 1
             kind = failure_kind(error)
-            if kind == "refused":
-                self.pool.set_aside(index)
+            if kind == "refused" or self._server_down(index, error):
+                if kind == "refused":
+                    self.pool.set_aside(index)
                 stats.set_asides += 1
                 self._check_down()
                 await asyncio.sleep(backoff_delay(0, self.settings, self.rng))
                 continue  # a dead endpoint is not this prompt's fault: no retry is spent
-            if kind in ("timeout", "disconnect"):
-                self.pool.failed()  # a hung or dying server ends in EndpointsDown
+            if kind in ("timeout", "disconnect", "status"):
+                self.pool.failed()  # a hung, dying or failing server ends in EndpointsDown
                 self._check_down()
             if kind != "final" and attempt < self.settings.max_retries:
                 stats.retries += 1
@@ -441,6 +443,13 @@ class GenerationRun:
                 continue
             self._fail(shard, prompt_id, error, attempt + 1, kind)
             return None
+
+    def _server_down(self, index: int, error: BaseException) -> bool:
+        """A 5xx counts toward setting its endpoint aside (``EndpointPool.server_error``);
+        True once the endpoint is down, and the answer no fault of the prompt's."""
+        if getattr(error, "status_code", 0) < 500:
+            return False
+        return self.pool.server_error(index)
 
     async def _endpoint(self) -> int:
         while True:
