@@ -212,3 +212,66 @@ def test_an_endpoint_that_only_answers_502_ends_the_run_as_down_with_no_prompt_f
     errors = partial_paths(tmp_path / "out" / "shard-0.jsonl")[1]
     assert errors.read_text() == ""  # the endpoint failed, not the prompts: all asked again
     assert min(fake.asked.values()) >= 2
+
+
+# ----------------------------------------------------------------------------- one run at a time
+
+GENERATE_IN_A_PROCESS = """
+import sys
+from pathlib import Path
+from draftline.generate import GenerateSettings, generate_shard
+from draftline.server import Endpoint
+
+prompts, out, base_url = Path(sys.argv[1]), Path(sys.argv[2]), sys.argv[3]
+generate_shard(prompts, out, out.with_name("shard-0.errors.jsonl"),
+               out.with_name("shard-0.summary.json"), [Endpoint(base_url, "fake")],
+               GenerateSettings(concurrency=1, max_retries=1, request_timeout_s=30))
+"""
+
+
+def _slow(prompt_id: str, attempt: int) -> Reply:
+    return Reply(good_completion(prompt_id), delay_s=0.3)
+
+
+def _generation_process(tmp_path: Path, fake: FakeEndpoint, ids: list[str]):
+    """``generate_shard`` in a process of its own, once its first answer is kept."""
+    import os
+    import subprocess
+    import sys
+    import time
+
+    prompts = user_prompts(tmp_path / "shard-0.jsonl", ids)
+    out = tmp_path / "out" / "shard-0.jsonl"
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    proc = subprocess.Popen([sys.executable, "-c", GENERATE_IN_A_PROCESS, str(prompts),
+                             str(out), fake.endpoint.base_url], env=env, text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    partial = out.parent / ".partial" / "shard-0.jsonl"
+    deadline = time.monotonic() + 60
+    while not (partial.exists() and partial.read_text().count("\n") >= 1):
+        assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
+        time.sleep(0.05)
+    return proc, out
+
+
+def test_a_second_run_on_the_same_results_refuses_naming_the_first_and_a_dead_ones_lock_is_taken(
+        tmp_path):
+    import signal
+
+    from draftline.generate import GenerationLocked
+
+    ids = [f"q{i:02d}" for i in range(40)]
+    with FakeEndpoint(_slow) as fake:
+        first, out = _generation_process(tmp_path, fake, ids)
+        try:
+            with pytest.raises(GenerationLocked, match=f"pid {first.pid}\\b") as refused:
+                _run(tmp_path, fake.endpoint, GenerateSettings(**FAST), ids)
+            assert str(out.parent) in str(refused.value)
+        finally:
+            first.send_signal(signal.SIGKILL)
+            first.communicate()
+        asked_by_first = sum(fake.asked.values())
+        # the first run died holding the lock: the next run takes it over and finishes
+        _, summary = _run(tmp_path, fake.endpoint, GenerateSettings(**FAST), ids)
+    assert 1 <= asked_by_first < len(ids)
+    assert summary["responses"] == len(ids) and summary["resumed"] >= 1

@@ -38,6 +38,7 @@ succeeded for ``endpoint_down_timeout_s`` while requests kept failing, the run s
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import random
@@ -59,8 +60,12 @@ from draftline.profile import resolve_concurrency
 from draftline.records import Prompt, read_shard
 from draftline.responses import (
     AppendLog,
+    GenerationLocked,  # noqa: F401 (raised by generate_shards, defined with the kept files)
+    OutputNotWritable,  # noqa: F401 (likewise)
     Resumed,
+    check_writable,
     fingerprinted_target,
+    generation_lock,
     partial_paths,
     prompt_fingerprints,
     read_jsonl_ids,
@@ -537,6 +542,25 @@ def generate_shards(shards: list[ShardFiles], endpoints: list[Endpoint],
     job_start = time.time() if job_start is None else job_start
     if target is None:
         target = fingerprinted_target(target_dir) if target_dir else {}
+    with contextlib.ExitStack() as locks:
+        for partial_dir in writable_output_folders(shards):
+            locks.enter_context(generation_lock(partial_dir))
+        return _generate_locked(shards, endpoints, settings, target, job_start, machine)
+
+
+def writable_output_folders(shards: list[ShardFiles]) -> list[Path]:
+    """Check that every folder the run writes to can be written (``OutputNotWritable``, naming
+    it); the kept-files folders, one lock each."""
+    partial_dirs = sorted({partial_paths(f.responses)[0].parent for f in shards})
+    folders = {f.parent for s in shards for f in (s.responses, s.errors, s.summary)}
+    for folder in sorted(folders | set(partial_dirs)):
+        check_writable(folder)
+    return partial_dirs
+
+
+def _generate_locked(shards: list[ShardFiles], endpoints: list[Endpoint],
+                     settings: GenerateSettings, target: dict, job_start: float,
+                     machine: Callable[[], dict | None] | dict | None) -> list[dict]:
     prepared = [prepare_shard(files, settings, endpoints, target) for files in shards]
     print(f"{sum(len(p.todo) for p in prepared)} prompts to ask over {len(prepared)} shard(s) "
           f"at concurrency {settings.concurrency} x {len(endpoints)} endpoint(s)")

@@ -15,9 +15,11 @@ through ``iter_response_records``.
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import hashlib
 import json
 import os
+import tempfile
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -143,6 +145,61 @@ class AppendLog:
             os.fsync(self.fh.fileno())
         with contextlib.suppress(OSError):
             self.fh.close()
+
+
+class GenerationLocked(RuntimeError):
+    """Another generation run is writing the same responses folder."""
+
+
+@contextlib.contextmanager
+def generation_lock(partial_dir: Path) -> Iterator[Path]:
+    """Hold the lock on one responses folder's kept files for the whole run: two runs on one
+    folder would ask every prompt twice and rewrite each other's kept files on resume.
+
+    An ``flock`` on ``<partial_dir>/generate.lock``, which holds the runner's pid: the kernel
+    drops the lock when its process dies however it ends, so the lock of a dead run (its pid
+    still in the file) is taken over. The file stays: removing it would let a run that opened
+    it just before lock a file nobody else sees.
+    """
+    partial_dir.mkdir(parents=True, exist_ok=True)
+    path = partial_dir / "generate.lock"
+    fh = open(path, "a+", encoding="utf-8")
+    try:
+        fcntl.flock(fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        fh.seek(0)
+        holder = fh.read().strip() or "unknown"
+        fh.close()
+        raise GenerationLocked(
+            f"{partial_dir.parent}: another generation run (pid {holder}) is writing these "
+            f"responses (lock {path}); wait for it to end or stop it, then rerun") from None
+    try:
+        fh.seek(0)
+        fh.truncate()
+        fh.write(f"{os.getpid()}\n")
+        fh.flush()
+        yield path
+    finally:
+        fh.close()  # releases the lock
+
+
+class OutputNotWritable(OSError):
+    """A folder generation writes to cannot be written."""
+
+
+def check_writable(directory: Path) -> None:
+    """Create (if need be) and write a probe file in ``directory``, so that an unwritable
+    results folder stops the run before its first request rather than at its last write.
+    A probe, not ``os.access``: root passes every access check, yet not a read-only mount."""
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+        fd, probe = tempfile.mkstemp(dir=directory, prefix=".write-probe-")
+        os.close(fd)
+        os.unlink(probe)
+    except OSError as exc:
+        raise OutputNotWritable(
+            exc.errno, f"cannot write generation output in {directory}: "
+                       f"{exc.strerror or exc}") from exc
 
 
 def partial_paths(out_file: Path) -> tuple[Path, Path]:
