@@ -275,3 +275,49 @@ def test_a_second_run_on_the_same_results_refuses_naming_the_first_and_a_dead_on
         _, summary = _run(tmp_path, fake.endpoint, GenerateSettings(**FAST), ids)
     assert 1 <= asked_by_first < len(ids)
     assert summary["responses"] == len(ids) and summary["resumed"] >= 1
+
+
+# ----------------------------------------------------------------------------- unwritable output
+
+
+@pytest.fixture
+def read_only_responses(tmp_path):
+    """``out/``, read only, with a writable ``out/.partial`` (as a folder left by an earlier
+    run): a read-only tmpfs for root (root ignores permission bits), else mode 0555."""
+    import os
+    import subprocess
+
+    out = tmp_path / "out"
+    out.mkdir()
+    mounts = []
+    if os.geteuid() == 0:
+        def mount(*args):
+            proc = subprocess.run(["mount", *args], capture_output=True, text=True)
+            if proc.returncode != 0:
+                pytest.skip(f"cannot mount a tmpfs: {proc.stderr.strip()}")
+
+        mount("-t", "tmpfs", "-o", "size=1m", "tmpfs", str(out))
+        mounts.append(out)
+        (out / ".partial").mkdir()
+        mount("-t", "tmpfs", "-o", "size=1m", "tmpfs", str(out / ".partial"))
+        mounts.append(out / ".partial")
+        mount("-o", "remount,ro", str(out))
+    else:
+        (out / ".partial").mkdir()
+        out.chmod(0o555)
+    yield out
+    for path in reversed(mounts):
+        subprocess.run(["umount", "-l", str(path)], check=False)
+    if not mounts:
+        out.chmod(0o755)
+
+
+def test_an_unwritable_output_folder_stops_the_run_before_its_first_request(
+        tmp_path, read_only_responses):
+    from draftline.generate import OutputNotWritable
+
+    with FakeEndpoint(lambda pid, attempt: Reply(good_completion(pid))) as fake, \
+            pytest.raises(OutputNotWritable) as refused:
+        _run(tmp_path, fake.endpoint, GenerateSettings(**FAST))
+    assert f"cannot write generation output in {read_only_responses}:" in str(refused.value)
+    assert dict(fake.asked) == {}
