@@ -321,3 +321,24 @@ def test_an_unwritable_output_folder_stops_the_run_before_its_first_request(
         _run(tmp_path, fake.endpoint, GenerateSettings(**FAST))
     assert f"cannot write generation output in {read_only_responses}:" in str(refused.value)
     assert dict(fake.asked) == {}
+
+
+# ----------------------------------------------------------------------------- Ctrl-C
+
+
+def test_sigint_ends_the_run_with_one_line_and_keeps_what_was_answered(tmp_path):
+    import signal
+
+    from draftline.responses import read_jsonl_ids
+
+    ids = [f"q{i:02d}" for i in range(40)]
+    with FakeEndpoint(_slow) as fake:
+        proc, out = _generation_process(tmp_path, fake, ids)
+        proc.send_signal(signal.SIGINT)
+        stdout, stderr = proc.communicate(timeout=60)
+    assert proc.returncode == 130, stderr
+    assert "Traceback" not in stderr and "KeyboardInterrupt" not in stderr, stderr
+    [message] = [line for line in stderr.splitlines() if "interrupted" in line]
+    kept = read_jsonl_ids(out.parent / ".partial" / "shard-0.jsonl")
+    assert 1 <= len(kept) < len(ids)
+    assert f"{len(kept)} answers kept" in message and "rerun to resume" in message

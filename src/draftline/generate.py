@@ -42,6 +42,7 @@ import contextlib
 import json
 import os
 import random
+import sys
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
@@ -75,6 +76,7 @@ from draftline.responses import (
 from draftline.server import Endpoint, served_version
 
 RETRYABLE_STATUS = {408, 409, 429}
+INTERRUPTED_EXIT = 128 + 2  # as a shell reports a process ended by SIGINT
 
 
 class EndpointsDown(RuntimeError):
@@ -574,6 +576,15 @@ def _generate_locked(shards: list[ShardFiles], endpoints: list[Endpoint],
                                    remaining=len(shard.todo)))
         run = GenerationRun(works, endpoints, settings)
         asyncio.run(run.run(total=sum(len(p.todo) for p in prepared)))
+    except KeyboardInterrupt:
+        # Every answer is already in the kept files (flushed as it came): a traceback would
+        # only hide that the rerun resumes.
+        kept = sum(len(p.kept.records) for p in prepared) + sum(w.stats.done for w in works)
+        folders = ", ".join(sorted({str(partial_paths(p.files.responses)[0].parent)
+                                    for p in prepared}))
+        print(f"generate interrupted: {kept} answers kept in {folders}; rerun to resume",
+              file=sys.stderr)
+        raise SystemExit(INTERRUPTED_EXIT) from None
     finally:
         for log in logs:
             log.close()
