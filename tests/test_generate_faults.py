@@ -342,3 +342,34 @@ def test_sigint_ends_the_run_with_one_line_and_keeps_what_was_answered(tmp_path)
     kept = read_jsonl_ids(out.parent / ".partial" / "shard-0.jsonl")
     assert 1 <= len(kept) < len(ids)
     assert f"{len(kept)} answers kept" in message and "rerun to resume" in message
+
+
+# ----------------------------------------------------------------------------- summaries' history
+
+
+def test_a_rerun_keeps_the_faulted_runs_retries_and_errors_in_the_summary(tmp_path):
+    """The first run: q1 gets only 503s and ends as a (retryable) error after one retry. The
+    rerun answers it. The rerun's summary reports its own figures under the keys as before, and
+    every attempt's with the totals over both."""
+    server_up = {"q1": False}
+
+    def reply(prompt_id: str, attempt: int) -> Reply:
+        if server_up.get(prompt_id, True):
+            return Reply(good_completion(prompt_id))
+        return Reply({"error": {"message": "overloaded"}}, status=503)
+
+    settings = GenerateSettings(**{**FAST, "max_retries": 1})
+    with FakeEndpoint(reply) as fake:
+        _, first = _run(tmp_path, fake.endpoint, settings)
+        server_up["q1"] = True
+        out, second = _run(tmp_path, fake.endpoint, settings)
+    assert (first["retries"], first["errors"], first["responses"]) == (1, 1, 2)
+    assert (second["retries"], second["errors"], second["responses"]) == (0, 0, 3)
+    assert [(a["outcome"], a["asked"], a["answered"], a["errors"], a["retries"],
+             a["retries_by_kind"]) for a in second["attempts"]] == [
+        ("complete", 3, 2, 1, 1, {"status": 1}), ("complete", 1, 1, 0, 0, {})]
+    assert second["all_attempts"] == {"attempts": 2, "asked": 4, "answered": 3, "errors": 1,
+                                      "retries": 1, "retries_by_kind": {"status": 1},
+                                      "endpoint_set_asides": 0, "connection_resends": 0}
+    on_disk = json.loads(out.with_name("shard-0.summary.json").read_text())
+    assert on_disk["attempts"] == second["attempts"]

@@ -64,11 +64,13 @@ from draftline.responses import (
     GenerationLocked,  # noqa: F401 (raised by generate_shards, defined with the kept files)
     OutputNotWritable,  # noqa: F401 (likewise)
     Resumed,
+    append_attempt,
     check_writable,
     fingerprinted_target,
     generation_lock,
     partial_paths,
     prompt_fingerprints,
+    read_attempts,
     read_jsonl_ids,
     resume_shard,
     valid_records,
@@ -566,17 +568,20 @@ def _generate_locked(shards: list[ShardFiles], endpoints: list[Endpoint],
     prepared = [prepare_shard(files, settings, endpoints, target) for files in shards]
     print(f"{sum(len(p.todo) for p in prepared)} prompts to ask over {len(prepared)} shard(s) "
           f"at concurrency {settings.concurrency} x {len(endpoints)} endpoint(s)")
-    logs = []
+    logs, works = [], []
+    outcome = "failed"
     try:
-        works = []
         for shard in prepared:
             results, errors = (AppendLog(p) for p in partial_paths(shard.files.responses))
             logs += [results, errors]
             works.append(ShardWork(shard.todo, shard.fingerprints, results, errors,
-                                   remaining=len(shard.todo)))
+                                   remaining=len(shard.todo),
+                                   stats=ShardStats(total=len(shard.todo))))
         run = GenerationRun(works, endpoints, settings)
         asyncio.run(run.run(total=sum(len(p.todo) for p in prepared)))
+        outcome = "complete"
     except KeyboardInterrupt:
+        outcome = "interrupted"
         # Every answer is already in the kept files (flushed as it came): a traceback would
         # only hide that the rerun resumes.
         kept = sum(len(p.kept.records) for p in prepared) + sum(w.stats.done for w in works)
@@ -585,9 +590,15 @@ def _generate_locked(shards: list[ShardFiles], endpoints: list[Endpoint],
         print(f"generate interrupted: {kept} answers kept in {folders}; rerun to resume",
               file=sys.stderr)
         raise SystemExit(INTERRUPTED_EXIT) from None
+    except Exception as exc:
+        outcome = type(exc).__name__  # e.g. EndpointsDown
+        raise
     finally:
         for log in logs:
             log.close()
+        # (a shard whose kept files could not be opened has no work and no attempt)
+        for shard, work in zip(prepared, works, strict=False):
+            append_attempt(shard.files.responses, attempt_record(work, job_start, outcome))
     machine = machine() if callable(machine) else machine
     capacity = run.capacity
     urls = [e.base_url for e in endpoints]
@@ -595,6 +606,31 @@ def _generate_locked(shards: list[ShardFiles], endpoints: list[Endpoint],
                          {"job_start": job_start, "server_rows": run.server.shard_rows(i)},
                          machine)
             for i, (shard, work) in enumerate(zip(prepared, works, strict=True))]
+
+
+def attempt_record(work: ShardWork, job_start: float, outcome: str) -> dict:
+    """One run's part in a shard's history: what it asked, got and retried, how it ended."""
+    stats = work.stats
+    return {"job_start": round(job_start, 3), "end": round(time.time(), 3), "outcome": outcome,
+            "asked": stats.total, "answered": stats.done, "errors": stats.errors,
+            "retries": stats.retries,
+            "retries_by_kind": dict(sorted(stats.retries_by_kind.items())),
+            "endpoint_set_asides": stats.set_asides,
+            "connection_resends": stats.connection_resends}
+
+
+ATTEMPT_COUNTS = ("asked", "answered", "errors", "retries", "endpoint_set_asides",
+                  "connection_resends")
+
+
+def all_attempts(attempts: list[dict]) -> dict:
+    """A shard's counts summed over every run that worked on it."""
+    by_kind: dict[str, int] = {}
+    for attempt in attempts:
+        for kind, n in attempt.get("retries_by_kind", {}).items():
+            by_kind[kind] = by_kind.get(kind, 0) + n
+    totals = {key: sum(a.get(key, 0) for a in attempts) for key in ATTEMPT_COUNTS}
+    return {"attempts": len(attempts), **totals, "retries_by_kind": dict(sorted(by_kind.items()))}
 
 
 def generate_shard(prompt_file: Path, out_file: Path, errors_file: Path, summary_file: Path,
@@ -652,6 +688,10 @@ def finish_shard(shard: PreparedShard, stats: ShardStats, settings: GenerateSett
         "server": server_view(timing["server_rows"], capacity, stats.t_first_request,
                               stats.t_end),
         "machine": machine,
+        # every run on this shard (the figures above are this run's): a rerun that answers
+        # what a faulted run could not keeps that run's retries and errors in view
+        "attempts": (attempts := read_attempts(files.responses)),
+        "all_attempts": all_attempts(attempts),
     }
     write_json(files.summary, summary, indent=2)
     print(json.dumps({k: v for k, v in summary.items() if k != "server"}))

@@ -209,6 +209,31 @@ def partial_paths(out_file: Path) -> tuple[Path, Path]:
     return partial / f"{stem}.jsonl", partial / f"{stem}.errors.jsonl"
 
 
+def attempts_path(out_file: Path) -> Path:
+    """The shard's run history: one JSON line per generation run that asked for its prompts,
+    however the run ended (its summary, rewritten by every run, reports them all). Not
+    ``.jsonl``: the kept-answer files are found by that suffix."""
+    stem = out_file.name.removesuffix(".jsonl")
+    return partial_paths(out_file)[0].parent / f"{stem}.attempts.log"
+
+
+def append_attempt(out_file: Path, attempt: dict) -> None:
+    log = AppendLog(attempts_path(out_file))
+    try:
+        log.write(attempt)
+    finally:
+        log.close()
+
+
+def read_attempts(out_file: Path) -> list[dict]:
+    """The shard's earlier runs, oldest first (a torn last line, a killed writer's, dropped)."""
+    path = attempts_path(out_file)
+    if not path.exists():
+        return []
+    text = path.read_text(encoding="utf-8")
+    return [json.loads(line) for line in text[:text.rfind("\n") + 1].splitlines() if line]
+
+
 # ----------------------------------------------------------------------------- resume
 
 
