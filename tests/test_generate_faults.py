@@ -201,7 +201,7 @@ def test_an_endpoint_answering_502_is_set_aside_and_the_prompts_wait_for_it(tmp_
 def test_an_endpoint_that_only_answers_502_ends_the_run_as_down_with_no_prompt_failed(
         tmp_path, quick_set_aside):
     from draftline.generate import EndpointsDown
-    from draftline.responses import partial_paths
+    from draftline.responses import partial_paths, read_attempts
 
     def reply(prompt_id: str, attempt: int) -> Reply:
         return Reply({"error": {"message": "Bad Gateway"}}, status=502)
@@ -212,6 +212,8 @@ def test_an_endpoint_that_only_answers_502_ends_the_run_as_down_with_no_prompt_f
     errors = partial_paths(tmp_path / "out" / "shard-0.jsonl")[1]
     assert errors.read_text() == ""  # the endpoint failed, not the prompts: all asked again
     assert min(fake.asked.values()) >= 2
+    [attempt] = read_attempts(tmp_path / "out" / "shard-0.jsonl")  # in the rerun's summary
+    assert (attempt["outcome"], attempt["answered"], attempt["errors"]) == ("EndpointsDown", 0, 0)
 
 
 # ----------------------------------------------------------------------------- one run at a time
@@ -329,7 +331,7 @@ def test_an_unwritable_output_folder_stops_the_run_before_its_first_request(
 def test_sigint_ends_the_run_with_one_line_and_keeps_what_was_answered(tmp_path):
     import signal
 
-    from draftline.responses import read_jsonl_ids
+    from draftline.responses import read_attempts, read_jsonl_ids
 
     ids = [f"q{i:02d}" for i in range(40)]
     with FakeEndpoint(_slow) as fake:
@@ -342,6 +344,8 @@ def test_sigint_ends_the_run_with_one_line_and_keeps_what_was_answered(tmp_path)
     kept = read_jsonl_ids(out.parent / ".partial" / "shard-0.jsonl")
     assert 1 <= len(kept) < len(ids)
     assert f"{len(kept)} answers kept" in message and "rerun to resume" in message
+    [attempt] = read_attempts(out)
+    assert (attempt["outcome"], attempt["answered"]) == ("interrupted", len(kept))
 
 
 # ----------------------------------------------------------------------------- summaries' history

@@ -14,7 +14,10 @@ one are still generated), the run has one tail, and the process start-up is paid
 Durability and resume (``draftline.responses``): answers are appended to a kept file as they
 arrive, each with the fingerprint of what determined it; a rerun asks only for the prompts
 without a valid kept answer. At the end each shard is written once, sorted in prompt order, by
-atomic rename.
+atomic rename. One run at a time writes a responses folder (``generation_lock``), checked
+writable before the first request; every run, however it ends, adds its counts to each shard's
+history, which the shard summary reports (``attempts``, ``all_attempts``). Ctrl-C ends a run
+with one line and exit status 130.
 
 What the server shows: the run samples every endpoint's Prometheus ``/metrics`` (requests
 running and waiting, generated tokens, running seconds) and the seconds so far of its open
