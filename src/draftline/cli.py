@@ -217,7 +217,13 @@ def main(argv: list[str] | None = None) -> int:
         print(f"draftline: {exc}", file=sys.stderr)
         return 2
     handler = COMMANDS[args.command][0]
-    handler(config, Layout.from_config(config), args)
+    from draftline.responses import GenerationLocked, OutputNotWritable
+
+    try:
+        handler(config, Layout.from_config(config), args)
+    except (GenerationLocked, OutputNotWritable) as exc:  # refused before any work: one line
+        print(f"draftline {args.command}: {exc}", file=sys.stderr)
+        return 1
     return 0
 
 

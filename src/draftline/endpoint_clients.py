@@ -89,8 +89,10 @@ class EndpointClient:
                  tls: ssl.SSLContext):
         self.url = f"{endpoint.base_url}/chat/completions"
         self.headers = {"Authorization": f"Bearer {endpoint.api_key}"}
-        self.timeout = aiohttp.ClientTimeout(total=None, sock_connect=timeout_s,
-                                             sock_read=timeout_s)
+        # The timeout bounds the whole request (``complete``), a resend included: a per-read
+        # timeout lets a server that sends a byte now and then hold a request for ever.
+        self.timeout_s = timeout_s
+        self.timeout = aiohttp.ClientTimeout(total=timeout_s, sock_connect=timeout_s)
         self.max_connections = max_connections
         self.tls = tls
         self.session: aiohttp.ClientSession | None = None
@@ -113,21 +115,30 @@ class EndpointClient:
         return session
 
     async def complete(self, body: dict) -> Answer:
-        """The chat completion's JSON for ``body``."""
+        """The chat completion's JSON for ``body``; ``TimeoutError`` when the whole request
+        (connecting, sending, the full answer, a resend) took longer than the timeout."""
+        deadline = time.monotonic() + self.timeout_s
         try:
             return Answer(await self._post(self._session(), body), resent=False)
         except aiohttp.ClientConnectorError:
             raise  # no connection at all: nothing was sent
         except (aiohttp.ServerDisconnectedError, aiohttp.ClientOSError):
             try:
-                return Answer(await self._post(self._session(force_close=True), body),
-                              resent=True)
+                return Answer(await self._post(self._session(force_close=True), body,
+                                               deadline), resent=True)
             except Exception as again:
                 again.resent = True
                 raise
 
-    async def _post(self, session: aiohttp.ClientSession, body: dict) -> dict:
-        async with session.post(self.url, json=body) as response:
+    async def _post(self, session: aiohttp.ClientSession, body: dict,
+                    deadline: float | None = None) -> dict:
+        """One POST; by ``deadline`` (monotonic) when given, else within the timeout (aiohttp's
+        ``total``: connecting, sending and reading the whole answer)."""
+        timeout = self.timeout
+        if deadline is not None:
+            timeout = aiohttp.ClientTimeout(total=max(deadline - time.monotonic(), 1e-3),
+                                            sock_connect=self.timeout_s)
+        async with session.post(self.url, json=body, timeout=timeout) as response:
             content = await response.read()
         if response.status >= 400:
             raise StatusError(response.status, error_message(content))
@@ -140,12 +151,18 @@ class EndpointClient:
 
 
 class EndpointPool:
-    """Least-in-flight balancing; an endpoint that fails to connect is set aside for a while.
+    """Least-in-flight balancing; an endpoint that fails to connect, or has answered nothing but
+    server errors (5xx) for a while, is set aside for a while.
 
     One ``EndpointClient`` per endpoint, with room for the run's C connections.
     """
 
     COOLDOWN_S = 5.0
+    # A 5xx alone may be the prompt's (a request the server chokes on) or a passing overload:
+    # it costs a retry. Only 5xx from an endpoint for this long, no answer between, says the
+    # server behind it is gone (a proxy in front of a dead server answers 502 at once, and the
+    # prompts would spend their whole retry budget in seconds).
+    DOWN_AFTER_SERVER_ERRORS_S = 5.0
 
     def __init__(self, endpoints: list[Endpoint], timeout_s: float, max_connections: int):
         tls = shared_tls_context()
@@ -156,6 +173,8 @@ class EndpointPool:
         self.sent = [0] * len(endpoints)
         # Since when no request has succeeded while connections kept failing (None: healthy).
         self.failing_since: float | None = None
+        # Per endpoint: since when it has answered only server errors (None: it answered).
+        self.server_errors_since: list[float | None] = [None] * len(endpoints)
 
     def pick(self) -> int | None:
         now = time.monotonic()
@@ -172,8 +191,25 @@ class EndpointPool:
         """A request got no answer (refused, timed out, dropped): start the down clock."""
         self.failing_since = self.failing_since or time.monotonic()
 
-    def succeeded(self) -> None:
+    def server_error(self, i: int) -> bool:
+        """Endpoint ``i`` answered a 5xx: start the down clock; True when it has answered only
+        server errors for ``DOWN_AFTER_SERVER_ERRORS_S``, so it is down (set aside, as one that
+        refuses connections)."""
+        self.failed()
+        now = time.monotonic()
+        since = self.server_errors_since[i]
+        if since is None:
+            self.server_errors_since[i] = now
+            return False
+        if now - since < self.DOWN_AFTER_SERVER_ERRORS_S:
+            return False
+        self.set_aside(i)
+        return True
+
+    def succeeded(self, i: int | None = None) -> None:
         self.failing_since = None
+        if i is not None:
+            self.server_errors_since[i] = None
 
     def down_for(self) -> float:
         return 0.0 if self.failing_since is None else time.monotonic() - self.failing_since

@@ -14,7 +14,10 @@ one are still generated), the run has one tail, and the process start-up is paid
 Durability and resume (``draftline.responses``): answers are appended to a kept file as they
 arrive, each with the fingerprint of what determined it; a rerun asks only for the prompts
 without a valid kept answer. At the end each shard is written once, sorted in prompt order, by
-atomic rename.
+atomic rename. One run at a time writes a responses folder (``generation_lock``), checked
+writable before the first request; every run, however it ends, adds its counts to each shard's
+history, which the shard summary reports (``attempts``, ``all_attempts``). Ctrl-C ends a run
+with one line and exit status 130.
 
 What the server shows: the run samples every endpoint's Prometheus ``/metrics`` (requests
 running and waiting, generated tokens, running seconds) and the seconds so far of its open
@@ -26,19 +29,23 @@ requests); ``stage_summary`` merges them into one stage view (and a plot).
 ``client_slot_utilization`` is the client-side figure: requests the client had open, not
 server work.
 
-Failures (``failure_kind``): a refused connection sets the endpoint aside for a few seconds
-and costs the prompt nothing; a timeout, a dropped connection, a retryable status or an
-unparseable body costs one retry (backoff with jitter); what another try would repeat goes to
-the errors file at once. When nothing has succeeded for ``endpoint_down_timeout_s`` while
-requests kept failing, the run stops with ``EndpointsDown``. The summary counts retries by kind.
+Failures (``failure_kind``): a refused connection, or an endpoint that has answered only server
+errors (5xx) for a few seconds (``EndpointPool.server_error``), sets the endpoint aside for a
+few seconds and costs the prompt nothing; a timeout, a dropped connection, a retryable status or
+an unparseable or incomplete answer (``check_completion``) costs one retry (backoff with
+jitter); what another try would repeat goes to the errors file at once. When nothing has
+succeeded for ``endpoint_down_timeout_s`` while requests kept failing, the run stops with
+``EndpointsDown``. The summary counts retries by kind.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import random
+import sys
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
@@ -57,10 +64,16 @@ from draftline.profile import resolve_concurrency
 from draftline.records import Prompt, read_shard
 from draftline.responses import (
     AppendLog,
+    GenerationLocked,  # noqa: F401 (raised by generate_shards, defined with the kept files)
+    OutputNotWritable,  # noqa: F401 (likewise)
     Resumed,
+    append_attempt,
+    check_writable,
     fingerprinted_target,
+    generation_lock,
     partial_paths,
     prompt_fingerprints,
+    read_attempts,
     read_jsonl_ids,
     resume_shard,
     valid_records,
@@ -68,6 +81,7 @@ from draftline.responses import (
 from draftline.server import Endpoint, served_version
 
 RETRYABLE_STATUS = {408, 409, 429}
+INTERRUPTED_EXIT = 128 + 2  # as a shell reports a process ended by SIGINT
 
 
 class EndpointsDown(RuntimeError):
@@ -114,7 +128,8 @@ def request_body(messages: list[dict], settings: GenerateSettings, prompt_id: st
 
 
 class MalformedCompletion(ValueError):
-    """A complete response body that is JSON but not a chat completion."""
+    """A complete response body that is JSON but not a chat completion we can keep (its
+    ``invalid`` failure kind is retried: the prompt is asked again)."""
 
 
 def parse_completion(body: dict) -> dict:
@@ -124,6 +139,8 @@ def parse_completion(body: dict) -> dict:
         message = choice["message"]
     except (KeyError, IndexError, TypeError) as exc:
         raise MalformedCompletion(f"not a chat completion: {str(body)[:200]}") from exc
+    if not isinstance(message, dict):
+        raise MalformedCompletion(f"choice without a message (message: {message!r})")
     reasoning = message.get("reasoning")
     if reasoning is None:  # an empty reasoning ("": the think block was empty) is kept as such
         reasoning = message.get("reasoning_content")
@@ -135,6 +152,29 @@ def parse_completion(body: dict) -> dict:
         "output_token_ids": choice.get("token_ids"),
         "usage": body.get("usage"),
     }
+
+
+def _token_ids(parsed: dict, key: str) -> list[int]:
+    ids = parsed[key]
+    if not isinstance(ids, list) or not ids or not all(isinstance(i, int) for i in ids):
+        raise MalformedCompletion(f"{key} missing, empty or not integers (got {str(ids)[:80]})")
+    return ids
+
+
+def check_completion(parsed: dict) -> None:
+    """Raise ``MalformedCompletion`` unless the answer can be trained on: both token id lists
+    present and non-empty, and as long as the usage figures say. The ids are what the dataset
+    is built from, and the usage is the server's own count of them: an answer where they
+    disagree was cut or mangled on its way, so it is asked again rather than kept."""
+    prompt_ids = _token_ids(parsed, "prompt_token_ids")
+    output_ids = _token_ids(parsed, "output_token_ids")
+    usage = parsed["usage"]
+    if not isinstance(usage, dict):
+        raise MalformedCompletion(f"no usage figures (usage: {usage!r})")
+    for figure, ids in (("prompt_tokens", prompt_ids), ("completion_tokens", output_ids)):
+        if usage.get(figure) != len(ids):
+            raise MalformedCompletion(
+                f"usage.{figure} is {usage.get(figure)!r} but the answer has {len(ids)} ids")
 
 
 def assistant_message(parsed: dict) -> dict:
@@ -149,7 +189,9 @@ def failure_kind(exc: BaseException) -> str:
     ``refused``: no connection (the endpoint is down, not the prompt's fault); ``timeout``: no
     answer within the request timeout; ``disconnect``: the connection dropped before the
     whole response arrived (reset, truncated body); ``status``: a retryable HTTP status
-    (408/409/429/5xx); ``invalid``: a complete response that does not parse; ``final``: an
+    (408/409/429/5xx); ``invalid``: a complete response that does not parse or is not a whole
+    answer (``check_completion``: no message, token ids missing or disagreeing with the usage
+    figures); ``final``: an
     error that another try would repeat (400: prompt too long, ...).
     """
     if isinstance(exc, StatusError):
@@ -347,9 +389,9 @@ class GenerationRun:
         stats = shard.stats
         stats.done += 1
         stats.latencies.append(latency)
-        usage = parsed["usage"] or {}
-        stats.prompt_tokens += usage.get("prompt_tokens", 0)
-        stats.output_tokens += usage.get("completion_tokens", 0)
+        # checked against the usage figures (``check_completion``)
+        stats.prompt_tokens += len(parsed["prompt_token_ids"])
+        stats.output_tokens += len(parsed["output_token_ids"])
         self._progress()
 
     def _progress(self) -> None:
@@ -382,7 +424,8 @@ class GenerationRun:
                 answer = await self.pool.clients[index].complete(body)
                 stats.connection_resends += answer.resent
                 parsed = parse_completion(answer.body)
-                self.pool.succeeded()
+                check_completion(parsed)
+                self.pool.succeeded(index)
                 return parsed, time.monotonic() - t0, endpoint.base_url
             except Exception as exc:  # classified below; nothing is swallowed silently
                 error = exc
@@ -394,14 +437,15 @@ class GenerationRun:
                 self.open_requests = (count - 1, sent_sum - sent) if count > 1 else (0, 0.0)
                 self.pool.in_flight[index] -= 1
             kind = failure_kind(error)
-            if kind == "refused":
-                self.pool.set_aside(index)
+            if kind == "refused" or self._server_down(index, error):
+                if kind == "refused":
+                    self.pool.set_aside(index)
                 stats.set_asides += 1
                 self._check_down()
                 await asyncio.sleep(backoff_delay(0, self.settings, self.rng))
                 continue  # a dead endpoint is not this prompt's fault: no retry is spent
-            if kind in ("timeout", "disconnect"):
-                self.pool.failed()  # a hung or dying server ends in EndpointsDown
+            if kind in ("timeout", "disconnect", "status"):
+                self.pool.failed()  # a hung, dying or failing server ends in EndpointsDown
                 self._check_down()
             if kind != "final" and attempt < self.settings.max_retries:
                 stats.retries += 1
@@ -411,6 +455,13 @@ class GenerationRun:
                 continue
             self._fail(shard, prompt_id, error, attempt + 1, kind)
             return None
+
+    def _server_down(self, index: int, error: BaseException) -> bool:
+        """A 5xx counts toward setting its endpoint aside (``EndpointPool.server_error``);
+        True once the endpoint is down, and the answer no fault of the prompt's."""
+        if getattr(error, "status_code", 0) < 500:
+            return False
+        return self.pool.server_error(index)
 
     async def _endpoint(self) -> int:
         while True:
@@ -473,7 +524,8 @@ def prepare_shard(files: ShardFiles, settings: GenerateSettings, endpoints: list
     todo = [p for p in prompts if p.id not in kept.records and p.id not in kept.errors]
     print(f"{files.prompts}: {len(prompts)} prompts, {len(kept.records)} done "
           f"({kept.adopted} from other shards' kept files), {kept.discarded_stale} kept "
-          f"answers discarded (made under other settings), {len(kept.errors)} failed before, "
+          f"answers discarded (made under other settings), {kept.discarded_incomplete} "
+          f"(without token ids), {len(kept.errors)} failed before, "
           f"{len(todo)} to ask")
     return PreparedShard(files, prompts, fingerprints, kept, todo)
 
@@ -497,22 +549,59 @@ def generate_shards(shards: list[ShardFiles], endpoints: list[Endpoint],
     job_start = time.time() if job_start is None else job_start
     if target is None:
         target = fingerprinted_target(target_dir) if target_dir else {}
+    with contextlib.ExitStack() as locks:
+        for partial_dir in writable_output_folders(shards):
+            locks.enter_context(generation_lock(partial_dir))
+        return _generate_locked(shards, endpoints, settings, target, job_start, machine)
+
+
+def writable_output_folders(shards: list[ShardFiles]) -> list[Path]:
+    """Check that every folder the run writes to can be written (``OutputNotWritable``, naming
+    it); the kept-files folders, one lock each."""
+    partial_dirs = sorted({partial_paths(f.responses)[0].parent for f in shards})
+    folders = {f.parent for s in shards for f in (s.responses, s.errors, s.summary)}
+    for folder in sorted(folders | set(partial_dirs)):
+        check_writable(folder)
+    return partial_dirs
+
+
+def _generate_locked(shards: list[ShardFiles], endpoints: list[Endpoint],
+                     settings: GenerateSettings, target: dict, job_start: float,
+                     machine: Callable[[], dict | None] | dict | None) -> list[dict]:
     prepared = [prepare_shard(files, settings, endpoints, target) for files in shards]
     print(f"{sum(len(p.todo) for p in prepared)} prompts to ask over {len(prepared)} shard(s) "
           f"at concurrency {settings.concurrency} x {len(endpoints)} endpoint(s)")
-    logs = []
+    logs, works = [], []
+    outcome = "failed"
     try:
-        works = []
         for shard in prepared:
             results, errors = (AppendLog(p) for p in partial_paths(shard.files.responses))
             logs += [results, errors]
             works.append(ShardWork(shard.todo, shard.fingerprints, results, errors,
-                                   remaining=len(shard.todo)))
+                                   remaining=len(shard.todo),
+                                   stats=ShardStats(total=len(shard.todo))))
         run = GenerationRun(works, endpoints, settings)
         asyncio.run(run.run(total=sum(len(p.todo) for p in prepared)))
+        outcome = "complete"
+    except KeyboardInterrupt:
+        outcome = "interrupted"
+        # Every answer is already in the kept files (flushed as it came): a traceback would
+        # only hide that the rerun resumes.
+        kept = sum(len(p.kept.records) for p in prepared) + sum(w.stats.done for w in works)
+        folders = ", ".join(sorted({str(partial_paths(p.files.responses)[0].parent)
+                                    for p in prepared}))
+        print(f"generate interrupted: {kept} answers kept in {folders}; rerun to resume",
+              file=sys.stderr)
+        raise SystemExit(INTERRUPTED_EXIT) from None
+    except Exception as exc:
+        outcome = type(exc).__name__  # e.g. EndpointsDown
+        raise
     finally:
         for log in logs:
             log.close()
+        # (a shard whose kept files could not be opened has no work and no attempt)
+        for shard, work in zip(prepared, works, strict=False):
+            append_attempt(shard.files.responses, attempt_record(work, job_start, outcome))
     machine = machine() if callable(machine) else machine
     capacity = run.capacity
     urls = [e.base_url for e in endpoints]
@@ -520,6 +609,31 @@ def generate_shards(shards: list[ShardFiles], endpoints: list[Endpoint],
                          {"job_start": job_start, "server_rows": run.server.shard_rows(i)},
                          machine)
             for i, (shard, work) in enumerate(zip(prepared, works, strict=True))]
+
+
+def attempt_record(work: ShardWork, job_start: float, outcome: str) -> dict:
+    """One run's part in a shard's history: what it asked, got and retried, how it ended."""
+    stats = work.stats
+    return {"job_start": round(job_start, 3), "end": round(time.time(), 3), "outcome": outcome,
+            "asked": stats.total, "answered": stats.done, "errors": stats.errors,
+            "retries": stats.retries,
+            "retries_by_kind": dict(sorted(stats.retries_by_kind.items())),
+            "endpoint_set_asides": stats.set_asides,
+            "connection_resends": stats.connection_resends}
+
+
+ATTEMPT_COUNTS = ("asked", "answered", "errors", "retries", "endpoint_set_asides",
+                  "connection_resends")
+
+
+def all_attempts(attempts: list[dict]) -> dict:
+    """A shard's counts summed over every run that worked on it."""
+    by_kind: dict[str, int] = {}
+    for attempt in attempts:
+        for kind, n in attempt.get("retries_by_kind", {}).items():
+            by_kind[kind] = by_kind.get(kind, 0) + n
+    totals = {key: sum(a.get(key, 0) for a in attempts) for key in ATTEMPT_COUNTS}
+    return {"attempts": len(attempts), **totals, "retries_by_kind": dict(sorted(by_kind.items()))}
 
 
 def generate_shard(prompt_file: Path, out_file: Path, errors_file: Path, summary_file: Path,
@@ -550,6 +664,7 @@ def finish_shard(shard: PreparedShard, stats: ShardStats, settings: GenerateSett
         "resumed": len(kept.records),
         "resumed_from_other_shards": kept.adopted,
         "discarded_stale": kept.discarded_stale,
+        "discarded_incomplete": kept.discarded_incomplete,
         "retries": stats.retries,
         "retries_by_kind": dict(sorted(stats.retries_by_kind.items())),
         "endpoint_set_asides": stats.set_asides,
@@ -576,6 +691,10 @@ def finish_shard(shard: PreparedShard, stats: ShardStats, settings: GenerateSett
         "server": server_view(timing["server_rows"], capacity, stats.t_first_request,
                               stats.t_end),
         "machine": machine,
+        # every run on this shard (the figures above are this run's): a rerun that answers
+        # what a faulted run could not keeps that run's retries and errors in view
+        "attempts": (attempts := read_attempts(files.responses)),
+        "all_attempts": all_attempts(attempts),
     }
     write_json(files.summary, summary, indent=2)
     print(json.dumps({k: v for k, v in summary.items() if k != "server"}))

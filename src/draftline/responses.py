@@ -4,19 +4,22 @@ Results are appended and flushed to ``<out_dir>/.partial/shard-{i}.jsonl`` as th
 (``AppendLog``; Snakemake deletes declared outputs of failed jobs, the partial file survives).
 Every kept record carries the ``fingerprint`` of what determined its answer (target, served
 name, sampling settings, chat template kwargs, multi_turn, the prompt's messages). A rerun
-(``resume_shard``) keeps only records with the current fingerprint (the others are discarded
-and counted as ``discarded_stale``), takes valid answers for its ids from any shard's kept file
-(so a changed shard assignment loses nothing), drops a torn last line, and only asks for the
-rest. ``draftline.generate`` writes each shard's final file once, from these, in prompt order.
-The stages after it read those final files through ``iter_response_records``.
+(``resume_shard``) keeps only records with the current fingerprint (the others are discarded and
+counted as ``discarded_stale``), takes valid answers for its ids from any shard's kept file (so
+a changed shard assignment loses nothing), drops a torn last line and answers without token ids
+(``discarded_incomplete``), and only asks for the rest. ``draftline.generate`` writes each
+shard's final file once, from these, in prompt order. The stages after it read those final files
+through ``iter_response_records``.
 """
 
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import hashlib
 import json
 import os
+import tempfile
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -144,11 +147,91 @@ class AppendLog:
             self.fh.close()
 
 
+class GenerationLocked(RuntimeError):
+    """Another generation run is writing the same responses folder."""
+
+
+@contextlib.contextmanager
+def generation_lock(partial_dir: Path) -> Iterator[Path]:
+    """Hold the lock on one responses folder's kept files for the whole run: two runs on one
+    folder would ask every prompt twice and rewrite each other's kept files on resume.
+
+    An ``flock`` on ``<partial_dir>/generate.lock``, which holds the runner's pid: the kernel
+    drops the lock when its process dies however it ends, so the lock of a dead run (its pid
+    still in the file) is taken over. The file stays: removing it would let a run that opened
+    it just before lock a file nobody else sees.
+    """
+    partial_dir.mkdir(parents=True, exist_ok=True)
+    path = partial_dir / "generate.lock"
+    fh = open(path, "a+", encoding="utf-8")
+    try:
+        fcntl.flock(fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        fh.seek(0)
+        holder = fh.read().strip() or "unknown"
+        fh.close()
+        raise GenerationLocked(
+            f"{partial_dir.parent}: another generation run (pid {holder}) is writing these "
+            f"responses (lock {path}); wait for it to end or stop it, then rerun") from None
+    try:
+        fh.seek(0)
+        fh.truncate()
+        fh.write(f"{os.getpid()}\n")
+        fh.flush()
+        yield path
+    finally:
+        fh.close()  # releases the lock
+
+
+class OutputNotWritable(OSError):
+    """A folder generation writes to cannot be written."""
+
+
+def check_writable(directory: Path) -> None:
+    """Create (if need be) and write a probe file in ``directory``, so that an unwritable
+    results folder stops the run before its first request rather than at its last write.
+    A probe, not ``os.access``: root passes every access check, yet not a read-only mount."""
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+        fd, probe = tempfile.mkstemp(dir=directory, prefix=".write-probe-")
+        os.close(fd)
+        os.unlink(probe)
+    except OSError as exc:
+        raise OutputNotWritable(
+            exc.errno, f"cannot write generation output in {directory}: "
+                       f"{exc.strerror or exc}") from exc
+
+
 def partial_paths(out_file: Path) -> tuple[Path, Path]:
     """The kept answers and kept errors of the shard whose final file is ``out_file``."""
     partial = out_file.parent / ".partial"
     stem = out_file.name.removesuffix(".jsonl")
     return partial / f"{stem}.jsonl", partial / f"{stem}.errors.jsonl"
+
+
+def attempts_path(out_file: Path) -> Path:
+    """The shard's run history: one JSON line per generation run that asked for its prompts,
+    however the run ended (its summary, rewritten by every run, reports them all). Not
+    ``.jsonl``: the kept-answer files are found by that suffix."""
+    stem = out_file.name.removesuffix(".jsonl")
+    return partial_paths(out_file)[0].parent / f"{stem}.attempts.log"
+
+
+def append_attempt(out_file: Path, attempt: dict) -> None:
+    log = AppendLog(attempts_path(out_file))
+    try:
+        log.write(attempt)
+    finally:
+        log.close()
+
+
+def read_attempts(out_file: Path) -> list[dict]:
+    """The shard's earlier runs, oldest first (a torn last line, a killed writer's, dropped)."""
+    path = attempts_path(out_file)
+    if not path.exists():
+        return []
+    text = path.read_text(encoding="utf-8")
+    return [json.loads(line) for line in text[:text.rfind("\n") + 1].splitlines() if line]
 
 
 # ----------------------------------------------------------------------------- resume
@@ -160,6 +243,15 @@ class Resumed:
     errors: dict[str, dict]  # valid final errors for this shard's ids
     discarded_stale: int  # kept records for this shard's ids made under other settings
     adopted: int  # valid answers found in another shard's kept file
+    discarded_incomplete: int = 0  # kept with missing or empty token ids: asked again
+
+
+def has_token_ids(record: dict) -> bool:
+    """Whether a kept answer has both token id lists, non-empty. Runs before answers were
+    checked (``draftline.generate.check_completion``) kept some without them, under a valid
+    fingerprint; the dataset cannot use those, so a rerun asks for them again."""
+    return all(isinstance(record.get(key), list) and record[key]
+               for key in ("prompt_token_ids", "output_token_ids"))
 
 
 def valid_records(records: dict[str, dict], fingerprints: dict[str, str]) -> dict[str, dict]:
@@ -176,24 +268,26 @@ def resume_shard(partial: Path, partial_errors: Path,
     for ids this shard no longer owns stay in its file for the shard that does.
     """
     own = read_jsonl_ids(partial)
-    records = valid_records(own, fingerprints)
-    discarded = sum(1 for k in own if k in fingerprints and k not in records)
+    fingerprinted = valid_records(own, fingerprints)
+    records = {k: r for k, r in fingerprinted.items() if has_token_ids(r)}
+    incomplete = len(fingerprinted) - len(records)
+    discarded = sum(1 for k in own if k in fingerprints and k not in fingerprinted)
     adopted = 0
     for other in sorted(partial.parent.glob("*.jsonl")):
         if other == partial or other.name.endswith(".errors.jsonl"):
             continue
         found = valid_records(read_jsonl_ids(other, cut_torn=False), fingerprints)
-        new = {k: r for k, r in found.items() if k not in records}
+        new = {k: r for k, r in found.items() if k not in records and has_token_ids(r)}
         records.update(new)
         adopted += len(new)
     foreign = {k: r for k, r in own.items() if k not in fingerprints}
-    if discarded or adopted:
+    if discarded or adopted or incomplete:
         write_jsonl(partial, [*records.values(), *foreign.values()])
     # Final errors (e.g. 400: prompt too long) stay; retryable ones get another chance.
     errors = {k: e for k, e in valid_records(read_jsonl_ids(partial_errors), fingerprints).items()
               if not e.get("retryable") and k not in records}
     write_jsonl(partial_errors, errors.values())
-    return Resumed(records, errors, discarded, adopted)
+    return Resumed(records, errors, discarded, adopted, incomplete)
 
 
 # ----------------------------------------------------------------------------- the final files

@@ -17,6 +17,8 @@ def logged(path: str | Path | None):
             contextlib.redirect_stderr(fh):
         try:
             yield
+        except SystemExit:
+            raise  # an exit on purpose (e.g. Ctrl-C during generation) said why already
         except BaseException:
             import traceback
 
