@@ -325,3 +325,24 @@ def test_a_cell_whose_median_tpot_is_zero_gets_no_tpot_speedup():
     assert eagle["speedup_throughput"] == round(380.0 / 191.0, 4)
     assert eagle["speedup_tpot"] is None
     assert step_costs(summary, [{"name": "eagle3-k3", "num_speculative_tokens": 3}]) is None
+
+
+def test_windows_with_preemptions_are_marked_in_the_summary():
+    """A preempted request's wait counts as running in the server's running seconds: a
+    window with any preemption is flagged, its cell marked `p`."""
+    from draftline.bench import preemptions
+
+    assert preemptions({"vllm:num_preemptions": 3.0}) == 3
+    assert preemptions({"vllm:num_preemptions": 0.0}) == 0
+    assert preemptions({}) is None  # a server that does not export it says nothing
+    rows = [_row("baseline", 4, r, 100, 10.0) for r in range(2)]
+    rows[1]["preemptions"] = 2
+    rows += [_row("baseline", 16, 0, 100, 10.0)]
+    rows[2]["preemptions"] = 0
+    by_level = {s["concurrency"]: s for s in summarise(rows)}
+    assert by_level[4]["preempted"] and not by_level[16]["preempted"]
+    text = summary_markdown({"summary": list(by_level.values()), "num_prompts": 8,
+                             "repetitions": 2, "train_serve_gap": []})
+    lines = {line.split(" | ")[2]: line for line in text.splitlines()
+             if line.startswith("| baseline")}
+    assert lines["4"].split(" | ")[7].endswith(" p") and " p" not in lines["16"]

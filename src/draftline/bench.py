@@ -30,11 +30,12 @@ speed-up. A configuration that fails mid-run leaves the rows measured before it 
                "requests_s", "requests_completed", "window_s", "ttft_ms", "tpot_ms", "itl_ms",
                "e2e_s" (percentile dicts), "errors", "late_chunk_frac", "server_ttft_ms_mean",
                "server_tpot_ms_mean", "stream_lagged", "attempts", "running_mean", "underloaded",
-               "acceptance_length", "acceptance_rate", "accepted_per_position", "counters"}],
+               "preemptions", "acceptance_length", "acceptance_rate", "accepted_per_position",
+               "counters"}],
      "summary": [{"config", "temperature", "concurrency", "output_tok_s": {median,min,max},
                   "tpot_ms_p50", "ttft_ms_p50", "itl_ms_p50", "server_tpot_ms_mean",
                   "stream_lagged", "running_mean" ({...}),
-                  "underloaded", "acceptance_length": {...}, "acceptance_rate",
+                  "underloaded", "preempted", "acceptance_length": {...}, "acceptance_rate",
                   "accepted_per_position", "speedup_throughput", "speedup_tpot",
                   "predicted_speedup"}],
      "step_costs": {"temperature", "concurrency", "target_step_ms",
@@ -178,7 +179,16 @@ def _measure_once(endpoint: Endpoint, prompts: list[Prompt], spec: SamplingSpec,
             "stream_lagged": stream_lagged(client_tpot, server_means.get("tpot_ms")),
             "running_mean": running,
             "underloaded": running is not None and running < LOADED_FRACTION * level,
+            "preemptions": preemptions(window.server.get("counters", {})),
             "counters": window.server.get("counters", {})}
+
+
+def preemptions(counters: dict) -> int | None:
+    """Requests the engine preempted in the window (``vllm:num_preemptions``). A preempted
+    request waits for KV blocks while the running-seconds counter behind ``running`` still
+    counts its time, so a window with any overstates the requests that really ran."""
+    value = counters.get("vllm:num_preemptions")
+    return None if value is None else int(value)
 
 
 def measure_config(endpoint: Endpoint, *, config: dict, prompts: list[Prompt], levels: list[int],
@@ -252,6 +262,7 @@ def summarise(rows: list[dict]) -> list[dict]:
             "stream_lagged": any(r.get("stream_lagged") for r in group),
             "running_mean": _spread([r.get("running_mean") for r in group]),
             "underloaded": any(r.get("underloaded") for r in group),
+            "preempted": any(r.get("preemptions") for r in group),
             "acceptance_length_runs": _spread([r["acceptance_length"] for r in group]),
             **pooled,
         })
@@ -423,7 +434,8 @@ def summary_markdown(result: dict) -> str:
              "as `vllm bench serve` defines them. `running` is the server's mean running "
              "requests over the window (its `vllm:request_inference_time_seconds` sum per "
              "second); `*` marks a cell where a window "
-             f"stayed below {LOADED_FRACTION:g} x C (the level was not fully loaded); `~` "
+             f"stayed below {LOADED_FRACTION:g} x C (the level was not fully loaded), `p` one "
+             "where the server preempted requests (their waiting time counts as running); `~` "
              f"marks output tok/s whose spread (max-min)/median exceeds {MAX_SPREAD:.0%} (a "
              "busy host: rerun on a quiet one). `server TPOT` is the mean of vLLM's own "
              "per-request TPOT histogram over the window; `!` marks a TPOT the stream did not "
@@ -434,7 +446,8 @@ def summary_markdown(result: dict) -> str:
              "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for s in sorted(result["summary"], key=lambda s: (s["temperature"], s["concurrency"],
                                                        s["config"])):
-        running = _cell(s.get("running_mean")) + (" *" if s.get("underloaded") else "")
+        running = (_cell(s.get("running_mean")) + (" *" if s.get("underloaded") else "")
+                   + (" p" if s.get("preempted") else ""))
         noisy = (s["output_tok_s"].get("spread") or 0.0) > MAX_SPREAD
         lines.append(
             f"| {s['config']} | {s['temperature']:g} | {s['concurrency']} | "
