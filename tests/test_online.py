@@ -171,6 +171,23 @@ def test_the_buffer_bound_must_hold_a_micro_batch(online_inputs):
                      {"online": {"max_buffer_bytes": 1 << 20}}, train_batch_tokens=4096)
 
 
+def test_the_buffer_bound_is_the_runs_shared_by_its_training_processes(online_inputs,
+                                                                       monkeypatch):
+    """hidden.online.max_buffer_bytes bounds the run: with 4 training processes each keeps a
+    quarter (the plan reports one bound; 4 x the bound was what the run could hold)."""
+    hidden = {"layer_ids": online_inputs["layer_ids"],
+              "online": {"max_buffer_bytes": 1 << 20, "prefetch": 3}}
+    alone = OnlineStates(online_inputs["dataset_dir"], online_inputs["target_dir"], hidden, 256)
+    # a micro-batch that fits the whole bound but not a process's share of four
+    tokens = (1 << 20) // alone.per_token // 2
+    OnlineStates(online_inputs["dataset_dir"], online_inputs["target_dir"], hidden, tokens)
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    shared = OnlineStates(online_inputs["dataset_dir"], online_inputs["target_dir"], hidden, 256)
+    assert alone.prefetch_bytes == 1 << 20 and shared.prefetch_bytes == (1 << 20) // 4
+    with pytest.raises(OnlineStatesError, match="share of 4 training processes"):
+        OnlineStates(online_inputs["dataset_dir"], online_inputs["target_dir"], hidden, tokens)
+
+
 def test_producer_stays_within_prefetch_and_buffer(online_inputs):
     """The producer never holds more than `prefetch` batches nor the byte bound ahead."""
     from draftline.train import plan_micro_batches

@@ -42,6 +42,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import os
 import threading
 import time
 from collections import deque
@@ -131,15 +132,20 @@ class OnlineStates:
             self.wait_per_sample = SPOOL_FILE_OVERHEAD
             reserve = 1  # an evaluation micro-batch read through the spool beside the prefetch
         batch_bytes = train_batch_tokens * (self.wait_per_token + self.wait_per_sample)
-        if (1 + reserve) * batch_bytes > self.online["max_buffer_bytes"]:
+        # the bound is the run's: the training processes share it (and the vllm spool folder)
+        world = int(os.environ.get("WORLD_SIZE", "1"))
+        self.buffer_bytes = self.online["max_buffer_bytes"] // world
+        if (1 + reserve) * batch_bytes > self.buffer_bytes:
+            share = (f" (this process's share of {world} training processes: "
+                     f"{self.buffer_bytes:,})" if world > 1 else "")
             raise OnlineStatesError(
                 f"config key 'hidden.online.max_buffer_bytes': {self.online['max_buffer_bytes']:,}"
-                f" bytes cannot hold {1 + reserve} micro-batch(es) (train.batch_tokens "
+                f" bytes{share} cannot hold {1 + reserve} micro-batch(es) (train.batch_tokens "
                 f"{train_batch_tokens:,} x {self.wait_per_token + self.wait_per_sample:,} B per "
                 f"token = {batch_bytes:,} bytes each)"
                 + ("; producer vllm: one prefetched, one being evaluated" if reserve else ""))
         # the prefetched micro-batches' share of the bound
-        self.prefetch_bytes = self.online["max_buffer_bytes"] - reserve * batch_bytes
+        self.prefetch_bytes = self.buffer_bytes - reserve * batch_bytes
         self._backend = None
         self.stats = {"mode": "online", "producer": self.producer, "produced_batches": 0,
                       "produced_tokens": 0, "produce_s": 0.0, "wait_s": 0.0,
@@ -148,6 +154,7 @@ class OnlineStates:
                       "cached_tokens": 0, "cache_bytes": 0,
                       "epoch_cache_bytes": self.online["epoch_cache_bytes"],
                       "max_buffer_bytes": self.online["max_buffer_bytes"],
+                      "process_buffer_bytes": self.buffer_bytes,
                       "prefetch": self.online["prefetch"]}
         if self.producer == "vllm":
             self.stats["peak_spool_bytes"] = 0
