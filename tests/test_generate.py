@@ -4,6 +4,7 @@ import hashlib
 import json
 import threading
 import time
+from pathlib import Path
 
 import aiohttp
 import openai
@@ -24,8 +25,10 @@ from draftline.generate import (
     was_resent,
 )
 from draftline.loadgen import request_seed
+from draftline.records import Prompt
 from draftline.responses import (
     fingerprinted_target,
+    prompt_fingerprints,
     read_jsonl_ids,
     record_fingerprint,
     settings_fingerprint,
@@ -586,3 +589,66 @@ def test_stage_records_what_served_the_answers(tmp_path, vllm_server, toy_target
     assert json.loads((tmp_path / "shard-0.summary.json").read_text())["machine"] == (
         summary["machine"])
     assert stage_summary([summary, summary])["machines"] == [summary["machine"]]
+
+
+def _cached_hub_snapshot(cache: Path, repo: str, commit: str) -> Path:
+    """A Hugging Face cache holding ``repo`` at ``commit`` as `main` (the cache's layout)."""
+    root = cache / ("models--" + repo.replace("/", "--"))
+    snapshot = root / "snapshots" / commit
+    snapshot.mkdir(parents=True)
+    (root / "refs").mkdir()
+    (root / "refs" / "main").write_text(commit)
+    (snapshot / "config.json").write_text('{"hidden_size": 8}')
+    (snapshot / "tokenizer_config.json").write_text('{"model_max_length": 1024}')
+    (snapshot / "chat_template.jinja").write_text("{{ messages }}")
+    (snapshot / "tokenization_org.py").write_text("# remote code\n")
+    return snapshot
+
+
+def test_a_hub_targets_cached_snapshot_is_in_every_answers_fingerprint(tmp_path, monkeypatch):
+    """Editing the chat template (or the remote tokenizer code) of the cached snapshot, or a
+    new snapshot under the same revision, gives every prompt another fingerprint: the kept
+    answers are discarded (resume_shard keeps only matching ones)."""
+    from huggingface_hub import constants
+
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    snapshot = _cached_hub_snapshot(tmp_path / "hub", "org/model", "a" * 40)
+    prompts = [Prompt("p0", [{"role": "user", "content": "hi"}])]
+    endpoint = [Endpoint("http://127.0.0.1:1/v1", "org/model")]
+
+    def fingerprints():
+        target = fingerprinted_target("org/model", None)
+        return prompt_fingerprints(prompts, GenerateSettings(concurrency=4), endpoint, target)
+
+    reference = fingerprints()
+    assert fingerprinted_target("org/model")["snapshot"] == "a" * 40
+    assert fingerprints() == reference
+    (snapshot / "chat_template.jinja").write_text("{{ messages }}{{ '<think>' }}")
+    edited = fingerprints()
+    assert edited != reference
+    (snapshot / "tokenization_org.py").write_text("# remote code, changed\n")
+    assert fingerprints() != edited
+    # a hub id that is not cached: the id and revision alone, as before
+    assert fingerprinted_target("org/absent", "v1") == {"model": "org/absent", "revision": "v1"}
+
+
+def test_server_settings_that_shape_answers_are_in_the_fingerprint():
+    from draftline.responses import answer_server_settings
+
+    base = {"mode": "managed", "dtype": "bfloat16", "reasoning_parser": "deepseek_r1",
+            "extra_args": [], "max_model_len": 1024, "max_num_seqs": 256, "nice": 10}
+    prompts = [Prompt("p0", [{"role": "user", "content": "hi"}])]
+    endpoint = [Endpoint("http://127.0.0.1:1/v1", "t")]
+
+    def fingerprint(server):
+        target = {"model": "t", "revision": None, "server": answer_server_settings(server)}
+        return prompt_fingerprints(prompts, GenerateSettings(concurrency=4), endpoint, target)
+
+    reference = fingerprint(base)
+    for change in ({"extra_args": ["--chat-template", "t.jinja"]}, {"dtype": "float16"},
+                   {"reasoning_parser": None}, {"max_model_len": 2048}):
+        assert fingerprint({**base, **change}) != reference, change
+    for change in ({"max_num_seqs": 64}, {"nice": 0}):  # the pace, not the answer
+        assert fingerprint({**base, **change}) == reference, change
+    assert answer_server_settings({**base, "mode": "external"}) == {}

@@ -67,6 +67,7 @@ from draftline.responses import (
     GenerationLocked,  # noqa: F401 (raised by generate_shards, defined with the kept files)
     OutputNotWritable,  # noqa: F401 (likewise)
     Resumed,
+    answer_server_settings,
     append_attempt,
     check_writable,
     fingerprinted_target,
@@ -745,6 +746,8 @@ def generate_responses(prompt_files: list, out_files: list, errors_files: list,
     with endpoints_for(server_cfg, model, Path(state_dir), trust_remote_code,
                        revision=revision) as endpoints:
         return generate_shards(
-            shards, endpoints, settings, target=fingerprinted_target(model, revision),
+            shards, endpoints, settings,
+            target={**fingerprinted_target(model, revision),
+                    "server": answer_server_settings(server_cfg)},
             job_start=job_start,
             machine=lambda: serving_machine(server_cfg, [served_version(e) for e in endpoints]))

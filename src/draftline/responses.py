@@ -51,24 +51,69 @@ def _sha256(*parts: bytes) -> str:
 
 
 def fingerprinted_target(model: str, revision: str | None = None) -> dict:
-    """The target as answer fingerprints see it: its path or hub id, the revision and, for a
-    local directory, a hash of its config, tokenizer and weights index (small weights: their
-    content). Not the bundle's ``provenance.target_identity``, a per-file record for the
-    manifest: changing this one would invalidate every kept answer."""
+    """The target as answer fingerprints see it: its path or hub id, the revision, and a hash
+    of the files that define its answers (config, generation config, tokenizer, chat
+    template, remote code; for a local directory also the weights index, small weights by
+    content). A hub id is read from its snapshot in the local cache, whose commit is recorded
+    too: a new snapshot, or a file edited in the cached one, changes every fingerprint.
+    Not the bundle's ``provenance.target_identity``, a per-file record for the manifest:
+    changing this one would invalidate every kept answer."""
+    from draftline.hub import is_local
+
     identity = {"model": str(model), "revision": revision}
-    path = Path(model)
-    if not path.is_dir():
-        return identity  # a hub id: the revision pins it
-    parts = [f"{name}\0".encode() + (path / name).read_bytes()
-             for name in TARGET_FILES if (path / name).is_file()]
+    if is_local(model):
+        path = Path(model)
+        if path.is_dir():
+            identity["files_sha256"] = _sha256(*_definition_parts(path), *_weight_parts(path))
+        return identity
+    snapshot = _cached_snapshot(str(model), revision)
+    if snapshot is not None:  # a hub id the servers fetch themselves: what is cached now
+        identity["snapshot"] = snapshot.name  # the commit
+        identity["files_sha256"] = _sha256(*_definition_parts(snapshot))
+    return identity
+
+
+def _definition_parts(path: Path) -> list[bytes]:
+    """Name and content of each file that defines the target's answers: TARGET_FILES, the
+    tokenizer's own files and the remote code a trust_remote_code target runs."""
+    names = set(TARGET_FILES) | {p.name for p in path.glob("*.py")} | {
+        p.name for pattern in ("tokenizer.model", "tiktoken.model", "*.tiktoken", "vocab.*",
+                               "merges.txt", "special_tokens_map.json")
+        for p in path.glob(pattern)}
+    return [f"{name}\0".encode() + (path / name).read_bytes()
+            for name in sorted(names) if (path / name).is_file()]
+
+
+def _weight_parts(path: Path) -> list[bytes]:
     weights = sorted(p for p in path.iterdir()
                      if p.is_file() and p.suffix in (".safetensors", ".bin"))
     sizes = [p.stat().st_size for p in weights]
     whole = sum(sizes) <= HASH_WEIGHTS_UP_TO
-    for weight, size in zip(weights, sizes, strict=True):
-        parts.append(f"{weight.name}\0{size}\0".encode() + (weight.read_bytes() if whole else b""))
-    identity["files_sha256"] = _sha256(*parts)
-    return identity
+    return [f"{weight.name}\0{size}\0".encode() + (weight.read_bytes() if whole else b"")
+            for weight, size in zip(weights, sizes, strict=True)]
+
+
+def _cached_snapshot(model: str, revision: str | None) -> Path | None:
+    """The snapshot folder of a hub id (at ``revision``) in the local cache, None when absent."""
+    from huggingface_hub import snapshot_download
+    from huggingface_hub.errors import LocalEntryNotFoundError
+
+    try:
+        return Path(snapshot_download(model, revision=revision, local_files_only=True))
+    except (LocalEntryNotFoundError, OSError, ValueError):
+        return None
+
+
+# Server settings that shape an answer: the weights' precision, the template and
+# reasoning-parser options, whatever else vLLM is told (a --chat-template, a quantization).
+ANSWER_SERVER_KEYS = ("dtype", "reasoning_parser", "extra_args", "max_model_len")
+
+
+def answer_server_settings(server_cfg: dict) -> dict:
+    """The managed server's settings that shape answers (an external server's are unknown)."""
+    if server_cfg.get("mode", "managed") != "managed":
+        return {}
+    return {key: server_cfg.get(key) for key in ANSWER_SERVER_KEYS}
 
 
 def settings_fingerprint(settings: GenerateSettings, served_model: str, target: dict) -> str:
