@@ -23,15 +23,26 @@ import tempfile
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 from draftline.atomic import disk_full_names, write_jsonl
 from draftline.records import RecordError
 
 if TYPE_CHECKING:
-    from draftline.generate import GenerateSettings
     from draftline.records import Prompt
     from draftline.server import Endpoint
+
+
+class AnswerSettings(Protocol):
+    """The sampling settings an answer depends on (``draftline.generate.GenerateSettings``
+    has them; this module reads only these, and imports nothing from generate)."""
+
+    temperature: float
+    top_p: float
+    max_tokens: int
+    seed: int
+    chat_template_kwargs: dict
+    multi_turn: bool
 
 
 # Small files that define the target: architecture, generation defaults, tokenizer, template.
@@ -116,7 +127,7 @@ def answer_server_settings(server_cfg: dict) -> dict:
     return {key: server_cfg.get(key) for key in ANSWER_SERVER_KEYS}
 
 
-def settings_fingerprint(settings: GenerateSettings, served_model: str, target: dict) -> str:
+def settings_fingerprint(settings: AnswerSettings, served_model: str, target: dict) -> str:
     """Everything but the prompt that determines an answer (not concurrency, retries, ...)."""
     answer_settings = {
         "target": target,
@@ -137,7 +148,7 @@ def record_fingerprint(settings_fp: str, messages: list[dict]) -> str:
                    json.dumps(messages, sort_keys=True, ensure_ascii=False).encode())[:32]
 
 
-def prompt_fingerprints(prompts: list[Prompt], settings: GenerateSettings,
+def prompt_fingerprints(prompts: list[Prompt], settings: AnswerSettings,
                         endpoints: list[Endpoint], target: dict) -> dict[str, str]:
     """The fingerprint each prompt's kept answer must carry."""
     served = sorted({ep.model for ep in endpoints})
