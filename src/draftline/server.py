@@ -78,6 +78,7 @@ class ServerSpec:
     speculative_config: str | None = None  # JSON text, as vLLM takes it
     extra_args: tuple[str, ...] = ()
     env: tuple[tuple[str, str], ...] = ()
+    pass_env: tuple[str, ...] = ()  # NAMES of variables handed through (their values never here)
     startup_timeout_s: float = 900.0
     nice: int = 0  # CPU priority of a process-launched server (``server_preexec``)
     launcher: str = "process"  # process | docker (draftline.docker_launcher)
@@ -132,11 +133,20 @@ class ServerSpec:
                               f"{self.api_key_env} is not set")
         return os.environ[self.api_key_env]
 
+    def passed_environment(self) -> dict[str, str]:
+        """The values of ``server.pass_env``, read from this process's environment now."""
+        missing = [name for name in self.pass_env if name not in os.environ]
+        if missing:
+            raise ServerError(f"config key 'server.pass_env': environment variable(s) "
+                              f"{', '.join(missing)} not set")
+        return {name: os.environ[name] for name in self.pass_env}
+
     def environment(self) -> dict[str, str]:
         env = dict(os.environ)
         if not has_gpu():
             env.setdefault("VLLM_CPU_KVCACHE_SPACE", f"{self.cpu_kvcache_space_gib:g}")
         env.update(dict(self.env))
+        env.update(self.passed_environment())
         if self.api_key_env:
             env["VLLM_API_KEY"] = self.api_key()
         return env
@@ -154,6 +164,7 @@ class ServerSpec:
         data = json.loads(text)
         data["extra_args"] = tuple(data["extra_args"])
         data["env"] = tuple(tuple(kv) for kv in data["env"])
+        data["pass_env"] = tuple(data.get("pass_env", ()))
         return cls(**data)
 
 
@@ -181,6 +192,7 @@ def spec_from_config(server_cfg: dict, model: str, trust_remote_code: bool = Fal
         if speculative_config else None,
         extra_args=tuple(server_cfg["extra_args"]),
         env=tuple(sorted(server_cfg["env"].items())),
+        pass_env=tuple(server_cfg.get("pass_env", ())),
         startup_timeout_s=server_cfg["startup_timeout_s"],
         nice=server_cfg["nice"],
         **_launcher_fields(server_cfg),
@@ -461,9 +473,18 @@ def shared_server_log(spec: ServerSpec, state_dir: Path) -> Path:
     return _Paths(state_dir, spec.fingerprint()).log
 
 
+def write_spec(path: Path, spec: ServerSpec) -> None:
+    """The supervisor's spec file, readable by its owner only whatever the umask: it holds no
+    secret (those go by variable name), but names what the run serves and from where."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    os.fchmod(fd, 0o600)  # a file left by an earlier run keeps its mode through O_CREAT
+    with os.fdopen(fd, "w") as fh:
+        fh.write(spec.to_json())
+
+
 def _spawn_supervisor(spec: ServerSpec, paths: _Paths, idle_timeout_s: float) -> dict:
     paths.state.unlink(missing_ok=True)
-    paths.spec.write_text(spec.to_json())
+    write_spec(paths.spec, spec)
     cmd = [sys.executable, "-m", "draftline.server", "supervise", "--spec", str(paths.spec),
            "--idle-timeout", str(idle_timeout_s)]
     with open(paths.log, "ab") as log:
