@@ -72,6 +72,7 @@ def check_semantics(config: dict[str, Any], base: Path | None = None) -> None:
     if config["server"]["launcher"] == "docker" and not config["server"]["image"]:
         raise ConfigError("config key 'server.image': required when server.launcher is docker")
     _check_no_literal_secrets(config["server"])
+    _check_bind_has_key(config["server"])
 
 
 def _check_no_literal_secrets(server: dict) -> None:
@@ -86,9 +87,29 @@ def _check_no_literal_secrets(server: dict) -> None:
     for arg in server["extra_args"]:
         option = secret_names.secret_option(arg)
         if option:
+            instead = "server.api_key_env" if option == "--api-key" else "server.pass_env"
             raise ConfigError(
                 f"config key 'server.extra_args': {option} would put a secret in the config; "
-                "pass it by name through server.pass_env")
+                f"pass it by name through {instead}")
+
+
+LOOPBACK_HOSTS = ("localhost", "::1")
+
+
+def _loopback(host: str) -> bool:
+    return host in LOOPBACK_HOSTS or host.startswith("127.")
+
+
+def _check_bind_has_key(server: dict) -> None:
+    """A server reachable from other hosts must require a key its clients are given: the run's
+    own random key is known to the run's processes only."""
+    docker_key = (server.get("docker") or {}).get("api_key_env")
+    has_key = server.get("api_key_env") or (server["launcher"] == "docker" and docker_key)
+    if not _loopback(server["host"]) and not has_key:
+        raise ConfigError(
+            f"config key 'server.host': {server['host']} is not a loopback address, and a server "
+            "reachable from other hosts needs an API key: set server.api_key_env to the NAME of "
+            "an environment variable holding it (or bind 127.0.0.1)")
 
 
 def _check_online_producer(config: dict) -> None:
