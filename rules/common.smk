@@ -3,6 +3,7 @@
 import importlib.util
 import json
 import os
+import secrets
 import signal
 import time
 from pathlib import Path
@@ -47,6 +48,11 @@ _layout = _library_module("layout")
 LAYOUT = _layout.Layout.from_config(config)
 SHARDS = list(range(config["prompts"]["num_shards"]))
 SERVER_STATE = str(LAYOUT.servers)
+
+# The run's API key (draftline.server.RUN_KEY_ENV): the run's shared vLLM servers require it and
+# its clients send it. Made once here and inherited by every job of this invocation (a job that
+# parses this file again keeps its parent's); never a param, a file or a log line.
+os.environ.setdefault("DRAFTLINE_RUN_API_KEY", secrets.token_urlsafe(32))
 
 _codehash = _library_module("codehash")
 # parsed imports by file content, kept between runs so that parsing costs nothing once done

@@ -329,10 +329,10 @@ def test_planted_secrets_never_reach_the_bundle(results, monkeypatch):
                        f"{PLANTED_TOKEN}")
     with open(results / "bench" / "summary.md", "a") as fh:  # a stage leaked the key into text
         fh.write(f"\nclient used key {PLANTED_KEY}\n")
-    cfg = bundle_config(results, **{
-        "server.env": {"HF_TOKEN": PLANTED_TOKEN, "OMP_NUM_THREADS": "2"},
-        "server.extra_args": ["--api-key", PLANTED_TOKEN, f"--note={PLANTED_KEY}"],
-        "server.external.api_key_env": "DRAFTLINE_TEST_API_KEY"})
+    cfg = bundle_config(results, **{"server.external.api_key_env": "DRAFTLINE_TEST_API_KEY"})
+    # literals the config check refuses, as a config that skipped it would hold them
+    cfg["server"]["env"] = {"HF_TOKEN": PLANTED_TOKEN, "OMP_NUM_THREADS": "2"}
+    cfg["server"]["extra_args"] = ["--api-key", PLANTED_TOKEN, f"--note={PLANTED_KEY}"]
     html = results / "report" / "model_card.html"
     build(results, cfg, card_html=html)
 

@@ -80,12 +80,15 @@ def test_shared_server_serves_reasoning_and_stops_when_idle(tmp_path, toy_target
     state_dir = tmp_path / "servers"
     with shared_server(spec, state_dir, idle_timeout_s=3) as endpoint:
         state = json.loads((state_dir / f"{spec.fingerprint()}.json").read_text())
-        client = openai.OpenAI(base_url=endpoint.base_url, api_key="EMPTY")
+        client = openai.OpenAI(base_url=endpoint.base_url, api_key=endpoint.api_key)
         resp = client.chat.completions.create(
             model=endpoint.model, messages=[{"role": "user", "content": "What is 2 plus 3?"}],
             max_tokens=96, temperature=0, extra_body={"return_token_ids": True})
         with shared_server(spec, state_dir, idle_timeout_s=3) as again:
             assert again.base_url == endpoint.base_url  # one server for both users
+            assert again.api_key == endpoint.api_key  # the run's key, which the server requires
+        with pytest.raises(openai.AuthenticationError):
+            openai.OpenAI(base_url=endpoint.base_url, api_key="EMPTY").models.list()
     message = resp.choices[0].message.model_extra
     assert message.get("reasoning") or message.get("reasoning_content")
     assert resp.model_extra["prompt_token_ids"] and resp.choices[0].model_extra["token_ids"]

@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 if __package__ == "draftline":
-    from draftline import hub
+    from draftline import hub, secret_names
     from draftline import target as target_module
 else:  # loaded by its path (rules/common.smk): its siblings are loaded by theirs
 
@@ -27,6 +27,7 @@ else:  # loaded by its path (rules/common.smk): its siblings are loaded by their
         return module
 
     hub, target_module = _sibling("hub"), _sibling("target")
+    secret_names = _sibling("secret_names")
 
 
 class ConfigError(ValueError):
@@ -70,8 +71,45 @@ def check_semantics(config: dict[str, Any], base: Path | None = None) -> None:
             "config key 'server.external.base_urls': required when server.mode is external")
     if config["server"]["launcher"] == "docker" and not config["server"]["image"]:
         raise ConfigError("config key 'server.image': required when server.launcher is docker")
+    _check_no_literal_secrets(config["server"])
+    _check_bind_has_key(config["server"])
 
 
+def _check_no_literal_secrets(server: dict) -> None:
+    """Secrets reach a server only by the name of an environment variable: a value in the config
+    would be copied into the server's spec file, the rules' params and the logs."""
+    for name, value in server["env"].items():
+        if secret_names.secret_variable_name(name) and secret_names.looks_like_secret(value):
+            raise ConfigError(
+                f"config key 'server.env.{name}': looks like a secret written into the config; "
+                f"pass it by name: set {name} in the run's environment and list it in "
+                "server.pass_env")
+    for arg in server["extra_args"]:
+        option = secret_names.secret_option(arg)
+        if option:
+            instead = "server.api_key_env" if option == "--api-key" else "server.pass_env"
+            raise ConfigError(
+                f"config key 'server.extra_args': {option} would put a secret in the config; "
+                f"pass it by name through {instead}")
+
+
+LOOPBACK_HOSTS = ("localhost", "::1")
+
+
+def _loopback(host: str) -> bool:
+    return host in LOOPBACK_HOSTS or host.startswith("127.")
+
+
+def _check_bind_has_key(server: dict) -> None:
+    """A server reachable from other hosts must require a key its clients are given: the run's
+    own random key is known to the run's processes only."""
+    docker_key = (server.get("docker") or {}).get("api_key_env")
+    has_key = server.get("api_key_env") or (server["launcher"] == "docker" and docker_key)
+    if not _loopback(server["host"]) and not has_key:
+        raise ConfigError(
+            f"config key 'server.host': {server['host']} is not a loopback address, and a server "
+            "reachable from other hosts needs an API key: set server.api_key_env to the NAME of "
+            "an environment variable holding it (or bind 127.0.0.1)")
 
 
 def _check_online_producer(config: dict) -> None:

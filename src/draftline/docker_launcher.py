@@ -13,8 +13,11 @@ The container:
   request (the job's ``CUDA_VISIBLE_DEVICES`` when set, else every GPU);
 * sees the model, a speculative draft, ``server.docker.mounts`` and the HF cache read-only
   at their host paths;
-* gets the API key from the environment variable named by ``server.docker.api_key_env``
-  (as ``VLLM_API_KEY``: never on a command line, never in a log);
+* gets the API key from the environment variable named by ``server.api_key_env`` (or
+  ``server.docker.api_key_env``), else the run's key (``draftline.server.RUN_KEY_ENV``), as
+  ``VLLM_API_KEY``: never on a command line, never in a log;
+* gets ``server.env`` and the values of the variables ``server.pass_env`` names (read from
+  this process's environment when the container is created, never written down);
 * streams its output into the server log, and is removed on success, failure and Ctrl-C.
 
 Every container carries labels naming its owner process (host, pid, process start time). A
@@ -198,6 +201,7 @@ def container_environment(spec: ServerSpec) -> dict[str, str]:
     if opts["compile_cache_dir"]:
         env["VLLM_CACHE_ROOT"] = CONTAINER_COMPILE_CACHE
     env.update(dict(spec.env))
+    env.update(spec.passed_environment())
     key = spec.api_key()
     if key:
         env["VLLM_API_KEY"] = key

@@ -34,7 +34,8 @@ MAX_SWEEP_CONCURRENCY = 4096  # no cap configured and no max_num_seqs known
 MAX_ERROR_RATE = 0.01  # a level that fails more requests than this is not a safe operating point
 # Server settings that do not change how the server performs.
 _NOT_WORKLOAD = {"host", "port", "served_name", "startup_timeout_s", "idle_timeout_s", "mode",
-                 "launcher", "external", "image", "docker", "api_key_env"}
+                 "launcher", "external", "image", "docker", "api_key_env",
+                 "pass_env"}
 
 
 class ProfileError(RuntimeError):

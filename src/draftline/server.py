@@ -25,6 +25,7 @@ import functools
 import hashlib
 import json
 import os
+import secrets
 import shutil
 import signal
 import socket
@@ -32,7 +33,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Iterator
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 import httpx
@@ -41,6 +42,28 @@ from draftline.atomic import write_json
 from draftline.hub import hub_revision
 
 API_SERVER_MODULE = "vllm.entrypoints.openai.api_server"
+
+# The run's own API key, required by the run's shared servers (unless server.api_key_env names
+# one) and sent by draftline's clients. Servers are started by one job and reused by later ones,
+# so the key must reach every job of the run: it lives only in this environment variable, set
+# once per Snakemake invocation (rules/common.smk) or per process (run_api_key) and inherited by
+# the jobs, the supervisors and the servers (vLLM reads VLLM_API_KEY: never an argument). It is
+# never written to a file; a server's state file records only ``key_id`` (a hash), so a job of
+# another run (another key) stops that server and starts its own instead of failing with 401.
+RUN_KEY_ENV = "DRAFTLINE_RUN_API_KEY"
+
+
+def run_api_key() -> str:
+    """This run's API key; made now (and left in the environment for the processes this one
+    starts) when no parent set it."""
+    if not os.environ.get(RUN_KEY_ENV):
+        os.environ[RUN_KEY_ENV] = secrets.token_urlsafe(32)
+    return os.environ[RUN_KEY_ENV]
+
+
+def key_id(key: str | None) -> str | None:
+    """What a state file may say of a key: whether two agree, nothing about the key itself."""
+    return hashlib.sha256(key.encode()).hexdigest()[:16] if key else None
 
 
 class ServerError(RuntimeError):
@@ -78,12 +101,16 @@ class ServerSpec:
     speculative_config: str | None = None  # JSON text, as vLLM takes it
     extra_args: tuple[str, ...] = ()
     env: tuple[tuple[str, str], ...] = ()
+    pass_env: tuple[str, ...] = ()  # NAMES of variables handed through (their values never here)
     startup_timeout_s: float = 900.0
     nice: int = 0  # CPU priority of a process-launched server (``server_preexec``)
     launcher: str = "process"  # process | docker (draftline.docker_launcher)
     image: str | None = None  # serving image of launcher docker, pinned by digest
     docker: dict | None = None  # the server.docker config section (launcher docker)
     api_key_env: str | None = None  # NAME of the env variable holding the key the server requires
+    # without api_key_env, require the run's key (the run's shared servers); not part of the
+    # identity, so a caller's spec and the shared one agree on fingerprint and equality
+    use_run_key: bool = field(default=False, compare=False)
     revision: str | None = None  # target.revision of a hub id (draftline.hub)
 
     def command(self, port: int) -> list[str]:
@@ -124,26 +151,38 @@ class ServerSpec:
         return cmd + list(self.extra_args)
 
     def api_key(self) -> str | None:
-        """The key the server requires, read from the environment (never stored or logged)."""
+        """The key the server requires, read from the environment (never stored or logged):
+        the configured one, else the run's for a shared server, else none."""
         if not self.api_key_env:
-            return None
+            return run_api_key() if self.use_run_key else None
         if self.api_key_env not in os.environ:
-            raise ServerError(f"config key 'server.docker.api_key_env': environment variable "
+            raise ServerError(f"config key 'server.api_key_env': environment variable "
                               f"{self.api_key_env} is not set")
         return os.environ[self.api_key_env]
+
+    def passed_environment(self) -> dict[str, str]:
+        """The values of ``server.pass_env``, read from this process's environment now."""
+        missing = [name for name in self.pass_env if name not in os.environ]
+        if missing:
+            raise ServerError(f"config key 'server.pass_env': environment variable(s) "
+                              f"{', '.join(missing)} not set")
+        return {name: os.environ[name] for name in self.pass_env}
 
     def environment(self) -> dict[str, str]:
         env = dict(os.environ)
         if not has_gpu():
             env.setdefault("VLLM_CPU_KVCACHE_SPACE", f"{self.cpu_kvcache_space_gib:g}")
         env.update(dict(self.env))
-        if self.api_key_env:
-            env["VLLM_API_KEY"] = self.api_key()
+        env.update(self.passed_environment())
+        key = self.api_key()
+        if key:
+            env["VLLM_API_KEY"] = key
         return env
 
     def fingerprint(self) -> str:
         """Identity of the server: jobs whose specs agree share one process."""
-        payload = {k: v for k, v in asdict(self).items() if k != "startup_timeout_s"}
+        payload = {k: v for k, v in asdict(self).items()
+                   if k not in ("startup_timeout_s", "use_run_key")}
         return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()[:16]
 
     def to_json(self) -> str:
@@ -154,6 +193,8 @@ class ServerSpec:
         data = json.loads(text)
         data["extra_args"] = tuple(data["extra_args"])
         data["env"] = tuple(tuple(kv) for kv in data["env"])
+        data["pass_env"] = tuple(data.get("pass_env", ()))
+        data.setdefault("use_run_key", False)
         return cls(**data)
 
 
@@ -181,10 +222,20 @@ def spec_from_config(server_cfg: dict, model: str, trust_remote_code: bool = Fal
         if speculative_config else None,
         extra_args=tuple(server_cfg["extra_args"]),
         env=tuple(sorted(server_cfg["env"].items())),
+        pass_env=tuple(server_cfg.get("pass_env", ())),
         startup_timeout_s=server_cfg["startup_timeout_s"],
         nice=server_cfg["nice"],
+        api_key_env=configured_key_env(server_cfg),
         **_launcher_fields(server_cfg),
     )
+
+
+def configured_key_env(server_cfg: dict) -> str | None:
+    """The NAME of the variable holding the key a managed server requires: server.api_key_env,
+    or server.docker.api_key_env (the docker launcher's older spelling of it)."""
+    docker = server_cfg.get("docker") or {}
+    legacy = docker.get("api_key_env") if server_cfg.get("launcher") == "docker" else None
+    return server_cfg.get("api_key_env") or legacy
 
 
 def _launcher_fields(server_cfg: dict) -> dict:
@@ -192,8 +243,7 @@ def _launcher_fields(server_cfg: dict) -> dict:
     if server_cfg.get("launcher", "process") != "docker":
         return {}
     docker = dict(server_cfg.get("docker") or {})
-    return {"launcher": "docker", "image": server_cfg.get("image"), "docker": docker,
-            "api_key_env": docker.get("api_key_env")}
+    return {"launcher": "docker", "image": server_cfg.get("image"), "docker": docker}
 
 
 def has_gpu() -> bool:
@@ -436,12 +486,21 @@ def shared_server(spec: ServerSpec, state_dir: Path, idle_timeout_s: float = 120
 
     The run's servers for other specs are stopped first (once no job uses them): each takes
     the accelerators' memory (``gpu_memory_utilization``) and keeps it until its idle timeout.
+    The server requires the run's key (``RUN_KEY_ENV``) unless the config names one; one left
+    by another run, under another key, is stopped and replaced.
     """
+    spec = replace(spec, use_run_key=True)
+    key = spec.api_key()  # made before the supervisor is, which inherits it
     paths = _Paths(state_dir, spec.fingerprint())
     release_other_servers(state_dir, keep=spec.fingerprint(), log=log)
     with _flock(paths.startup, fcntl.LOCK_EX):
         state = _read_state(paths.state)
-        if state and state.get("status") == "ready" and _pid_alive(state["supervisor_pid"]):
+        running = state and state.get("status") == "ready" and _pid_alive(state["supervisor_pid"])
+        if running and state.get("key_id") != key_id(key):
+            log(f"stopping vLLM server {state['url']}: it requires another run's key")
+            _stop_leased(paths, state, log)
+            running = False
+        if running:
             log(f"reusing vLLM server {state['url']} (log {paths.log})")
         else:
             log(f"starting vLLM server for {spec.model} (log {paths.log})")
@@ -450,10 +509,16 @@ def shared_server(spec: ServerSpec, state_dir: Path, idle_timeout_s: float = 120
         lease_fd = os.open(paths.lease, os.O_RDWR | os.O_CREAT, 0o600)
         fcntl.flock(lease_fd, fcntl.LOCK_SH)
     try:
-        yield Endpoint(base_url=f"{state['url']}/v1", model=spec.served_name,
-                       api_key=spec.api_key() or "EMPTY")
+        yield Endpoint(base_url=f"{state['url']}/v1", model=spec.served_name, api_key=key)
     finally:
         os.close(lease_fd)
+
+
+def _stop_leased(paths: _Paths, state: dict, log, wait_s: float = 3600.0) -> None:
+    """Stop a shared server once the jobs holding its lease are done (startup lock held)."""
+    with _wait_flock(paths.lease, time.monotonic() + wait_s, log):
+        _stop_supervised(state)
+        paths.state.unlink(missing_ok=True)
 
 
 def shared_server_log(spec: ServerSpec, state_dir: Path) -> Path:
@@ -461,9 +526,18 @@ def shared_server_log(spec: ServerSpec, state_dir: Path) -> Path:
     return _Paths(state_dir, spec.fingerprint()).log
 
 
+def write_spec(path: Path, spec: ServerSpec) -> None:
+    """The supervisor's spec file, readable by its owner only whatever the umask: it holds no
+    secret (those go by variable name), but names what the run serves and from where."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    os.fchmod(fd, 0o600)  # a file left by an earlier run keeps its mode through O_CREAT
+    with os.fdopen(fd, "w") as fh:
+        fh.write(spec.to_json())
+
+
 def _spawn_supervisor(spec: ServerSpec, paths: _Paths, idle_timeout_s: float) -> dict:
     paths.state.unlink(missing_ok=True)
-    paths.spec.write_text(spec.to_json())
+    write_spec(paths.spec, spec)
     cmd = [sys.executable, "-m", "draftline.server", "supervise", "--spec", str(paths.spec),
            "--idle-timeout", str(idle_timeout_s)]
     with open(paths.log, "ab") as log:
@@ -508,7 +582,8 @@ def supervise(spec_path: Path, idle_timeout_s: float) -> int:
         return 1
     _write_state(paths.state, {
         "status": "ready", "url": server.url, "supervisor_pid": os.getpid(),
-        "startup_s": time.monotonic() - t0, **server.handle(),
+        "startup_s": time.monotonic() - t0, "key_id": key_id(spec.api_key()),
+        **server.handle(),
     })
     idle_since: float | None = None
     try:

@@ -101,7 +101,7 @@ def build_bundle(inputs: BundleInputs, out_dir: str | Path, tar_path: str | Path
     (default: ``bundle.build.json`` beside ``bundle.tar``). ``provenance`` defaults to
     :func:`collect_provenance`; ``env`` to ``os.environ``."""
     out_dir, tar_path = Path(out_dir), Path(tar_path)
-    secrets = secret_values(env)
+    secrets = secret_values(env, config)
     layout = inputs.layout()
     bundled_config = resolved_config(config)
     if provenance is None:

@@ -35,7 +35,7 @@ import threading
 import time
 import uuid
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import httpx
@@ -97,6 +97,7 @@ class VLLMProducer:
         self._stack = contextlib.ExitStack()
         self._owned_spool: Path | None = None
         self.log_path: Path | None = None
+        self._auth: dict[str, str] = {}  # a managed server's key (an external one takes none)
         if online.get("external_url"):
             if not online.get("spool_dir"):
                 raise ValueError("config key 'hidden.online.spool_dir': required with "
@@ -113,7 +114,8 @@ class VLLMProducer:
         self.run = uuid.uuid4().hex[:10]  # this producer's request names: {run}-{n}
         self._count = 0
         self._count_lock = threading.Lock()  # the prefetch thread and evaluation both produce
-        self.client = httpx.Client(timeout=httpx.Timeout(wait_timeout_s, connect=10.0))
+        self.client = httpx.Client(timeout=httpx.Timeout(wait_timeout_s, connect=10.0),
+                                   headers=self._auth)
         self.pool = ThreadPoolExecutor(max_workers=16, thread_name_prefix="hs-request")
 
     def _start_managed(self, target_dir: Path, max_len: int, hidden_cfg: dict,
@@ -138,7 +140,9 @@ class VLLMProducer:
         full = resolve_section("server", server_cfg)
         full = {**full, "extra_args": extra, "reasoning_parser": None,
                 "max_model_len": max(int(full["max_model_len"]), max_len + 1)}
-        spec = spec_from_config(full, str(target_dir), trust_remote_code, spec_cfg)
+        # the run's key, like the shared servers: a private server is no more open than those
+        spec = replace(spec_from_config(full, str(target_dir), trust_remote_code, spec_cfg),
+                       use_run_key=True)
         if state_dir is None:
             self.log_path = self.spool_dir.with_name(self.spool_dir.name + ".server.log")
             server = self._stack.enter_context(ManagedServer(spec, self.log_path))
@@ -148,6 +152,7 @@ class VLLMProducer:
             endpoint = self._stack.enter_context(
                 shared_server(spec, Path(state_dir), full["idle_timeout_s"], log=log.info))
         self.url, self.model = endpoint.root_url, endpoint.model
+        self._auth = {"Authorization": f"Bearer {endpoint.api_key}"}
         self.describe = f"vLLM server {self.url} (log {self.log_path})"
 
     def _served_model(self) -> str:
