@@ -7,6 +7,7 @@ import hashlib
 import importlib.util
 import json
 import os
+import secrets
 import shutil
 import signal
 import subprocess
@@ -27,6 +28,10 @@ def _interrupt_on_sigterm(signum, frame):
 
 
 signal.signal(signal.SIGTERM, _interrupt_on_sigterm)
+
+# One API key for the run's managed servers in this session, as a Snakemake run has one
+# (rules/common.smk): processes the tests start reuse the servers of the tests before them.
+os.environ.setdefault("DRAFTLINE_RUN_API_KEY", secrets.token_urlsafe(32))
 
 # Per-test time limits (pytest-timeout; the ini's `timeout`, 600 s, for the rest): a test's
 # limit covers its fixtures' set-up (the first user of the cached toy target builds it), and

@@ -191,7 +191,8 @@ def test_spool_stays_within_prefetch_and_bound_with_an_external_server(inputs, t
     bound = 3 * 64 * (per_token + 256)  # 3 micro-batches of 64 tokens at most
     hidden = {"backend": "vllm", "layer_ids": LAYER_IDS,
               "online": {"max_buffer_bytes": bound, "prefetch": 4, "external_url": url,
-                         "spool_dir": str(spool)}}
+                         "spool_dir": str(spool),
+                         "api_key_env": "DRAFTLINE_RUN_API_KEY"}}  # the shared server's
     source = OnlineStates(inputs["dataset_dir"], inputs["target_dir"], hidden, 64,
                           inputs["server"])
     refs = source.samples["train"] + source.samples["eval"]

@@ -97,13 +97,14 @@ class VLLMProducer:
         self._stack = contextlib.ExitStack()
         self._owned_spool: Path | None = None
         self.log_path: Path | None = None
-        self._auth: dict[str, str] = {}  # a managed server's key (an external one takes none)
+        self._auth: dict[str, str] = {}  # the server's key, as a request header
         if online.get("external_url"):
             if not online.get("spool_dir"):
                 raise ValueError("config key 'hidden.online.spool_dir': required with "
                                  "hidden.online.external_url (the server's spool folder, as "
                                  "this machine sees it)")
             self.spool_dir = Path(online["spool_dir"])
+            self._auth = external_auth(online.get("api_key_env"))
             self.url = online["external_url"].rstrip("/").removesuffix("/v1")
             self.describe = f"external vLLM server {self.url}"
             self.model = self._served_model()
@@ -157,7 +158,7 @@ class VLLMProducer:
 
     def _served_model(self) -> str:
         try:
-            reply = httpx.get(f"{self.url}/v1/models", timeout=30.0)
+            reply = httpx.get(f"{self.url}/v1/models", timeout=30.0, headers=self._auth)
             return reply.json()["data"][0]["id"]
         except (httpx.HTTPError, ValueError, KeyError, IndexError) as exc:
             raise ProducerServerError(f"config key 'hidden.online.external_url': no model list "
@@ -286,3 +287,15 @@ class VLLMProducer:
         self._stack.close()  # a private server stops; a shared one's lease is released
         if self._owned_spool is not None:
             shutil.rmtree(self._owned_spool, ignore_errors=True)  # the log stays
+
+
+def external_auth(key_env: str | None) -> dict[str, str]:
+    """The request header of an external producer server's key, read from the variable
+    ``hidden.online.api_key_env`` names; none when it names none."""
+    if not key_env:
+        return {}
+    key = os.environ.get(key_env)
+    if not key:
+        raise ValueError(f"config key 'hidden.online.api_key_env': the environment variable "
+                         f"{key_env!r} is not set")
+    return {"Authorization": f"Bearer {key}"}
