@@ -24,7 +24,9 @@ from pathlib import Path
 from typing import IO, Any
 
 NO_SPACE = {errno.ENOSPC, errno.EDQUOT, errno.EFBIG}
-ALMOST_FULL_BYTES = 1 << 20
+# the system's text for them, all that some libraries keep (EFBIG's "File too large" is
+# left out: libraries use those words for limits of their own)
+NO_SPACE_MESSAGES = (os.strerror(errno.ENOSPC), os.strerror(errno.EDQUOT))
 
 
 def _read_umask() -> int:
@@ -55,30 +57,34 @@ class DiskFullError(OSError):
 def disk_full_names(path: Path) -> Iterator[None]:
     """Turn a no-space error raised inside the block into a DiskFullError naming ``path``.
 
-    Libraries report a full disk in their own ways (torch.save: "file write failed",
-    safetensors: its own error type), so besides ENOSPC a failure counts as a full disk when
-    the file system it was writing to has (almost) no space left at that moment.
+    Libraries report a full disk in their own ways: safetensors in its own error type that
+    keeps only the system's message, torch.save (to a Python file) in an error raised while
+    handling the OSError. Any other failure passes through as it is, however little space is
+    left: a bug in the writer is not a full disk.
     """
     try:
         yield
     except DiskFullError:
         raise
     except Exception as exc:
-        if is_disk_full(exc, Path(path).parent):
+        if is_disk_full(exc):
             cause = exc if isinstance(exc, OSError) else OSError(errno.ENOSPC, str(exc))
             raise DiskFullError.while_writing(path, cause) from exc
         raise
 
 
-def is_disk_full(exc: BaseException, directory: Path) -> bool:
-    if isinstance(exc, OSError) and exc.errno in NO_SPACE:
-        return True
-    if "No space left on device" in str(exc):
-        return True
-    try:
-        return shutil.disk_usage(directory).free < ALMOST_FULL_BYTES
-    except OSError:
-        return False
+def is_disk_full(exc: BaseException) -> bool:
+    """True when ``exc`` or an exception it was raised from is a no-space OSError, or a
+    library's error that carries the system's no-space message in place of the errno."""
+    seen: set[int] = set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        if isinstance(exc, OSError) and exc.errno in NO_SPACE:
+            return True
+        if any(message in str(exc) for message in NO_SPACE_MESSAGES):
+            return True
+        exc = exc.__cause__ or exc.__context__
+    return False
 
 
 def temp_name(path: Path) -> Path:
