@@ -432,3 +432,66 @@ def test_a_library_error_raised_from_a_no_space_error_is_a_full_disk(tmp_path):
         except OSError as exc:
             raise RuntimeError("serializing failed") from exc
     assert err.value.path == path
+
+
+# ----------------------------------------------------------------------------- a killed swap
+
+KILLED_SWAP = """
+import os, shutil, signal, sys
+from pathlib import Path
+from draftline import atomic
+
+def die():
+    os.kill(os.getpid(), signal.SIGKILL)
+
+if sys.argv[2] == "between-renames":
+    rename = os.rename
+    def rename_then_die_once_aside(src, dst):
+        rename(src, dst)
+        if Path(dst).name.startswith(".old-"):
+            die()
+    os.rename = rename_then_die_once_aside
+else:  # after both renames, before the version moved aside is removed
+    shutil.rmtree = lambda path, *args, **kwargs: die()
+with atomic.atomic_dir(sys.argv[1]) as tmp:
+    (tmp / "version").write_text("new")
+"""
+
+
+def kill_a_swap(path: Path, when: str) -> None:
+    """Replace ``path`` (holding version "earlier") in a process killed at ``when``."""
+    path.mkdir()
+    (path / "version").write_text("earlier")
+    done = subprocess.run([sys.executable, "-c", KILLED_SWAP, str(path), when], timeout=120,
+                          capture_output=True, text=True)
+    assert done.returncode == -signal.SIGKILL, done.stderr
+    assert [p.name.startswith(".old-") for p in path.parent.iterdir()].count(True) == 1
+
+
+def test_a_swap_killed_between_its_renames_gives_the_earlier_output_back_on_the_next_write(
+        tmp_path):
+    out = tmp_path / "out"
+    kill_a_swap(out, "between-renames")
+    assert not out.exists()  # the kill left the earlier version only under its aside name
+    with pytest.raises(WriterBug), atomic.atomic_dir(out):
+        raise WriterBug("the next writer fails too")
+    assert (out / "version").read_text() == "earlier"
+    assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".old-")] == []
+
+
+def test_a_swap_killed_between_its_renames_is_settled_with_the_temps_of_its_folder(tmp_path):
+    out = tmp_path / "out"
+    kill_a_swap(out, "between-renames")
+    atomic.remove_temps(tmp_path)  # what a resuming stage does first (train/checkpoint.py)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]
+    assert (out / "version").read_text() == "earlier"
+
+
+def test_a_swap_killed_after_its_renames_leaves_the_new_output_and_no_leftover(tmp_path):
+    out = tmp_path / "out"
+    kill_a_swap(out, "after-renames")
+    assert (out / "version").read_text() == "new"
+    with atomic.atomic_dir(out) as tmp:
+        (tmp / "version").write_text("newer")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]
+    assert (out / "version").read_text() == "newer"

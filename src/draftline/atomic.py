@@ -14,9 +14,11 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import glob
 import hashlib
 import json
 import os
+import re
 import secrets
 import shutil
 from collections.abc import Iterable, Iterator
@@ -93,7 +95,9 @@ def temp_name(path: Path) -> Path:
 
 
 def remove_temps(directory: str | Path) -> int:
-    """Delete the temp files and folders that killed writers left in ``directory``."""
+    """Delete the temp files and folders that killed writers left in ``directory`` (and settle
+    the folder swaps they left half done)."""
+    recover_interrupted_swaps(directory)
     count = 0
     for tmp in Path(directory).glob(".*.tmp-*"):
         shutil.rmtree(tmp) if tmp.is_dir() else tmp.unlink(missing_ok=True)
@@ -171,8 +175,14 @@ def copy_file(src: str | Path, dst: str | Path) -> None:
 
 @contextlib.contextmanager
 def atomic_dir(path: str | Path) -> Iterator[Path]:
-    """Yield a temp folder to fill; on success it replaces ``path`` (removed on failure)."""
+    """Yield a temp folder to fill; on success it replaces ``path`` (removed on failure).
+
+    A folder cannot be renamed over another, so an earlier ``path`` is first moved aside to
+    ``.old-<name>-<token>``; a kill between the two renames leaves it there, and the next
+    call for ``path`` (or :func:`recover_interrupted_swaps` on its folder) puts it back.
+    """
     path = Path(path)
+    recover_interrupted_swap(path)
     tmp = temp_name(path)
     tmp.mkdir(parents=True)
     try:
@@ -181,15 +191,48 @@ def atomic_dir(path: str | Path) -> Iterator[Path]:
             for file in tmp.rglob("*"):
                 if file.is_file():
                     _fsync_file(file)
-        old = path.with_name(f".old-{path.name}-{secrets.token_hex(3)}")
+        old = path.with_name(f"{OLD_PREFIX}{path.name}-{secrets.token_hex(3)}")
         if path.exists():
             os.rename(path, old)
         os.rename(tmp, path)
         shutil.rmtree(old, ignore_errors=True)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
+        with contextlib.suppress(OSError):  # else the next call for path does it
+            recover_interrupted_swap(path)
         raise
     fsync_dir(path.parent)
+
+
+OLD_PREFIX = ".old-"
+_SWAPPED_ASIDE = re.compile(rf"{re.escape(OLD_PREFIX)}(?P<name>.+)-[0-9a-f]{{6}}")
+
+
+def swapped_aside(path: Path) -> list[Path]:
+    """The earlier versions of ``path`` that swaps moved aside and did not remove."""
+    return [old for old in path.parent.glob(f"{glob.escape(OLD_PREFIX + path.name)}-*")
+            if (match := _SWAPPED_ASIDE.fullmatch(old.name)) and match["name"] == path.name]
+
+
+def recover_interrupted_swap(path: str | Path) -> None:
+    """Settle a swap of ``path`` that was killed part way: with ``path`` missing, the version
+    moved aside is the last complete one and goes back; with ``path`` present, the new version
+    made it in and what was moved aside is only waiting to be removed."""
+    path = Path(path)
+    leftovers = sorted(swapped_aside(path), key=lambda old: old.stat().st_mtime_ns)
+    if leftovers and not path.exists():
+        os.rename(leftovers.pop(), path)
+        fsync_dir(path.parent)
+    for old in leftovers:
+        shutil.rmtree(old, ignore_errors=True)
+
+
+def recover_interrupted_swaps(directory: str | Path) -> None:
+    """:func:`recover_interrupted_swap` for every folder of ``directory`` a swap moved aside."""
+    names = {match["name"] for old in Path(directory).glob(f"{OLD_PREFIX}*")
+             if (match := _SWAPPED_ASIDE.fullmatch(old.name))}
+    for name in sorted(names):
+        recover_interrupted_swap(Path(directory) / name)
 
 
 def _fsync_file(path: Path) -> None:
