@@ -3,16 +3,19 @@
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
 from pathlib import Path
 
+import httpx
 import openai
 import pytest
 from conftest import requires_vllm
 
 from draftline import owned_child
+from draftline import server as server_module
 from draftline.server import (
     Endpoint,
     ManagedServer,
@@ -234,6 +237,24 @@ class HealthOnlySpec(ServerSpec):
 
     def command(self, port: int) -> list[str]:
         return [sys.executable, "-c", HEALTH_SERVER, str(port)]
+
+
+def test_a_server_whose_port_is_taken_before_it_binds_starts_on_another(tmp_path, monkeypatch):
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        occupied = taken.getsockname()[1]
+        choices = iter([occupied])
+        any_free = server_module.free_port
+        monkeypatch.setattr(server_module, "free_port",
+                            lambda host="127.0.0.1": next(choices, None) or any_free(host))
+        server = ManagedServer(HealthOnlySpec(model="none", startup_timeout_s=60),
+                               tmp_path / "server.log")
+        assert server.port == occupied
+        with server:
+            assert server.port != occupied
+            assert httpx.get(f"{server.url}/health", timeout=5).text == "ok"
+    assert f"port {occupied} was taken" in (tmp_path / "server.log").read_text()
 
 
 OWNER = """

@@ -209,6 +209,19 @@ def free_port(host: str = "127.0.0.1") -> int:
         return sock.getsockname()[1]
 
 
+PORT_ATTEMPTS = 4
+
+
+def port_in_use(host: str, port: int) -> bool:
+    """True when another socket holds ``port`` (binding it fails)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        try:
+            sock.bind((host, port))
+        except OSError:
+            return True
+    return False
+
+
 def log_tail(path: Path, lines: int = 40) -> str:
     try:
         return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
@@ -247,6 +260,22 @@ class ManagedServer(ServerAddress):
         return {"server_pgid": self.proc.pid if self.proc else None}
 
     def start(self) -> ManagedServer:
+        """Start the server and wait until it is healthy. A port this object chose (none set in
+        the spec) may be taken by another process before the server binds it: the server is
+        then started again on another one."""
+        for attempt in range(1, PORT_ATTEMPTS + 1):
+            if self._launch():
+                return self
+            lost = self.port
+            self.port = free_port(self.spec.host)
+            self._note(f"port {lost} was taken before the server bound it; starting again on "
+                       f"port {self.port} ({attempt}/{PORT_ATTEMPTS - 1} retries)")
+        raise ServerError(f"vLLM server found no free port in {PORT_ATTEMPTS} tries; "
+                          f"log {self.log_path}")
+
+    def _launch(self) -> bool:
+        """One start on ``self.port``: True once healthy, False when the server exited having
+        lost a port of our choosing to another process; any other failure raises."""
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         with open(self.log_path, "ab") as log:
             self.proc = subprocess.Popen(
@@ -259,10 +288,21 @@ class ManagedServer(ServerAddress):
             )
         try:
             wait_healthy(self.url, self.spec.startup_timeout_s, self.proc, self.log_path)
+        except ServerError:
+            lost_port = (not self.spec.port and self.proc.poll() is not None
+                         and port_in_use(self.spec.host, self.port))
+            self.stop()
+            if lost_port:
+                return False
+            raise
         except BaseException:
             self.stop()
             raise
-        return self
+        return True
+
+    def _note(self, line: str) -> None:
+        with open(self.log_path, "a") as log:
+            log.write(f"draftline: {line}\n")
 
     def alive(self) -> bool:
         return self.proc is not None and self.proc.poll() is None
