@@ -130,8 +130,12 @@ def target_input():
 
 
 def package_data(name):
-    """A data file shipped with the library (an input, so editing it makes its stage stale)."""
-    return str(WORKFLOW_ROOT / "src" / "draftline" / "data" / name)
+    """A data file shipped with the library (an input, so editing it makes its stage stale).
+
+    Named relative to the working directory: Snakemake records a job's input paths as written
+    and replans every job whose recorded set differs, so an absolute path would make a finished
+    run stale in full once its folder is moved or copied elsewhere."""
+    return os.path.relpath(WORKFLOW_ROOT / "src" / "draftline" / "data" / name)
 
 
 def prompt_source_files():

@@ -8,6 +8,7 @@ as a run), a library edit, and the jobs a dry run would execute.
 from __future__ import annotations
 
 import re
+import shutil
 import subprocess
 import sys
 import textwrap
@@ -322,3 +323,12 @@ def test_workflow_parses_without_importing_the_library(tmp_path):
     assert result.returncode == 0, (result.stdout + result.stderr)[-3000:]
     assert "generate" in result.stdout + result.stderr
     assert (tmp_path / ".snakemake/draftline-imports.json").exists()
+
+
+def test_a_completed_run_moved_to_another_folder_has_nothing_to_do(completed_workflow,
+                                                                   tmp_path):
+    """Snakemake compares each job's recorded input paths with today's: none may name the
+    checkout's folder (the bundled prompts, the toy's sentences), or a moved run replans all."""
+    moved = tmp_path / "moved"
+    shutil.copytree(completed_workflow, moved, symlinks=True)
+    assert jobs_to_run(moved) == set()

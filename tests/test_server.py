@@ -2,13 +2,20 @@
 
 import json
 import os
+import signal
+import socket
+import subprocess
+import sys
 import time
 from pathlib import Path
 
+import httpx
 import openai
 import pytest
 from conftest import requires_vllm
 
+from draftline import owned_child
+from draftline import server as server_module
 from draftline.server import (
     Endpoint,
     ManagedServer,
@@ -172,18 +179,14 @@ def _autogroup_nice(pid: int) -> int | None:
 
 
 def test_a_process_started_as_servers_are_runs_below_its_owner():
-    """``server_preexec``: the child's own session weighs ``server.nice`` less than ours, and
+    """``owned_child``: the child's own session weighs ``server.nice`` less than ours, and
     the child's own nice says the same; ours stays as it was."""
-    import functools
-    import subprocess
-
-    from draftline.server import server_preexec
-
     mine = (_autogroup_nice(os.getpid()), os.getpriority(os.PRIO_PROCESS, 0))
-    child = subprocess.Popen(["sleep", "30"], start_new_session=True,
-                             preexec_fn=functools.partial(server_preexec, 7))
+    child = subprocess.Popen(owned_child.command(os.getpid(), 7, ["sleep", "30"]),
+                             start_new_session=True)
     try:
-        time.sleep(0.2)
+        time.sleep(0.5)  # the wrapper's interpreter starts, then execs sleep
+        assert Path(f"/proc/{child.pid}/comm").read_text().strip() == "sleep"
         assert os.getpriority(os.PRIO_PROCESS, child.pid) == mine[1] + 7
         if mine[0] is not None:
             assert _autogroup_nice(child.pid) == 7
@@ -212,3 +215,139 @@ def _session(pid: int) -> int | None:
         return os.getsid(pid)
     except OSError:
         return None
+
+
+# ---------------------------------------------------------------------------- start-up, no vLLM
+
+HEALTH_SERVER = """
+import http.server, sys
+
+class Health(http.server.BaseHTTPRequestHandler):
+    def do_GET(self):
+        self.send_response(200)
+        self.end_headers()
+        self.wfile.write(b"ok")
+
+    def log_message(self, *args):
+        pass
+
+http.server.HTTPServer(("127.0.0.1", int(sys.argv[1])), Health).serve_forever()
+"""
+
+
+class HealthOnlySpec(ServerSpec):
+    """A server that answers /health and nothing else: start-up and ownership without vLLM."""
+
+    def command(self, port: int) -> list[str]:
+        return [sys.executable, "-c", HEALTH_SERVER, str(port)]
+
+
+def test_a_server_whose_port_is_taken_before_it_binds_starts_on_another(tmp_path, monkeypatch):
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        occupied = taken.getsockname()[1]
+        choices = iter([occupied])
+        any_free = server_module.free_port
+        monkeypatch.setattr(server_module, "free_port",
+                            lambda host="127.0.0.1": next(choices, None) or any_free(host))
+        server = ManagedServer(HealthOnlySpec(model="none", startup_timeout_s=60),
+                               tmp_path / "server.log")
+        assert server.port == occupied
+        with server:
+            assert server.port != occupied
+            assert httpx.get(f"{server.url}/health", timeout=5).text == "ok"
+    assert f"port {occupied} was taken" in (tmp_path / "server.log").read_text()
+
+
+OWNER = """
+import importlib.abc, importlib.util, os, signal, sys, threading, time
+from pathlib import Path
+
+from draftline.server import ManagedServer, ServerSpec
+
+scenario, log_path, health_server = sys.argv[1:4]
+
+
+class HealthOnlySpec(ServerSpec):
+    def command(self, port):
+        return [sys.executable, "-c", health_server, str(port)]
+
+
+if scenario == "importing":
+    # another thread is importing ctypes, and holds its import lock, while the server starts
+    sys.modules.pop("ctypes", None)
+    importing = threading.Event()
+
+    class SlowLoader(importlib.abc.Loader):
+        def create_module(self, spec):
+            return None
+
+        def exec_module(self, module):
+            importing.set()
+            time.sleep(3600)
+
+    class SlowCtypes(importlib.abc.MetaPathFinder):
+        def find_spec(self, name, path=None, target=None):
+            if name == "ctypes" and threading.current_thread() is not threading.main_thread():
+                return importlib.util.spec_from_loader(name, SlowLoader())
+            return None
+
+    sys.meta_path.insert(0, SlowCtypes())
+    threading.Thread(target=__import__, args=("ctypes",), daemon=True).start()
+    importing.wait()
+server = ManagedServer(HealthOnlySpec(model="none", startup_timeout_s=60), Path(log_path))
+server.start()
+print(server.proc.pid, flush=True)
+if scenario == "killed":
+    os.kill(os.getpid(), signal.SIGKILL)
+server.stop()
+os._exit(0)
+"""
+
+
+def children_of(pid: int) -> list[int]:
+    found = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                stat = (entry / "stat").read_text()
+            except OSError:
+                continue
+            if int(stat.rsplit(")", 1)[1].split()[1]) == pid:
+                found.append(int(entry.name))
+    return found
+
+
+def run_owner(tmp_path: Path, scenario: str, timeout_s: float = 60) -> tuple[int, str]:
+    """A process that starts a managed server (``scenario``): its exit status and output."""
+    owner = subprocess.Popen([sys.executable, "-c", OWNER, scenario, str(tmp_path / "server.log"),
+                              HEALTH_SERVER], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                             text=True, start_new_session=True)
+    try:
+        out, _ = owner.communicate(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        for pid in children_of(owner.pid):  # a child stuck before exec: its own session
+            os.kill(pid, signal.SIGKILL)
+        os.killpg(owner.pid, signal.SIGKILL)
+        owner.communicate()
+        pytest.fail(f"no server started in {timeout_s:.0f} s")
+    return owner.returncode, out
+
+
+def test_a_server_starts_while_another_thread_of_its_owner_is_importing(tmp_path):
+    """Nothing runs in the forked child before exec: a lock held by another thread of the
+    owner at the fork (here ctypes' import lock) cannot hang the server's start."""
+    code, out = run_owner(tmp_path, "importing", timeout_s=30)
+    assert code == 0, out
+    assert int(out.split()[0]) > 0
+
+
+def test_a_server_dies_with_its_owner(tmp_path):
+    code, out = run_owner(tmp_path, "killed")
+    assert code == -signal.SIGKILL, out
+    server_pid = int(out.split()[0])
+    deadline = time.monotonic() + 10
+    while _pid_alive(server_pid) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not _pid_alive(server_pid)

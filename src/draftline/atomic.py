@@ -14,9 +14,11 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import glob
 import hashlib
 import json
 import os
+import re
 import secrets
 import shutil
 from collections.abc import Iterable, Iterator
@@ -24,7 +26,9 @@ from pathlib import Path
 from typing import IO, Any
 
 NO_SPACE = {errno.ENOSPC, errno.EDQUOT, errno.EFBIG}
-ALMOST_FULL_BYTES = 1 << 20
+# the system's text for them, all that some libraries keep (EFBIG's "File too large" is
+# left out: libraries use those words for limits of their own)
+NO_SPACE_MESSAGES = (os.strerror(errno.ENOSPC), os.strerror(errno.EDQUOT))
 
 
 def _read_umask() -> int:
@@ -55,30 +59,34 @@ class DiskFullError(OSError):
 def disk_full_names(path: Path) -> Iterator[None]:
     """Turn a no-space error raised inside the block into a DiskFullError naming ``path``.
 
-    Libraries report a full disk in their own ways (torch.save: "file write failed",
-    safetensors: its own error type), so besides ENOSPC a failure counts as a full disk when
-    the file system it was writing to has (almost) no space left at that moment.
+    Libraries report a full disk in their own ways: safetensors in its own error type that
+    keeps only the system's message, torch.save (to a Python file) in an error raised while
+    handling the OSError. Any other failure passes through as it is, however little space is
+    left: a bug in the writer is not a full disk.
     """
     try:
         yield
     except DiskFullError:
         raise
     except Exception as exc:
-        if is_disk_full(exc, Path(path).parent):
+        if is_disk_full(exc):
             cause = exc if isinstance(exc, OSError) else OSError(errno.ENOSPC, str(exc))
             raise DiskFullError.while_writing(path, cause) from exc
         raise
 
 
-def is_disk_full(exc: BaseException, directory: Path) -> bool:
-    if isinstance(exc, OSError) and exc.errno in NO_SPACE:
-        return True
-    if "No space left on device" in str(exc):
-        return True
-    try:
-        return shutil.disk_usage(directory).free < ALMOST_FULL_BYTES
-    except OSError:
-        return False
+def is_disk_full(exc: BaseException) -> bool:
+    """True when ``exc`` or an exception it was raised from is a no-space OSError, or a
+    library's error that carries the system's no-space message in place of the errno."""
+    seen: set[int] = set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        if isinstance(exc, OSError) and exc.errno in NO_SPACE:
+            return True
+        if any(message in str(exc) for message in NO_SPACE_MESSAGES):
+            return True
+        exc = exc.__cause__ or exc.__context__
+    return False
 
 
 def temp_name(path: Path) -> Path:
@@ -87,7 +95,9 @@ def temp_name(path: Path) -> Path:
 
 
 def remove_temps(directory: str | Path) -> int:
-    """Delete the temp files and folders that killed writers left in ``directory``."""
+    """Delete the temp files and folders that killed writers left in ``directory`` (and settle
+    the folder swaps they left half done)."""
+    recover_interrupted_swaps(directory)
     count = 0
     for tmp in Path(directory).glob(".*.tmp-*"):
         shutil.rmtree(tmp) if tmp.is_dir() else tmp.unlink(missing_ok=True)
@@ -165,8 +175,14 @@ def copy_file(src: str | Path, dst: str | Path) -> None:
 
 @contextlib.contextmanager
 def atomic_dir(path: str | Path) -> Iterator[Path]:
-    """Yield a temp folder to fill; on success it replaces ``path`` (removed on failure)."""
+    """Yield a temp folder to fill; on success it replaces ``path`` (removed on failure).
+
+    A folder cannot be renamed over another, so an earlier ``path`` is first moved aside to
+    ``.old-<name>-<token>``; a kill between the two renames leaves it there, and the next
+    call for ``path`` (or :func:`recover_interrupted_swaps` on its folder) puts it back.
+    """
     path = Path(path)
+    recover_interrupted_swap(path)
     tmp = temp_name(path)
     tmp.mkdir(parents=True)
     try:
@@ -175,15 +191,48 @@ def atomic_dir(path: str | Path) -> Iterator[Path]:
             for file in tmp.rglob("*"):
                 if file.is_file():
                     _fsync_file(file)
-        old = path.with_name(f".old-{path.name}-{secrets.token_hex(3)}")
+        old = path.with_name(f"{OLD_PREFIX}{path.name}-{secrets.token_hex(3)}")
         if path.exists():
             os.rename(path, old)
         os.rename(tmp, path)
         shutil.rmtree(old, ignore_errors=True)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
+        with contextlib.suppress(OSError):  # else the next call for path does it
+            recover_interrupted_swap(path)
         raise
     fsync_dir(path.parent)
+
+
+OLD_PREFIX = ".old-"
+_SWAPPED_ASIDE = re.compile(rf"{re.escape(OLD_PREFIX)}(?P<name>.+)-[0-9a-f]{{6}}")
+
+
+def swapped_aside(path: Path) -> list[Path]:
+    """The earlier versions of ``path`` that swaps moved aside and did not remove."""
+    return [old for old in path.parent.glob(f"{glob.escape(OLD_PREFIX + path.name)}-*")
+            if (match := _SWAPPED_ASIDE.fullmatch(old.name)) and match["name"] == path.name]
+
+
+def recover_interrupted_swap(path: str | Path) -> None:
+    """Settle a swap of ``path`` that was killed part way: with ``path`` missing, the version
+    moved aside is the last complete one and goes back; with ``path`` present, the new version
+    made it in and what was moved aside is only waiting to be removed."""
+    path = Path(path)
+    leftovers = sorted(swapped_aside(path), key=lambda old: old.stat().st_mtime_ns)
+    if leftovers and not path.exists():
+        os.rename(leftovers.pop(), path)
+        fsync_dir(path.parent)
+    for old in leftovers:
+        shutil.rmtree(old, ignore_errors=True)
+
+
+def recover_interrupted_swaps(directory: str | Path) -> None:
+    """:func:`recover_interrupted_swap` for every folder of ``directory`` a swap moved aside."""
+    names = {match["name"] for old in Path(directory).glob(f"{OLD_PREFIX}*")
+             if (match := _SWAPPED_ASIDE.fullmatch(old.name))}
+    for name in sorted(names):
+        recover_interrupted_swap(Path(directory) / name)
 
 
 def _fsync_file(path: Path) -> None:

@@ -69,7 +69,7 @@ class EndpointClient:
     C=64) the server ran 25-53 of 64 requests through it (median 36) and 56-58 through aiohttp
     alone. The server's own ``vllm:e2e_request_latency_seconds`` was 0.73 s a request either
     way; the client waited 1.14 s against 0.74 s. Most of that was the busier client falling
-    more often into the CPU starvation ``draftline.server.lower_cpu_priority`` prevents; with
+    more often into the CPU starvation ``draftline.owned_child.lower_cpu_priority`` prevents; with
     the server below its clients both keep 56-57 running, and aiohttp alone still gives about
     10% more tok/s for half the client CPU. The bodies are the ones the ``openai``
     client sends (vLLM's fields at the top level, as its ``extra_body`` puts them), the answers

