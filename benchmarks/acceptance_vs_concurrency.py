@@ -1,7 +1,8 @@
 """Served EAGLE-3 acceptance per draft position against concurrency, with and without seeds.
 
 One vLLM server (the target with the trained draft, ``num_speculative_tokens`` 3, started with
-the flags the benchmark uses: ``draftline.server.spec_from_config``) answers the same prompts
+the flags the benchmark uses: ``draftline.serving.server.spec_from_config``) answers the same
+prompts
 at every concurrency level; each cell sends every prompt once (``loadgen.run_requests``) and
 differences vLLM's spec-decode counters (drafts, accepted tokens, accepted per position) over
 exactly those requests, so no time window, warm-up or cycling is involved. A fixed draft at a
@@ -68,7 +69,7 @@ def with_expand_fix(spec, folder: Path):
 
 
 def load_prompts(path: Path, limit: int):
-    from draftline.records import Prompt
+    from draftline.core.records import Prompt
 
     prompts = []
     for line in path.read_text().splitlines():
@@ -83,8 +84,8 @@ def load_prompts(path: Path, limit: int):
 def cell(endpoint, prompts, *, temperature: float, top_p: float, seeded: bool,
          concurrency: int, max_tokens: int) -> dict:
     """Every prompt once at ``concurrency``; acceptance from the counters over those requests."""
-    from draftline.bench import acceptance_fields
-    from draftline.loadgen import SamplingSpec, run_requests
+    from draftline.serving.loadgen import SamplingSpec, run_requests
+    from draftline.stages.bench import acceptance_fields
 
     spec = SamplingSpec(max_tokens=max_tokens, temperature=temperature, top_p=top_p,
                         seed=0 if seeded else None)
@@ -140,8 +141,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", type=Path)
     args = parser.parse_args(argv)
 
-    from draftline.config import load_config
-    from draftline.server import ManagedServer, spec_from_config
+    from draftline.core.config import load_config
+    from draftline.serving.server import ManagedServer, spec_from_config
 
     config = load_config(REPO / "config" / "config.yaml", {})
     spec = spec_from_config(config["server"], args.target, speculative_config={

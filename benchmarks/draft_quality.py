@@ -10,18 +10,19 @@ name and overrides of the ``train`` config section (``ROWS`` below; dotted keys 
 * Training: the run's config as the CLI reads it (``--config``, ``--set``), its ``train``
   section, then ``--epochs``/``--ttt-steps``, the row's overrides and the seed, validated by
   the schema (a key the schema does not know fails that row's cells alone, with the schema's
-  error); ``draftline.train.train_draft`` then ``draftline.export.export_draft``. Peer rows
+  error); ``draftline.stages.train.train_draft`` then ``draftline.stages.export.export_draft``.
+  Peer rows
   call ``train_peer`` with the same seed, epochs and unroll (skipped, with the reason, while
   the peer module cannot be imported).
 * Serving, one definition for every draft: a vLLM server of the run's target with exactly the
-  run's server flags (``draftline.server.spec_from_config``/``make_server``) and
+  run's server flags (``draftline.serving.server.spec_from_config``/``make_server``) and
   ``--speculative-config {"method": "eagle3", "model": <draft>, "num_speculative_tokens": 3}``
-  (``draftline.bench.speculative_config``).
-* Measuring: the eval split's prompts (``draftline.bench.eval_prompts``, all of them), each
+  (``draftline.stages.bench.speculative_config``).
+* Measuring: the eval split's prompts (``draftline.stages.bench.eval_prompts``, all of them), each
   sent once at temperature 0, 4 in flight, ``generate.max_tokens`` tokens at most
-  (``draftline.loadgen.run_requests``, the closed-loop client of the profiler and the
+  (``draftline.serving.loadgen.run_requests``, the closed-loop client of the profiler and the
   benchmark). Acceptance comes from the server's spec-decode counters differenced over the run
-  (``draftline.bench.acceptance_fields``): acceptance length 1 + accepted / drafts, and per
+  (``draftline.stages.bench.acceptance_fields``): acceptance length 1 + accepted / drafts, and per
   position accepted_k / drafts. Every cell checks the counters against each other (per-position
   sum = accepted, draft tokens = 3 x drafts, generated tokens = the tokens the client
   received) and against the client's own token count (``tokens_al``: (tokens received -
@@ -65,9 +66,9 @@ import traceback
 from dataclasses import dataclass
 from pathlib import Path
 
-from draftline.atomic import write_json, write_text
-from draftline.config import ConfigError, load_config, resolve_section
-from draftline.layout import Layout, target_model
+from draftline.core.atomic import write_json, write_text
+from draftline.core.config import ConfigError, load_config, resolve_section
+from draftline.core.layout import Layout, target_model
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -205,13 +206,14 @@ def target_identity(target_dir: Path) -> str:
 @functools.cache
 def code_version(peer_file: Path | None = None) -> str:
     """Content hash of the code that trains, exports and serves a draft: the draftline modules
-    training, export and the request client can run (``draftline.codehash``), the config
+    training, export and the request client can run (``draftline.core.codehash``), the config
     schema, and the peer module for peer rows. Read once a run (the code it imported)."""
-    from draftline.codehash import ImportResolutionError, files_hash, import_closure
+    from draftline.core.codehash import ImportResolutionError, files_hash, import_closure
 
     src = REPO / "src"
-    entries = [src / "draftline" / "train" / "__init__.py", src / "draftline" / "export.py",
-               src / "draftline" / "server.py", src / "draftline" / "loadgen.py"]
+    lib = src / "draftline"
+    entries = [lib / "stages" / "train" / "__init__.py", lib / "stages" / "export.py",
+               lib / "serving" / "server.py", lib / "serving" / "loadgen.py"]
     if peer_file is not None:
         entries.append(peer_file)
     try:
@@ -241,7 +243,7 @@ class Context:
     layout: Layout
     target: str
     prompts: list
-    sampling: object  # draftline.loadgen.SamplingSpec
+    sampling: object  # draftline.serving.loadgen.SamplingSpec
     epochs: int
     ttt_steps: int
     inputs: dict  # identities of the stored states, vocab map, target, prompts, serving
@@ -251,8 +253,8 @@ class Context:
         return {**self.config["server"], "mode": "managed"}
 
     def server_spec(self, checkpoint: str):
-        from draftline.bench import speculative_config
-        from draftline.server import spec_from_config
+        from draftline.serving.server import spec_from_config
+        from draftline.stages.bench import speculative_config
 
         return spec_from_config(self.server_cfg, self.target,
                                 self.config["target"]["trust_remote_code"],
@@ -261,8 +263,8 @@ class Context:
 
 
 def make_context(config: dict, epochs: int | None, ttt_steps: int | None) -> Context:
-    from draftline.bench import eval_prompts
-    from draftline.loadgen import SamplingSpec
+    from draftline.serving.loadgen import SamplingSpec
+    from draftline.stages.bench import eval_prompts
 
     layout = Layout.from_config(config)
     for path in (layout.hidden_index, layout.vocab_map):
@@ -317,9 +319,9 @@ def peer_module():
 
 def train_ours(ctx: Context, train_cfg: dict, cell_dir: Path) -> dict:
     """train_draft then export_draft; the checkpoint vLLM serves and the training figures."""
-    from draftline.bench import simulated_acceptance
-    from draftline.export import export_draft
-    from draftline.train import train_draft
+    from draftline.stages.bench import simulated_acceptance
+    from draftline.stages.export import export_draft
+    from draftline.stages.train import train_draft
 
     lay = ctx.layout
     started = time.perf_counter()
@@ -358,13 +360,14 @@ def folder_bytes(path: Path) -> int:
 
 def acceptance_summary(counters: dict, output_tokens: int, requests: int,
                        k: int = NUM_SPECULATIVE_TOKENS) -> dict:
-    """Acceptance from differenced spec-decode counters (``draftline.bench.acceptance_fields``)
+    """Acceptance from differenced spec-decode counters
+    (``draftline.stages.bench.acceptance_fields``)
     and its checks: the per-position counts sum to the accepted ones, every draft has ``k``
     tokens, the server generated the tokens the client received, and the client's count gives
     about the same length (``tokens_al``: the first token of a request comes from prefill, each
     round then yields accepted + 1; a little lower, as the last round of a request counts
     tokens the end of the answer drops)."""
-    from draftline.bench import PER_POS, acceptance_fields
+    from draftline.stages.bench import PER_POS, acceptance_fields
 
     fields = acceptance_fields(counters)
     drafts = counters.get("vllm:spec_decode_num_drafts") or 0
@@ -383,8 +386,8 @@ def acceptance_summary(counters: dict, output_tokens: int, requests: int,
 
 def serve_and_measure(ctx: Context, checkpoint: str, log_path: Path, log) -> dict:
     """The run's target with this draft: every eval prompt once, T=0, CONCURRENCY in flight."""
-    from draftline.loadgen import run_requests
-    from draftline.server import make_server, served_version
+    from draftline.serving.loadgen import run_requests
+    from draftline.serving.server import make_server, served_version
 
     started = time.perf_counter()
     with make_server(ctx.server_spec(checkpoint), log_path) as server:

@@ -12,8 +12,10 @@ rotated order so that no variant always goes first:
   from the process start to its exit: start-up, resume checks and writing the outputs count.
 
 Every variant is watched through the server's own ``/metrics``
-(``draftline.endpoint_clients.ServerSampler``): mean running / C over the whole variant and over
-its fill phase, from request time (``draftline.generation_report``), and from the running gauge
+(``draftline.serving.endpoint_clients.ServerSampler``): mean running / C over the whole variant
+and over
+its fill phase, from request time (``draftline.stages.generation_report``), and from the running
+gauge
 over the fill phase as a cross-check. The table gives the median of the
 repetitions: end-to-end output tok/s, the ratio to the raw reference, server-side utilization,
 start-up (process start to first request), the tail (95% of requests done to the last)
@@ -38,13 +40,13 @@ from pathlib import Path
 import aiohttp
 import yaml
 
-from draftline.config import load_config
-from draftline.endpoint_clients import ServerSampler
-from draftline.generate import GenerateSettings, request_body
-from draftline.generation_report import load_summaries, server_view, stage_summary
-from draftline.prompts import shard_key
-from draftline.server import ManagedServer, spec_from_config
-from draftline.toy import build_toy_target
+from draftline.core.config import load_config
+from draftline.serving.endpoint_clients import ServerSampler
+from draftline.serving.server import ManagedServer, spec_from_config
+from draftline.stages.generate import GenerateSettings, request_body
+from draftline.stages.generation_report import load_summaries, server_view, stage_summary
+from draftline.stages.prompts import shard_key
+from draftline.stages.toy import build_toy_target
 
 REPO = Path(__file__).resolve().parents[1]
 

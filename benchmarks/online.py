@@ -40,9 +40,9 @@ import statistics
 import time
 from pathlib import Path
 
-from draftline.config import load_config
-from draftline.hidden import extract_hidden_states
-from draftline.train import train_draft
+from draftline.core.config import load_config
+from draftline.stages.hidden import extract_hidden_states
+from draftline.stages.train import train_draft
 
 
 def folder_bytes(path: Path) -> int:
@@ -118,7 +118,7 @@ def _medians(runs: list[dict]) -> dict:
 def run(results: Path, out: Path, config: dict, repetitions: int, producer: str = "hf") -> dict:
     """``repetitions`` interleaved pairs (offline then online, then online then offline, ...);
     the figures are medians, the ratio is the ratio of the medians."""
-    from draftline.server import stop_all
+    from draftline.serving.server import stop_all
 
     hidden_cfg = {**config["hidden"], "trust_remote_code": False, "backend": producer}
     train_cfg = config["train"]

@@ -100,7 +100,7 @@ def sha256_of(path: Path) -> str:
 
 def input_facts(results: Path) -> dict:
     """What fixes the peer's inputs: fingerprints of the states, the vocab map, the target."""
-    from draftline.hidden.store import read_index
+    from draftline.stages.hidden.store import read_index
 
     hidden, target = results / "hidden", results / "target"
     index = read_index(hidden)
@@ -173,7 +173,7 @@ def convert(results: Path, data_dir: Path, facts: dict) -> dict:
 
     Reused when its recorded input facts match.
     """
-    from draftline.hidden.store import HiddenStates
+    from draftline.stages.hidden.store import HiddenStates
 
     marker = data_dir / "draftline-source.json"
     if marker.exists():

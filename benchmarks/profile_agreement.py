@@ -39,7 +39,7 @@ REPO = Path(__file__).resolve().parents[1]
 
 
 def make_prompts(n: int):
-    from draftline.records import Prompt
+    from draftline.core.records import Prompt
 
     subjects = ["rivers", "prime numbers", "bread", "comets", "chess openings", "tides",
                 "glass", "owls", "bridges", "volcanoes", "maps", "clocks"]
@@ -52,7 +52,7 @@ def make_prompts(n: int):
 
 
 def server_tokens(root_url: str) -> float:
-    from draftline.loadgen import fetch_metrics
+    from draftline.serving.loadgen import fetch_metrics
 
     return fetch_metrics(root_url).total("vllm:generation_tokens")
 
@@ -98,7 +98,7 @@ def run_vllm_bench(endpoint, model_dir: str, prompts, level: int, num_prompts: i
 
 
 def run_fixed(endpoint, prompts, level: int, num_prompts: int, spec) -> dict:
-    from draftline.loadgen import run_requests
+    from draftline.serving.loadgen import run_requests
 
     subset = [prompts[i % len(prompts)] for i in range(num_prompts)]
     run = run_requests(endpoint, subset, spec, level)
@@ -114,7 +114,7 @@ def run_fixed(endpoint, prompts, level: int, num_prompts: int, spec) -> dict:
 
 
 def run_window(endpoint, prompts, level: int, spec, warmup_s: float, measure_s: float) -> dict:
-    from draftline.loadgen import measure_window
+    from draftline.serving.loadgen import measure_window
 
     w = measure_window(endpoint, prompts, spec, level, warmup_s, measure_s, warmup_turnover=1.0)
     return {"output_tok_s": w.stats["output_tok_s"], "window_s": w.stats["window_s"],
@@ -170,8 +170,8 @@ def agreement(endpoint, model_dir, prompts, spec, args, workdir) -> dict:
 
 def profile_run(endpoint, config: dict, model_dir: str, args) -> dict:
     """The profiler as the pipeline runs it, on the bundled prompts."""
-    from draftline.profile import run_profile, server_info_from_config
-    from draftline.prompts import bundled_prompts_path
+    from draftline.stages.profile import run_profile, server_info_from_config
+    from draftline.stages.prompts import bundled_prompts_path
 
     profile_cfg = {**config["profile"], "levels": args.profile_levels,
                    "measure_s": args.measure_s, "warmup_s": args.warmup_s}
@@ -209,9 +209,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", type=Path)
     args = parser.parse_args(argv)
 
-    from draftline.config import load_config
-    from draftline.loadgen import SamplingSpec
-    from draftline.server import ManagedServer, spec_from_config
+    from draftline.core.config import load_config
+    from draftline.serving.loadgen import SamplingSpec
+    from draftline.serving.server import ManagedServer, spec_from_config
 
     config = load_config(REPO / "config" / "config.yaml", {})
     model_dir = target_or_cached_toy(args.model, config)

@@ -73,7 +73,7 @@ def timed_prompts(messages: list[list[dict]], deadline: float):
     The workers of ``GenerationRun`` pull from this one generator; once it returns, each worker
     finishes its request in flight and stops.
     """
-    from draftline.records import Prompt
+    from draftline.core.records import Prompt
 
     for n, msgs in enumerate(itertools.cycle(messages)):
         if time.monotonic() >= deadline:
@@ -96,7 +96,7 @@ class CountingSink:
         self.first_messages: list[str] = []
         self.log = None
         if log_path is not None:
-            from draftline.responses import AppendLog
+            from draftline.stages.responses import AppendLog
 
             self.log = AppendLog(log_path)
 
@@ -336,7 +336,7 @@ def failed_strict(summary: dict) -> list[str]:
 
 
 def soak(endpoint, settings, messages: list[list[dict]], args) -> tuple[dict, list[Window]]:
-    from draftline.generate import EndpointsDown, GenerationRun, ShardWork
+    from draftline.stages.generate import EndpointsDown, GenerationRun, ShardWork
 
     log_dir = args.log_dir
     results = CountingSink(log_dir / "soak.jsonl" if log_dir else None)
@@ -369,7 +369,7 @@ def soak(endpoint, settings, messages: list[list[dict]], args) -> tuple[dict, li
 
 
 def external_endpoint(url: str, model: str, api_key_env: str | None):
-    from draftline.server import Endpoint
+    from draftline.serving.server import Endpoint
 
     base = url.rstrip("/")
     base = base if base.endswith("/v1") else f"{base}/v1"
@@ -386,7 +386,7 @@ def chosen_concurrency(args) -> int:
         return args.concurrency
     if args.profile is None:
         return DEFAULT_CONCURRENCY
-    from draftline.generate import resolve_concurrency
+    from draftline.stages.generate import resolve_concurrency
 
     try:
         return resolve_concurrency("auto", args.profile)
@@ -438,9 +438,9 @@ def main(argv: list[str] | None = None) -> int:
     if not args.progress:
         # The bar would interleave with the window rows; the windows report the same counts.
         os.environ.setdefault("TQDM_DISABLE", "1")
-    from draftline.config import load_config
-    from draftline.generate import GenerateSettings
-    from draftline.server import ManagedServer, spec_from_config
+    from draftline.core.config import load_config
+    from draftline.serving.server import ManagedServer, spec_from_config
+    from draftline.stages.generate import GenerateSettings
 
     config = load_config(REPO / "config" / "config.yaml")
     concurrency = chosen_concurrency(args)

@@ -1,9 +1,9 @@
 """One draft training step: throughput, MFU and peak memory; TTT diagonal attention vs a dense mask.
 
-The step is training's own: ``draftline.train.run_micro_batch`` (the frozen target head makes
+The step is training's own: ``draftline.stages.train.run_micro_batch`` (the frozen target head makes
 the teacher distribution, the K-step unroll, the loss; on CUDA under bf16 autocast with bf16
 inputs, embedding and target head and fp32 trainable weights, as ``build_draft`` makes them),
-then backward, gradient clipping and AdamW (betas 0.9/0.95), as ``draftline.train``'s loop.
+then backward, gradient clipping and AdamW (betas 0.9/0.95), as ``draftline.stages.train``'s loop.
 One micro-batch of ``--batch`` rows of ``--tokens`` tokens, already on the device (the
 host-to-device copy of the hidden states is not timed). Attention implementations, measured
 in the same run on the same weights:
@@ -55,7 +55,7 @@ import draftline.model as m
 
 class _Absent(types.ModuleType):
     """Stands in for a module that is not installed: any attribute, item or call is another
-    stand-in (module tops such as draftline.config's build validator classes from theirs)."""
+    stand-in (module tops such as draftline.core.config's build validator classes from theirs)."""
 
     def __getattr__(self, name: str):
         if name.startswith("__"):
@@ -70,7 +70,7 @@ class _Absent(types.ModuleType):
 
 
 def import_training_step():
-    """draftline.train's ``Runtime`` and ``run_micro_batch``: the step that trains.
+    """draftline.stages.train's ``Runtime`` and ``run_micro_batch``: the step that trains.
 
     The training modules import the pipeline's own dependencies at their top (config
     validation, progress bars, the server client); an accelerator machine with only torch,
@@ -81,7 +81,7 @@ def import_training_step():
     absent = []
     while True:
         try:
-            from draftline.train import Runtime, run_micro_batch
+            from draftline.stages.train import Runtime, run_micro_batch
         except ModuleNotFoundError as e:
             root = (e.name or "").split(".")[0]
             if not root or root in ("draftline", "torch") or e.name in sys.modules:
@@ -313,7 +313,8 @@ def saved_activation_bytes(fn) -> int:
 
 
 class Setup:
-    """Draft, target head, optimizer and one micro-batch, as ``draftline.train`` builds them."""
+    """Draft, target head, optimizer and one micro-batch, as ``draftline.stages.train`` builds
+    them."""
 
     def __init__(self, dims: dict, device: str, batch: int, tokens: int, seed: int = 0):
         torch.manual_seed(seed)
@@ -359,7 +360,8 @@ class Setup:
                                 "loss": "kl"}, self.rt)
 
     def step(self, steps_k: int) -> float:
-        """One optimizer step of one micro-batch (grad_accum 1), as draftline.train's loop."""
+        """One optimizer step of one micro-batch (grad_accum 1), as draftline.stages.train's
+        loop."""
         loss, _ = self.loss(steps_k)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(self.params, TRAIN["grad_clip"])

@@ -5,7 +5,7 @@ Zipf-distributed ids over a 163,840-token vocabulary, as Kimi-K2.5's; the first 
 sample unsupervised, like a prompt), saves it with ``datasets``, then measures each method
 in a fresh subprocess:
 
-* ``draftline.vocab.count_tokens`` (Arrow batches + ``np.bincount``) on the small and the
+* ``draftline.stages.vocab.count_tokens`` (Arrow batches + ``np.bincount``) on the small and the
   large dataset: equal peak memory on both shows it does not grow with the dataset;
 * a naive loop (``for row in dataset: Counter(...)``) on the small dataset, for the ratio.
 
@@ -37,7 +37,7 @@ def make_dataset(path: Path, tokens: int, vocab: int, seed: int) -> dict:
     """Synthetic DatasetDict (train split) of about ``tokens`` tokens at ``path``."""
     from datasets import Dataset, DatasetDict
 
-    from draftline.dataset import SplitWriter, dataset_features, make_sample
+    from draftline.stages.dataset import SplitWriter, dataset_features, make_sample
 
     rng = np.random.default_rng(seed)
     path.mkdir(parents=True, exist_ok=True)
@@ -109,7 +109,7 @@ def naive_count(ds_dir: Path) -> Counter:
 def worker(method: str, ds_dir: Path, vocab: int, batch_size: int, check: Path | None) -> dict:
     import datasets  # noqa: F401  (imported before the memory baseline)
 
-    from draftline.vocab import count_tokens
+    from draftline.stages.vocab import count_tokens
 
     with MemoryWatch() as watch:
         start = time.perf_counter()

@@ -31,7 +31,7 @@ WORKFLOW_ROOT = Path(workflow.current_basedir.get_path_or_uri(secret_free=True))
 def _library_module(name):
     """A standard-library-only module of the library, loaded by its file path: importing the
     draftline package here would need its dependencies at parse time."""
-    path = WORKFLOW_ROOT / "src" / "draftline" / f"{name}.py"
+    path = WORKFLOW_ROOT / "src" / "draftline" / "core" / f"{name}.py"
     spec = importlib.util.spec_from_file_location(f"_draftline_{name}", path)
     loaded = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(loaded)
@@ -43,13 +43,13 @@ def _library_module(name):
 _library_module("config_check").check_semantics(config)
 
 _layout = _library_module("layout")
-# Every path under config["results"] comes from here (draftline.layout); a rule names the
+# Every path under config["results"] comes from here (draftline.core.layout); a rule names the
 # output of another rule as rules.<rule>.output.<name>.
 LAYOUT = _layout.Layout.from_config(config)
 SHARDS = list(range(config["prompts"]["num_shards"]))
 SERVER_STATE = str(LAYOUT.servers)
 
-# The run's API key (draftline.server.RUN_KEY_ENV): the run's shared vLLM servers require it and
+# The run's API key (draftline.serving.server.RUN_KEY_ENV): the run's shared vLLM servers require it and
 # its clients send it. Made once here and inherited by every job of this invocation (a job that
 # parses this file again keeps its parent's); never a param, a file or a log line.
 os.environ.setdefault("DRAFTLINE_RUN_API_KEY", secrets.token_urlsafe(32))
@@ -177,7 +177,7 @@ def bench_generate_params():
 
 
 def hidden_engine_params():
-    """The server settings the hidden-state engine reads (draftline.hidden.vllm_backend);
+    """The server settings the hidden-state engine reads (draftline.stages.hidden.vllm_backend);
     none with the hf backend, which starts no vLLM."""
     if config["hidden"]["backend"] != "vllm":
         return None

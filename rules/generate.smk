@@ -1,5 +1,5 @@
 # One job answers every shard: one client, one budget of C requests in flight across all
-# shard files, so the server stays full across shard boundaries (draftline.generate).
+# shard files, so the server stays full across shard boundaries (draftline.stages.generate).
 rule generate:
     input:
         shards=rules.prompt_shards.output.shards,

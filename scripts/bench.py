@@ -1,7 +1,7 @@
 import os
 
-from draftline.bench import measure_deployment_benchmark
-from draftline.runlog import logged
+from draftline.core.runlog import logged
+from draftline.stages.bench import measure_deployment_benchmark
 
 with logged(snakemake.log[0]):
     measure_deployment_benchmark(

@@ -1,7 +1,7 @@
 from pathlib import Path
 
-from draftline.bundle import BundleInputs, build_bundle
-from draftline.runlog import logged
+from draftline.core.runlog import logged
+from draftline.stages.bundle import BundleInputs, build_bundle
 
 with logged(snakemake.log[0]):
     inp = snakemake.input

@@ -1,5 +1,5 @@
-from draftline.profile import measure_concurrency_profile
-from draftline.runlog import logged
+from draftline.core.runlog import logged
+from draftline.stages.profile import measure_concurrency_profile
 
 with logged(snakemake.log[0]):
     measure_concurrency_profile(

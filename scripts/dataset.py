@@ -1,5 +1,5 @@
-from draftline.dataset import build_dataset
-from draftline.runlog import logged
+from draftline.core.runlog import logged
+from draftline.stages.dataset import build_dataset
 
 with logged(snakemake.log[0]):
     build_dataset(

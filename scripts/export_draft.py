@@ -1,9 +1,9 @@
 import json
 from pathlib import Path
 
-from draftline.export import export_draft
-from draftline.hub import local_dir
-from draftline.runlog import logged
+from draftline.core.hub import local_dir
+from draftline.core.runlog import logged
+from draftline.stages.export import export_draft
 
 with logged(snakemake.log[0]):
     # the layers training read (from the stored index or produced online)

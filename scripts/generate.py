@@ -1,5 +1,5 @@
-from draftline.generate import generate_responses
-from draftline.runlog import logged
+from draftline.core.runlog import logged
+from draftline.stages.generate import generate_responses
 
 with logged(snakemake.log[0]):
     generate_responses(

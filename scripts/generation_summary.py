@@ -1,5 +1,5 @@
-from draftline.generation_report import build_generation_summary
-from draftline.runlog import logged
+from draftline.core.runlog import logged
+from draftline.stages.generation_report import build_generation_summary
 
 with logged(snakemake.log[0]):
     build_generation_summary(

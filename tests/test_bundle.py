@@ -27,15 +27,15 @@ import yaml
 from conftest import REPO, default_config, requires_vllm, sha256_of, write_workflow_config
 from safetensors.numpy import save_file
 
-from draftline import bundle as B
 from draftline.cli import main as cli_main
+from draftline.stages import bundle as B
 
 PLANTED_KEY = "sk-planted-0123456789abcdef"  # an API key that must never reach a bundle
 PLANTED_TOKEN = "hf_plantedtoken0123456789"
 
 
 SERVING_IMAGE = "docker://example.org/serving@sha256:" + "ab" * 32
-# what the stages record about the machines they ran on (draftline.machine)
+# what the stages record about the machines they ran on (draftline.core.machine)
 GENERATION_MACHINE = {"server": "managed", "vllm_versions": ["0.32.0"],
                       "gpus": {"NVIDIA H200": 8}, "launcher": "process"}
 BENCH_MACHINE = {"server": "managed", "vllm_versions": ["0.32.0"], "gpus": {"NVIDIA H200": 1},
@@ -272,7 +272,7 @@ def test_manifest_provenance(results, monkeypatch):
     assert target["weight_files"] == {
         "model.safetensors": (results / "target" / "model.safetensors").stat().st_size}
 
-    from draftline.prompts import bundled_prompts_path
+    from draftline.stages.prompts import bundled_prompts_path
 
     (source,) = prov["prompt_sources"]
     assert source["path"] == "bundled"

@@ -17,9 +17,9 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from draftline.bundle import BUNDLE_FORMAT, MANIFEST, VerifyError, verify_bundle
-from draftline.bundle.archive import write_deterministic_tar
 from draftline.cli import main as cli_main
+from draftline.stages.bundle import BUNDLE_FORMAT, MANIFEST, VerifyError, verify_bundle
+from draftline.stages.bundle.archive import write_deterministic_tar
 
 PAYLOAD = b"draft weights\n"
 

@@ -18,7 +18,7 @@ import pytest
 import yaml
 from conftest import CONFIG, REPO, copy_workflow, write_workflow_config
 
-from draftline.codehash import (
+from draftline.core.codehash import (
     ImportCache,
     ImportResolutionError,
     import_closure,
@@ -57,7 +57,7 @@ FAKE = {
                 import draftline.deep.leaf
             except ImportError:
                 from draftline import fallback
-            return "draftline.launched", "draftline.bench/1", "draftline.missing"
+            return "draftline.launched", "draftline.stages.bench/1", "draftline.missing"
         """,
     "src/draftline/b.py": "x = 1\n",
     "src/draftline/pkg/__init__.py": "from .store import save\nfrom . import sibling\n"
@@ -121,23 +121,31 @@ def test_real_stages_reach_the_modules_they_run():
         entry = REPO / "scripts" / script
         paths = set(import_closure([entry], SRC))
         assert entry in paths  # the script itself counts
-        return rel(paths - {entry}, LIB) - {"__init__.py"}
+        return rel(paths - {entry}, LIB) - PACKAGE_INITS
 
     # small stages, exactly
-    assert closure("prompt_shards.py") == {"prompts.py", "records.py", "atomic.py", "layout.py",
-                                           "runlog.py"}
-    # the toy takes its defaults from the schema through draftline.config (and its checks)
-    assert closure("toy_target.py") == {"toy.py", "atomic.py", "runlog.py", "config.py",
-                                        "config_check.py", "hub.py", "target.py"}
+    assert closure("prompt_shards.py") == {"stages/prompts.py", "core/records.py",
+                                           "core/atomic.py", "core/layout.py", "core/runlog.py"}
+    # the toy takes its defaults from the schema through draftline.core.config (and its checks)
+    assert closure("toy_target.py") == {"stages/toy.py", "core/atomic.py", "core/runlog.py",
+                                        "core/config.py", "core/config_check.py", "core/hub.py",
+                                        "core/target.py", "core/secret_names.py"}
     # what the hand-kept lists missed
     generate = closure("generate.py")
-    assert {"generate.py", "loadgen.py", "server.py", "atomic.py",
-            "docker_launcher.py", "dataset.py"} <= generate
-    assert {"train/loop.py", "model.py", "prompts.py", "toy.py"}.isdisjoint(generate)
-    assert {"export.py", "target.py", "model.py"} <= closure("export_draft.py")
-    assert {"bench.py", "dataset.py", "loadgen.py", "server.py"} <= closure("bench.py")
-    assert {"hidden/__init__.py", "hidden/store.py", "hidden/hf_backend.py",
-            "hidden/vllm_backend.py", "hidden/vllm_connector.py"} <= closure("hidden_states.py")
+    assert {"stages/generate.py", "serving/loadgen.py", "serving/server.py", "core/atomic.py",
+            "serving/docker_launcher.py", "stages/dataset.py"} <= generate
+    assert {"stages/train/loop.py", "model.py", "stages/prompts.py",
+            "stages/toy.py"}.isdisjoint(generate)
+    assert {"stages/export.py", "core/target.py", "model.py"} <= closure("export_draft.py")
+    assert {"stages/bench.py", "stages/dataset.py", "serving/loadgen.py",
+            "serving/server.py"} <= closure("bench.py")
+    assert {"stages/hidden/__init__.py", "stages/hidden/store.py",
+            "stages/hidden/hf_backend.py", "stages/hidden/vllm_backend.py",
+            "stages/hidden/vllm_connector.py"} <= closure("hidden_states.py")
+
+
+# the package and its three architecture packages: every stage imports them
+PACKAGE_INITS = {"__init__.py", "core/__init__.py", "serving/__init__.py", "stages/__init__.py"}
 
 
 def test_import_cache_skips_parsing_and_never_serves_an_old_version(tmp_path, monkeypatch):
@@ -147,7 +155,7 @@ def test_import_cache_skips_parsing_and_never_serves_an_old_version(tmp_path, mo
     first = stage_code_hash(entry, src, tmp_path, cache=ImportCache(cache_file))
     assert cache_file.exists()
 
-    import draftline.codehash as codehash
+    import draftline.core.codehash as codehash
 
     def no_parsing(*args):
         raise AssertionError("parsed although cached")
@@ -234,21 +242,22 @@ def jobs_after_editing(workdir: Path, module: str) -> set[str]:
 
 def test_editing_loadgen_makes_generate_and_downstream_stale_and_nothing_upstream(
         completed_workflow):
-    assert jobs_after_editing(completed_workflow, "loadgen.py") == STAGES_AFTER_GENERATE
+    assert jobs_after_editing(completed_workflow, "serving/loadgen.py") == STAGES_AFTER_GENERATE
 
 
 def test_editing_the_docker_launcher_makes_the_serving_stages_stale(completed_workflow):
     # server.py imports it inside a function: generate (and bench) run it
-    assert jobs_after_editing(completed_workflow, "docker_launcher.py") == STAGES_AFTER_GENERATE
+    edited = jobs_after_editing(completed_workflow, "serving/docker_launcher.py")
+    assert edited == STAGES_AFTER_GENERATE
 
 
 def test_editing_train_makes_export_stale_too(completed_workflow):
-    assert jobs_after_editing(completed_workflow, "train/loop.py") == {
+    assert jobs_after_editing(completed_workflow, "stages/train/loop.py") == {
         "train_draft", "export_draft", "bench", "bundle", "all"}
 
 
 def test_editing_the_vllm_connector_makes_hidden_states_stale(completed_workflow):
-    assert jobs_after_editing(completed_workflow, "hidden/vllm_connector.py") == {
+    assert jobs_after_editing(completed_workflow, "stages/hidden/vllm_connector.py") == {
         "hidden_states", "train_draft", "export_draft", "bench", "bundle", "all"}
 
 

@@ -10,7 +10,7 @@ import pytest
 import yaml
 from conftest import REPO
 
-from draftline.config import ConfigError, load_config, validate_config
+from draftline.core.config import ConfigError, load_config, validate_config
 
 BAD_CONFIGS = [
     ({"generate": {"temperature": "hot"}}, "generate.temperature"),
@@ -136,7 +136,7 @@ def test_snakemake_dry_run_lists_the_pipeline(tmp_path):
 
 
 def test_every_config_key_has_a_description():
-    from draftline.config_docs import undocumented
+    from draftline.core.config_docs import undocumented
 
     assert undocumented() == []
 
@@ -145,8 +145,8 @@ def test_config_readme_is_generated_from_the_schema_and_current(tmp_path):
     """config/README.md is what `draftline config-docs` writes from the schema: one row per
     key with its type, default and description."""
     from draftline.cli import main
-    from draftline.config import load_schema
-    from draftline.config_docs import leaves
+    from draftline.core.config import load_schema
+    from draftline.core.config_docs import leaves
 
     committed = (REPO / "config" / "README.md").read_text()
     written = tmp_path / "README.md"
@@ -166,7 +166,7 @@ def test_config_readme_is_generated_from_the_schema_and_current(tmp_path):
 def test_a_section_alone_takes_the_schema_defaults():
     """Library calls made with one section (a toy build, a training run) fill and check it from
     the schema, as the whole config is: no second copy of the defaults to drift."""
-    from draftline.config import load_schema, resolve_section
+    from draftline.core.config import load_schema, resolve_section
 
     schema = load_schema()["properties"]
     toy = resolve_section("target.toy", {"train_steps": 0})
@@ -186,7 +186,7 @@ def test_a_section_alone_takes_the_schema_defaults():
     ("train", {"lr": -1}, "train.lr"),
 ])
 def test_a_bad_section_names_its_key(section, values, key):
-    from draftline.config import resolve_section
+    from draftline.core.config import resolve_section
 
     with pytest.raises(ConfigError, match=f"config key '{key}'"):
         resolve_section(section, values)

@@ -14,9 +14,9 @@ from pathlib import Path
 
 import pytest
 
-from draftline import toy
-from draftline.dataset import build_dataset, is_eval, split_of
-from draftline.records import RecordError
+from draftline.core.records import RecordError
+from draftline.stages import toy
+from draftline.stages.dataset import build_dataset, is_eval, split_of
 
 SPECIALS = ["<|pad|>", "<|system|>", "<|user|>", "<|assistant|>", "<|end|>", "<think>", "</think>"]
 WORDS = ["\n", "\n\n", " ", "be", "brief", ".", "what", "is", "2", "+", "?", "4", "ok", "so"]

@@ -27,9 +27,9 @@ import pytest
 import yaml
 from conftest import CONFIG, write_workflow_config
 
-from draftline import docker_launcher as D
-from draftline.config import ConfigError, load_config
-from draftline.server import ServerError, ServerSpec, spec_from_config
+from draftline.core.config import ConfigError, load_config
+from draftline.serving import docker_launcher as D
+from draftline.serving.server import ServerError, ServerSpec, spec_from_config
 
 REPO = Path(__file__).resolve().parents[1]
 CACHE = REPO / ".pytest_cache" / "draftline"
@@ -376,9 +376,9 @@ def probe_auth(state_dir: Path, key: str, result: dict, stop: threading.Event) -
 
 INTERRUPTED_SERVER = textwrap.dedent("""
     import sys
-    from draftline.config import load_config
-    from draftline.server import spec_from_config
-    from draftline.docker_launcher import DockerServer
+    from draftline.core.config import load_config
+    from draftline.serving.server import spec_from_config
+    from draftline.serving.docker_launcher import DockerServer
     cfg = load_config(sys.argv[1], {"server.launcher": "docker", "server.image": sys.argv[2]})
     DockerServer(spec_from_config(cfg["server"], sys.argv[3]), sys.argv[4]).start()
 """)

@@ -8,9 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from draftline.config import ConfigError, load_config
-from draftline.layout import Layout
-from draftline.loadgen import SamplingSpec
+from draftline.core.config import ConfigError, load_config
+from draftline.core.layout import Layout
+from draftline.serving.loadgen import SamplingSpec
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))

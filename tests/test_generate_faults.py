@@ -17,7 +17,7 @@ from fake_endpoint import (
     user_prompts,
 )
 
-from draftline.generate import GenerateSettings, generate_shard
+from draftline.stages.generate import GenerateSettings, generate_shard
 
 IDS = ["q0", "q1", "q2"]
 FAST = dict(concurrency=2, max_retries=3, backoff_base_s=0.01, backoff_cap_s=0.05,
@@ -112,8 +112,8 @@ def test_an_endpoint_that_only_answers_malformed_files_a_retryable_invalid_error
 def test_a_kept_answer_without_token_ids_is_asked_again_on_the_rerun(tmp_path):
     """Answers an earlier run kept with null or empty ids (before answers were checked) carry a
     valid fingerprint, yet cannot be trained on: the rerun discards and re-asks them."""
-    from draftline.records import read_shard
-    from draftline.responses import partial_paths, prompt_fingerprints
+    from draftline.core.records import read_shard
+    from draftline.stages.responses import partial_paths, prompt_fingerprints
 
     settings = GenerateSettings(**FAST)
     with FakeEndpoint(lambda pid, attempt: Reply(good_completion(pid))) as fake:
@@ -165,7 +165,7 @@ def test_request_timeout_bounds_the_whole_request_not_each_read(tmp_path):
 @pytest.fixture
 def quick_set_aside(monkeypatch):
     """An endpoint that answered only 5xx for 0.2 s is down, and rests 0.2 s (not 5 and 5)."""
-    from draftline.endpoint_clients import EndpointPool
+    from draftline.serving.endpoint_clients import EndpointPool
 
     monkeypatch.setattr(EndpointPool, "DOWN_AFTER_SERVER_ERRORS_S", 0.2, raising=False)
     monkeypatch.setattr(EndpointPool, "COOLDOWN_S", 0.2)
@@ -200,8 +200,8 @@ def test_an_endpoint_answering_502_is_set_aside_and_the_prompts_wait_for_it(tmp_
 
 def test_an_endpoint_that_only_answers_502_ends_the_run_as_down_with_no_prompt_failed(
         tmp_path, quick_set_aside):
-    from draftline.generate import EndpointsDown
-    from draftline.responses import partial_paths, read_attempts
+    from draftline.stages.generate import EndpointsDown
+    from draftline.stages.responses import partial_paths, read_attempts
 
     def reply(prompt_id: str, attempt: int) -> Reply:
         return Reply({"error": {"message": "Bad Gateway"}}, status=502)
@@ -221,8 +221,8 @@ def test_an_endpoint_that_only_answers_502_ends_the_run_as_down_with_no_prompt_f
 GENERATE_IN_A_PROCESS = """
 import sys
 from pathlib import Path
-from draftline.generate import GenerateSettings, generate_shard
-from draftline.server import Endpoint
+from draftline.stages.generate import GenerateSettings, generate_shard
+from draftline.serving.server import Endpoint
 
 prompts, out, base_url = Path(sys.argv[1]), Path(sys.argv[2]), sys.argv[3]
 generate_shard(prompts, out, out.with_name("shard-0.errors.jsonl"),
@@ -260,7 +260,7 @@ def test_a_second_run_on_the_same_results_refuses_naming_the_first_and_a_dead_on
         tmp_path):
     import signal
 
-    from draftline.generate import GenerationLocked
+    from draftline.stages.generate import GenerationLocked
 
     ids = [f"q{i:02d}" for i in range(40)]
     with FakeEndpoint(_slow) as fake:
@@ -316,7 +316,7 @@ def read_only_responses(tmp_path):
 
 def test_an_unwritable_output_folder_stops_the_run_before_its_first_request(
         tmp_path, read_only_responses):
-    from draftline.generate import OutputNotWritable
+    from draftline.stages.generate import OutputNotWritable
 
     with FakeEndpoint(lambda pid, attempt: Reply(good_completion(pid))) as fake, \
             pytest.raises(OutputNotWritable) as refused:
@@ -331,7 +331,7 @@ def test_an_unwritable_output_folder_stops_the_run_before_its_first_request(
 def test_sigint_ends_the_run_with_one_line_and_keeps_what_was_answered(tmp_path):
     import signal
 
-    from draftline.responses import read_attempts, read_jsonl_ids
+    from draftline.stages.responses import read_attempts, read_jsonl_ids
 
     ids = [f"q{i:02d}" for i in range(40)]
     with FakeEndpoint(_slow) as fake:

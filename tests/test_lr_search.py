@@ -7,8 +7,14 @@ import json
 import pytest
 from test_train import SMALL, run
 
-from draftline.train.lr_search import CHOICE_FILE, SEARCH_DIR, choose, probe_config, probe_steps
-from draftline.train.optim import lr_factor
+from draftline.stages.train.lr_search import (
+    CHOICE_FILE,
+    SEARCH_DIR,
+    choose,
+    probe_config,
+    probe_steps,
+)
+from draftline.stages.train.optim import lr_factor
 
 # 12-step probes of three rates 100x apart: on these states, with AdamW and no norm before fc,
 # only the middle one learns anything in 12 steps (simulated acceptance 1.04 against 1.0)

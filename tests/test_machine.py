@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from draftline.machine import (
+from draftline.core.machine import (
     engine_machine,
     gpu_counts,
     serving_machine,

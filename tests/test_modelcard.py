@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from html.parser import HTMLParser
 
-from draftline.modelcard import Card, Heading, Markdown, Para, render_html
+from draftline.stages.modelcard import Card, Heading, Markdown, Para, render_html
 
 SUMMARY = """# Deployment benchmark: baseline vs EAGLE-3
 
@@ -87,7 +87,7 @@ def test_sglang_layer_ids_capture_the_states_vllm_captures():
     (python/sglang/srt/models/llama.py): ``layers_to_capture = [val + 1 for val in
     layer_ids]``, and the layer loop appends ``hidden_states + residual`` before running layer
     i for i in layers_to_capture."""
-    from draftline.modelcard import sglang_layer_ids
+    from draftline.stages.modelcard import sglang_layer_ids
 
     num_layers = 8
     stream = [f"entering layer {i}" for i in range(num_layers)]

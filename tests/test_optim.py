@@ -9,8 +9,8 @@ import pytest
 import torch
 from test_train import SMALL, final_weights, run
 
-from draftline.train import build_draft, resolve_train_cfg
-from draftline.train.optim import MuonWithAdamW, build_optimizer, lr_factor
+from draftline.stages.train import build_draft, resolve_train_cfg
+from draftline.stages.train.optim import MuonWithAdamW, build_optimizer, lr_factor
 
 MATRICES = {"fc.weight", *(f"midlayer.self_attn.{p}_proj.weight" for p in "qkvo"),
             *(f"midlayer.mlp.{p}_proj.weight" for p in ("gate", "up", "down"))}

@@ -275,7 +275,7 @@ def test_bench_change_reruns_bench_and_bundle_for_real(pipeline):
 
 def test_editing_a_stage_library_makes_that_stage_stale(pipeline):
     workdir, _ = pipeline
-    module = workdir / "src" / "draftline" / "vocab.py"
+    module = workdir / "src" / "draftline" / "stages" / "vocab.py"
     original = module.read_text()
     module.write_text(original + "\n# a change in the vocab stage's code\n")
     try:
@@ -368,7 +368,7 @@ def test_bench_against_external_endpoints(pipeline, vllm_server, trained_toy_dra
     answers with the baseline's tokens."""
     import openai
 
-    from draftline.bench import eval_prompts, measure_deployment_benchmark
+    from draftline.stages.bench import eval_prompts, measure_deployment_benchmark
 
     workdir, base = pipeline
     results = workdir / "results"

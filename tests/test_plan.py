@@ -56,6 +56,9 @@ def test_bench_time_is_its_windows_and_server_starts():
     repetition) of warm-up + measurement, plus a server start per configuration: the default
     toy run measured 60 windows in 12 minutes (C=128, levels 1/4/16/64/128)."""
     config = default_config()  # generate.concurrency auto, T=0.7: temperatures 0 and 0.7
+    # the schema's defaults (the toy config sets a demo-sized sweep): levels and temperatures
+    # follow the profile and generation, 8 s windows
+    config["bench"].update(levels=None, temperatures=None, measure_s=8.0)
     measured = {"profile": {"chosen_concurrency": 128, "chosen_output_tok_s": 2337.0}}
     bench = by_stage(plan(config, measured))["bench"]
     windows = 2 * 5 * 2 * 3  # baseline + k=3, levels 1/4/16/64/128, 2 temperatures, 3 reps

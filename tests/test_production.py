@@ -2,7 +2,7 @@
 
 * config/kimi-k2.5.yaml passes schema validation and says what the production run needs;
 * every Dockerfile FROM, every containers.* and server.image is pinned by digest and locked,
-  and every locked image is used (draftline.images);
+  and every locked image is used (draftline.serving.images);
 * `snakemake -n` with the production config, alone and with each profile, lists every rule,
   and each rule gets its image (the pipeline image; the serving image for the vLLM rules).
 
@@ -26,8 +26,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from draftline import images
-from draftline.config import load_config
+from draftline.core.config import load_config
+from draftline.serving import images
 
 REPO = Path(__file__).resolve().parents[1]
 PRODUCTION = REPO / "config" / "kimi-k2.5.yaml"
@@ -216,7 +216,7 @@ def test_check_refuses_placeholder_digests_in_a_config_about_to_run(tmp_path, ca
     problems = images.placeholders(yaml.safe_load(PRODUCTION.read_text()))
     keys = sorted(p.split("'")[1] for p in problems)
     assert keys == ["containers.pipeline", "containers.serving", "server.image"]
-    assert all("python -m draftline.images resolve" in p for p in problems)
+    assert all("python -m draftline.serving.images resolve" in p for p in problems)
     assert images.main(["--repo", str(REPO), "check", "--config", str(PRODUCTION)]) == 1
     assert "server.image" in capsys.readouterr().out
     resolved = tmp_path / "resolved.yaml"

@@ -7,8 +7,9 @@ import random
 
 import pytest
 
-from draftline.loadgen import SamplingSpec
-from draftline.profile import (
+from draftline.core.records import Prompt
+from draftline.serving.loadgen import SamplingSpec
+from draftline.stages.profile import (
     ProfileError,
     choose_concurrency,
     fingerprint_from_config,
@@ -21,7 +22,6 @@ from draftline.profile import (
     server_info_from_config,
     workload_fingerprint,
 )
-from draftline.records import Prompt
 
 # ----------------------------------------------------------------------------- the choice rule
 
@@ -161,8 +161,8 @@ def test_plot_is_written(tmp_path):
 
 
 def test_sweep_stops_when_the_server_stops_answering(tmp_path):
-    from draftline.profile import _sweep
-    from draftline.server import Endpoint, free_port
+    from draftline.serving.server import Endpoint, free_port
+    from draftline.stages.profile import _sweep
 
     gone = Endpoint(base_url=f"http://127.0.0.1:{free_port()}/v1", model="target")
     prompts = [Prompt("a", [{"role": "user", "content": "hi"}])]

@@ -15,12 +15,12 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from draftline.prompts import (
+from draftline.core.records import RecordError, read_shard
+from draftline.stages.prompts import (
     PromptSourceError,
     build_prompt_shards,
     bundled_prompts_path,
 )
-from draftline.records import RecordError, read_shard
 
 
 def write_jsonl(path: Path, rows: list) -> Path:

@@ -23,11 +23,11 @@ import yaml
 from conftest import REPO, copy_workflow, requires_vllm, write_workflow_config
 from fault_proxy import FaultProxy
 
-from draftline import atomic
-from draftline.generate import GenerateSettings, generate_shard
-from draftline.hidden.store import write_safetensors
-from draftline.responses import AppendLog, read_jsonl_ids
-from draftline.server import Endpoint
+from draftline.core import atomic
+from draftline.serving.server import Endpoint
+from draftline.stages.generate import GenerateSettings, generate_shard
+from draftline.stages.hidden.store import write_safetensors
+from draftline.stages.responses import AppendLog, read_jsonl_ids
 
 # -------------------------------------------------------------------------- injected network faults
 
@@ -268,8 +268,8 @@ def remote_code_target(toy_target: Path, root: Path, marker: Path) -> Path:
 def test_custom_code_in_a_target_runs_only_when_configured(toy_target, tmp_path, loader):
     """A target that ships its own Python code: without target.trust_remote_code the code is
     never imported; with it, it is (so the check can tell the difference)."""
-    from draftline.dataset import load_tokenizer
-    from draftline.hidden.hf_backend import HFBackend
+    from draftline.stages.dataset import load_tokenizer
+    from draftline.stages.hidden.hf_backend import HFBackend
 
     marker = tmp_path / "EXECUTED"
     target = remote_code_target(toy_target, tmp_path, marker)
@@ -298,7 +298,7 @@ def test_a_planted_pickle_checkpoint_is_refused_unexecuted(tmp_path):
     import torch
     from safetensors.torch import save_file
 
-    from draftline.train import load_checkpoint
+    from draftline.stages.train import load_checkpoint
 
     marker = tmp_path / "EXECUTED"
 
@@ -439,7 +439,7 @@ def test_a_library_error_raised_from_a_no_space_error_is_a_full_disk(tmp_path):
 KILLED_SWAP = """
 import os, shutil, signal, sys
 from pathlib import Path
-from draftline import atomic
+from draftline.core import atomic
 
 def die():
     os.kill(os.getpid(), signal.SIGKILL)

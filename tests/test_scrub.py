@@ -1,4 +1,4 @@
-"""Secret scrubbing (draftline.bundle.scrub): secrets go by explicit option names, URL
+"""Secret scrubbing (draftline.stages.bundle.scrub): secrets go by explicit option names, URL
 credentials and the environment variables the config names; every other argument is kept."""
 
 from __future__ import annotations
@@ -6,7 +6,7 @@ from __future__ import annotations
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from draftline.bundle.scrub import (
+from draftline.stages.bundle.scrub import (
     REDACTED,
     scrub_args,
     scrub_config,

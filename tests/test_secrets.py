@@ -9,9 +9,9 @@ import stat
 import pytest
 from conftest import default_config
 
-import draftline.server as server
-from draftline.config import ConfigError
-from draftline.server import ServerError, spec_from_config
+import draftline.serving.server as server
+from draftline.core.config import ConfigError
+from draftline.serving.server import ServerError, spec_from_config
 
 HF_LITERAL = "hf_literaltoken0123456789"
 
@@ -50,7 +50,7 @@ def test_pass_env_hands_the_value_to_the_server_and_only_the_name_to_the_spec(mo
 
 
 def test_pass_env_reaches_the_container(monkeypatch):
-    from draftline import docker_launcher as D
+    from draftline.serving import docker_launcher as D
 
     monkeypatch.setattr(D, "has_gpu", lambda: False)
     monkeypatch.setenv("HF_TOKEN", HF_LITERAL)

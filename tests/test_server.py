@@ -14,9 +14,9 @@ import openai
 import pytest
 from conftest import requires_vllm
 
-from draftline import owned_child
-from draftline import server as server_module
-from draftline.server import (
+from draftline.serving import owned_child
+from draftline.serving import server as server_module
+from draftline.serving.server import (
     Endpoint,
     ManagedServer,
     ServerError,
@@ -32,7 +32,7 @@ from draftline.server import (
 
 
 def test_command_binds_loopback_and_sets_cpu_flags(config, monkeypatch):
-    monkeypatch.setattr("draftline.server.has_gpu", lambda: False)
+    monkeypatch.setattr("draftline.serving.server.has_gpu", lambda: False)
     spec = spec_from_config(config["server"], "/models/toy")
     cmd = spec.command(port=12345)
     assert cmd[1:3] == ["-m", "vllm.entrypoints.openai.api_server"]
@@ -123,7 +123,7 @@ def test_a_server_for_another_spec_starts_only_after_the_idle_one_is_gone(
     beside it, and must wait while a job still uses it."""
     import threading
 
-    import draftline.server as server
+    import draftline.serving.server as server
 
     state_dir = tmp_path / "servers"
     first = spec_from_config(config["server"], str(toy_target))
@@ -264,7 +264,7 @@ OWNER = """
 import importlib.abc, importlib.util, os, signal, sys, threading, time
 from pathlib import Path
 
-from draftline.server import ManagedServer, ServerSpec
+from draftline.serving.server import ManagedServer, ServerSpec
 
 scenario, log_path, health_server = sys.argv[1:4]
 

@@ -11,9 +11,9 @@ from dataclasses import replace
 import pytest
 from conftest import default_config
 
-import draftline.server as server
-from draftline.config import ConfigError
-from draftline.server import spec_from_config
+import draftline.serving.server as server
+from draftline.core.config import ConfigError
+from draftline.serving.server import spec_from_config
 
 
 def test_a_non_loopback_bind_without_a_key_is_refused_naming_the_keys():

@@ -18,7 +18,7 @@ import torch
 import yaml
 from safetensors import safe_open
 
-from draftline.target import UnsupportedTargetHead, check_teacher_head
+from draftline.core.target import UnsupportedTargetHead, check_teacher_head
 
 TINY = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
         "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 256,
@@ -59,9 +59,9 @@ def hf_target(model_type: str, out_dir: Path, **extra):
 def teacher_and_hf_logp(model, target_dir: Path, tensors: dict | None = None):
     """(teacher log-probs, HF log-probs) over the full vocab for one random sequence; the
     teacher's norm and lm_head as training loads them from ``target_dir`` unless given."""
+    from draftline.core.target import read_target_config
     from draftline.model import DraftConfig, TargetHead
-    from draftline.target import read_target_config
-    from draftline.train import load_target_tensors
+    from draftline.stages.train import load_target_tensors
 
     vocab = model.config.vocab_size
     captured = {}
@@ -161,7 +161,7 @@ def gemma_target(draft_inputs, tmp_path) -> Path:
 
 
 def test_training_refuses_a_gemma_target(draft_inputs, gemma_target, tmp_path):
-    from draftline.train import train_draft
+    from draftline.stages.train import train_draft
 
     with pytest.raises(UnsupportedTargetHead, match="gemma2"):
         train_draft(draft_inputs["hidden_dir"], draft_inputs["vocab_map"], gemma_target,
@@ -170,7 +170,7 @@ def test_training_refuses_a_gemma_target(draft_inputs, gemma_target, tmp_path):
 
 
 def test_hidden_extraction_refuses_a_gemma_target(gemma_target, tmp_path):
-    from draftline.hidden import extract_hidden_states
+    from draftline.stages.hidden import extract_hidden_states
 
     # refused before the dataset is even opened (it does not exist here)
     with pytest.raises(UnsupportedTargetHead, match="final_logit_softcapping"):
@@ -180,8 +180,8 @@ def test_hidden_extraction_refuses_a_gemma_target(gemma_target, tmp_path):
 
 
 def test_export_refuses_a_gemma_target(draft_inputs, gemma_target, tmp_path):
-    from draftline.export import export_draft
-    from draftline.train import save_untrained
+    from draftline.stages.export import export_draft
+    from draftline.stages.train import save_untrained
 
     best = save_untrained(draft_inputs["target_dir"], draft_inputs["vocab_map"], tmp_path / "b")
     with pytest.raises(UnsupportedTargetHead, match="gemma2"):
@@ -192,7 +192,7 @@ def test_export_refuses_a_gemma_target(draft_inputs, gemma_target, tmp_path):
 def test_config_validation_refuses_a_local_gemma_target(gemma_target):
     from conftest import default_config
 
-    from draftline.config import ConfigError, validate_config
+    from draftline.core.config import ConfigError, validate_config
 
     config = default_config()
     config["target"]["model"] = str(gemma_target)

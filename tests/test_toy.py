@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from draftline import toy
-from draftline.hidden import default_layer_ids
+from draftline.stages import toy
+from draftline.stages.hidden import default_layer_ids
 
 QUICK_STEPS = 20  # enough to exercise training; the default build is covered by `toy_target`
 

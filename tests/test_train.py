@@ -21,8 +21,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from draftline.config import ConfigError
-from draftline.train import plan_micro_batches, resolve_train_cfg, train_draft
+from draftline.core.config import ConfigError
+from draftline.stages.train import plan_micro_batches, resolve_train_cfg, train_draft
 
 SMALL = {"epochs": 6, "ttt_steps": 3, "batch_tokens": 256, "lr": 1e-3, "warmup_steps": 3,
          "eval_every": 4, "checkpoint_every": 4}
@@ -121,7 +121,8 @@ def test_training_learns_and_writes_its_outputs(draft_inputs, tmp_path):
 
 
 def train_process(inputs: dict, out: Path, cfg: dict) -> subprocess.Popen:
-    cmd = [sys.executable, "-m", "draftline.train", "--hidden-dir", str(inputs["hidden_dir"]),
+    cmd = [sys.executable, "-m", "draftline.stages.train",
+           "--hidden-dir", str(inputs["hidden_dir"]),
            "--vocab-map", str(inputs["vocab_map"]), "--target-dir", str(inputs["target_dir"]),
            "--out-dir", str(out), "--config-json", json.dumps(cfg)]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
@@ -237,7 +238,7 @@ def assert_sharded_muon_is_whole_matrix_muon(inputs: dict, one: dict, two: dict)
     order moves an update by about 2% (a 1e-6 change of the gradient: 0.6%), so the runs agree
     to a few percent of the weights' change; orthogonalising each shard on its own would move
     a step's update by 37%."""
-    from draftline.train import build_draft
+    from draftline.stages.train import build_draft
 
     architecture = resolve_train_cfg({})["draft"]
     initial = build_draft(inputs["target_dir"], inputs["vocab_map"], 0,
@@ -280,7 +281,7 @@ def test_full_disk_mid_training_keeps_the_last_complete_checkpoint(draft_inputs,
     """Checkpoints fill the disk: the run fails naming the file, the checkpoint in charge is
     a complete one, and after space is freed the rerun resumes from it and ends equal to an
     uninterrupted run."""
-    from draftline.atomic import DiskFullError
+    from draftline.core.atomic import DiskFullError
 
     cfg = {**SMALL, "max_steps": 16, "checkpoint_every": 3, "eval_every": 5}
     reference = run(draft_inputs, tmp_path / "reference", cfg)

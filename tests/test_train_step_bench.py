@@ -140,7 +140,7 @@ def test_cpu_child_reports_its_own_peak_memory_not_its_parents():
 
 def test_script_runs_where_only_torch_is_installed():
     """The accelerator machine has torch, transformers and safetensors: the modules
-    draftline.train imports for the pipeline (config validation, progress bars, the server
+    draftline.stages.train imports for the pipeline (config validation, progress bars, the server
     client) may be missing there, and the script must still import training's step."""
     blocked = ["jsonschema", "httpx", "tqdm", "yaml", "snakemake", "rich", "click", "openai"]
     runner = (

@@ -21,10 +21,10 @@ import torch
 from conftest import DRAFT_ARCHITECTURE, requires_vllm
 from safetensors.torch import load_file, save_file
 
-from draftline.export import export_draft
 from draftline.model import DraftConfig, TTTCache, rotary_tables, shift_left
-from draftline.train.checkpoint import DRAFT_CONFIG_FILE, save_weights
-from draftline.train.draft import build_draft
+from draftline.stages.export import export_draft
+from draftline.stages.train.checkpoint import DRAFT_CONFIG_FILE, save_weights
+from draftline.stages.train.draft import build_draft
 
 FLAGS = dict.fromkeys(DraftConfig.NORM_FLAGS, True)
 VARIANTS = {

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from draftline.vocab import (
+from draftline.stages.vocab import (
     build_vocab_map,
     count_tokens,
     coverage_table,

@@ -1,7 +1,7 @@
 """``draftline``: every pipeline stage without Snakemake, plus planning and verification.
 
 Each stage subcommand reads the validated config and writes where the Snakemake rules do: the
-results tree of :mod:`draftline.layout` under ``config.results``.
+results tree of :mod:`draftline.core.layout` under ``config.results``.
 """
 
 from __future__ import annotations
@@ -13,8 +13,8 @@ from pathlib import Path
 
 import yaml
 
-from draftline.config import ConfigError, load_config
-from draftline.layout import Layout, published_files, target_model
+from draftline.core.config import ConfigError, load_config
+from draftline.core.layout import Layout, published_files, target_model
 
 
 def _parse_overrides(items: list[str]) -> dict:
@@ -28,13 +28,13 @@ def _parse_overrides(items: list[str]) -> dict:
 
 
 def cmd_toy(cfg: dict, lay: Layout, args) -> None:
-    from draftline.toy import build_toy_target
+    from draftline.stages.toy import build_toy_target
 
     build_toy_target(lay.target, cfg["target"]["toy"])
 
 
 def cmd_prompts(cfg: dict, lay: Layout, args) -> None:
-    from draftline.prompts import build_prompt_shards
+    from draftline.stages.prompts import build_prompt_shards
 
     p = cfg["prompts"]
     build_prompt_shards(p["sources"], lay.prompts, num_shards=p["num_shards"],
@@ -43,7 +43,7 @@ def cmd_prompts(cfg: dict, lay: Layout, args) -> None:
 
 
 def cmd_profile(cfg: dict, lay: Layout, args) -> None:
-    from draftline.profile import measure_concurrency_profile
+    from draftline.stages.profile import measure_concurrency_profile
 
     lay.profile_json.parent.mkdir(parents=True, exist_ok=True)
     measure_concurrency_profile(
@@ -54,7 +54,7 @@ def cmd_profile(cfg: dict, lay: Layout, args) -> None:
 
 
 def cmd_generate(cfg: dict, lay: Layout, args) -> None:
-    from draftline.generate import generate_responses
+    from draftline.stages.generate import generate_responses
 
     shards = [args.shard] if args.shard is not None else range(cfg["prompts"]["num_shards"])
     lay.responses.mkdir(parents=True, exist_ok=True)
@@ -69,7 +69,7 @@ def cmd_generate(cfg: dict, lay: Layout, args) -> None:
 
 
 def cmd_dataset(cfg: dict, lay: Layout, args) -> None:
-    from draftline.dataset import build_dataset
+    from draftline.stages.dataset import build_dataset
 
     files = lay.response_shards(cfg["prompts"]["num_shards"])
     build_dataset(files, target_model(cfg), lay.dataset,
@@ -81,14 +81,14 @@ def cmd_dataset(cfg: dict, lay: Layout, args) -> None:
 
 
 def cmd_vocab(cfg: dict, lay: Layout, args) -> None:
-    from draftline.vocab import build_vocab_map, target_vocab_size
+    from draftline.stages.vocab import build_vocab_map, target_vocab_size
 
     build_vocab_map(lay.dataset, target_vocab_size(target_model(cfg)),
                 cfg["vocab"]["draft_vocab_size"], lay.vocab)
 
 
 def cmd_hidden(cfg: dict, lay: Layout, args) -> None:
-    from draftline.hidden import extract_hidden_states
+    from draftline.stages.hidden import extract_hidden_states
 
     hidden_cfg = {**cfg["hidden"], "trust_remote_code": cfg["target"]["trust_remote_code"]}
     extract_hidden_states(lay.dataset, target_model(cfg), lay.hidden, hidden_cfg,
@@ -96,7 +96,7 @@ def cmd_hidden(cfg: dict, lay: Layout, args) -> None:
 
 
 def cmd_train(cfg: dict, lay: Layout, args) -> None:
-    from draftline.train import train_draft
+    from draftline.stages.train import train_draft
 
     online = None
     if cfg["hidden"]["mode"] == "online":  # states produced while training, from the dataset
@@ -109,7 +109,7 @@ def cmd_train(cfg: dict, lay: Layout, args) -> None:
 
 
 def cmd_export(cfg: dict, lay: Layout, args) -> None:
-    from draftline.export import export_draft
+    from draftline.stages.export import export_draft
 
     # the layers training read (from the stored index or produced online)
     layer_ids = json.loads(lay.train_eval.read_text())["layer_ids"]
@@ -117,7 +117,7 @@ def cmd_export(cfg: dict, lay: Layout, args) -> None:
 
 
 def cmd_bench(cfg: dict, lay: Layout, args) -> None:
-    from draftline.bench import measure_deployment_benchmark
+    from draftline.stages.bench import measure_deployment_benchmark
 
     files = lay.response_shards(cfg["prompts"]["num_shards"])
     measure_deployment_benchmark(files, lay.checkpoint, lay.train_eval, lay.profile_json,
@@ -135,13 +135,13 @@ def cmd_plan(cfg: dict, lay: Layout, args) -> None:
 
 
 def cmd_server_stop_all(cfg: dict, lay: Layout, args) -> None:
-    from draftline.server import stop_all
+    from draftline.serving.server import stop_all
 
     print(f"stopped {stop_all(lay.servers)} shared server(s)")
 
 
 def cmd_bundle(cfg: dict, lay: Layout, args) -> None:
-    from draftline.bundle import BundleInputs, build_bundle, publish_files
+    from draftline.stages.bundle import BundleInputs, build_bundle, publish_files
 
     bundle_dir, tar = lay.bundle, lay.bundle_tar
     build_bundle(BundleInputs.from_results(lay.root), bundle_dir, tar, config=cfg,
@@ -202,11 +202,11 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.command == "config-docs":  # documents the schema, reads no config
-        from draftline.config_docs import write_or_check
+        from draftline.core.config_docs import write_or_check
 
         return write_or_check(Path(args.out), check=args.check)
     if args.command == "verify":  # needs no config: checks a bundle from anywhere
-        from draftline.bundle import main_rebuild, main_verify
+        from draftline.stages.bundle import main_rebuild, main_verify
 
         if args.rebuild is not None:
             return main_rebuild(args.rebuild, args.bundle)
@@ -217,7 +217,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"draftline: {exc}", file=sys.stderr)
         return 2
     handler = COMMANDS[args.command][0]
-    from draftline.responses import GenerationLocked, OutputNotWritable
+    from draftline.stages.responses import GenerationLocked, OutputNotWritable
 
     try:
         handler(config, Layout.from_config(config), args)

@@ -48,7 +48,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from draftline.target import NUM_AUX_LAYERS, rope_theta_of, text_config
+from draftline.core.target import NUM_AUX_LAYERS, rope_theta_of, text_config
 
 # ----------------------------------------------------------------------------- config
 

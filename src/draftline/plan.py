@@ -21,9 +21,9 @@ import json
 import shutil
 from pathlib import Path
 
-from draftline.hidden.online import online_cfg
-from draftline.layout import Layout
-from draftline.target import DTYPE_SIZES, NUM_AUX_LAYERS, text_config
+from draftline.core.layout import Layout
+from draftline.core.target import DTYPE_SIZES, NUM_AUX_LAYERS, text_config
+from draftline.stages.hidden.online import online_cfg
 
 # ----------------------------------------------------------------------------- assumptions
 # Used only when nothing measured is available; each row names the ones it used.
@@ -360,7 +360,7 @@ def _bench_row(config: dict, measured: dict, kind: str) -> dict:
     configuration. Its levels are ``bench.levels`` or the defaults up to the concurrency
     generation uses (the measured profile's choice under ``auto``; else the profile's highest
     level, assumed)."""
-    from draftline.bench import default_levels
+    from draftline.stages.bench import default_levels
 
     bench, generate = config["bench"], config["generate"]
     configs = 1 + len(bench["num_speculative_tokens"])
@@ -448,7 +448,7 @@ def format_plan(rows: list[dict]) -> str:
 
 def production_example() -> tuple[dict, dict]:
     """The production case of docs/production.md as (config, measured): Kimi-K2.5 on 8 GPUs."""
-    from draftline.config import validate_config
+    from draftline.core.config import validate_config
 
     config = validate_config({
         "target": {"model": "moonshotai/Kimi-K2.5", "trust_remote_code": True},
@@ -475,7 +475,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.production:
         config, measured = production_example()
     else:
-        from draftline.config import load_config
+        from draftline.core.config import load_config
 
         config = load_config(args.config)
         measured = measured_from_results(config)

