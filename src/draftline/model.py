@@ -1,6 +1,6 @@
 """The EAGLE-3 draft model, its training-time-test (TTT) unroll, loss and metrics.
 
-Kept whole (about 720 lines) on purpose, like nanoGPT's model.py. One file, top to bottom:
+Kept whole (about 800 lines) on purpose, like nanoGPT's model.py. One file, top to bottom:
 config, norms and rotary, the attention with its TTT diagonal, the decoder layer, the draft,
 the frozen target head that makes the training targets, the loss.
 

@@ -1,9 +1,8 @@
 """Synthetic responses: every prompt answered exactly once by the served target.
 
-Kept whole (about 620 lines): settings, the request and its retry policy, the run and the
+Kept whole (about 750 lines): settings, the request and its retry policy, the run and the
 shard summaries are one stage read in order; the endpoint clients
-(``draftline.serving.endpoint_clients``)
-and the kept answers (``draftline.stages.responses``) have their own modules.
+(``draftline.serving.endpoint_clients``) and the kept answers (``draftline.stages.responses``) have their own modules.
 
 One generation job serves every shard: one process, one aiohttp client per endpoint
 (``draftline.serving.endpoint_clients.EndpointClient``, which says why not the ``openai`` client)
