@@ -2,18 +2,18 @@
 
 Kept whole (about 750 lines): settings, the request and its retry policy, the run and the
 shard summaries are one stage read in order; the endpoint clients
-(``draftline.serving.endpoint_clients``) and the kept answers (``draftline.stages.responses``) have their own modules.
+(``draftline.serving.endpoint_clients``) and the kept answers (``draftline.stages.responses``)
+have their own modules.
 
 One generation job serves every shard: one process, one aiohttp client per endpoint
-(``draftline.serving.endpoint_clients.EndpointClient``, which says why not the ``openai`` client)
-and
-one fixed pool of C x endpoints worker coroutines (never one task per prompt) that pull
+(``draftline.serving.endpoint_clients.EndpointClient``, which says why not the ``openai``
+client) and one fixed pool of C x endpoints worker coroutines (never one task per prompt) that pull
 prompts from all shard files in order (``GenerationRun``). The server so stays full across
 shard boundaries (the next shard's prompts are asked while the last answers of the previous
 one are still generated), the run has one tail, and the process start-up is paid once.
 
-Durability and resume (``draftline.stages.responses``): answers are appended to a kept file as they
-arrive, each with the fingerprint of what determined it; a rerun asks only for the prompts
+Durability and resume (``draftline.stages.responses``): answers are appended to a kept file
+as they arrive, each with the fingerprint of what determined it; a rerun asks only for the prompts
 without a valid kept answer. At the end each shard is written once, sorted in prompt order, by
 atomic rename. One run at a time writes a responses folder (``generation_lock``), checked
 writable before the first request; every run, however it ends, adds its counts to each shard's
