@@ -129,9 +129,36 @@ def test_train_serve_gap_pools_the_counters_over_levels():
     rows = [_row("eagle3-k1", 1, 0, 10, 5, drafts=100, accepted=50),
             _row("eagle3-k1", 4, 0, 10, 5, drafts=10, accepted=9),
             _row("eagle3-k1", 4, 0, 10, 5, drafts=10, accepted=0, temp=0.7)]  # not T = 0
-    (gap,) = train_serve_gap(rows, [{"name": "eagle3-k1", "num_speculative_tokens": 1}],
-                             {"simulated_acceptance_length_by_num_drafts": [1.5]}, log=print)
+    gaps = train_serve_gap(rows, [{"name": "eagle3-k1", "num_speculative_tokens": 1}],
+                           {"simulated_acceptance_length_by_num_drafts": [1.5]}, log=print)
+    (gap,) = [g for g in gaps if g["temperature"] == 0]
     assert gap["serving"] == pytest.approx(1 + 59 / 110, abs=1e-4)
+
+
+def test_train_serve_gap_has_a_row_per_served_temperature():
+    """T > 0 is compared with the evaluation's figure at that temperature; a temperature not
+    simulated, or served acceptance marked as depending on C, gets a row with its reason."""
+    rows = [_row("eagle3-k1", 4, 0, 10, 5, drafts=100, accepted=60, temp=0.0),
+            _row("eagle3-k1", 4, 0, 10, 5, drafts=100, accepted=40, temp=0.7),
+            _row("eagle3-k1", 4, 0, 10, 5, drafts=100, accepted=30, temp=1.0)]
+    eval_json = {"simulated_acceptance_length_by_num_drafts": [1.6],
+                 "simulated_acceptance_length_at": {"0.7": [1.5]}}
+    configs = [{"name": "eagle3-k1", "num_speculative_tokens": 1}]
+    by_t = {g["temperature"]: g for g in train_serve_gap(rows, configs, eval_json, log=print)}
+    assert by_t[0.0]["gap_pct"] == pytest.approx(0.0) and by_t[0.0]["note"] is None
+    assert by_t[0.7]["simulated"] == 1.5 and by_t[0.7]["serving"] == pytest.approx(1.4)
+    assert by_t[0.7]["gap_pct"] == pytest.approx(-6.67, abs=0.01)
+    assert by_t[1.0]["simulated"] is None and by_t[1.0]["gap_pct"] is None
+    assert "not simulated at T=1" in by_t[1.0]["note"]
+    summary = [{"config": "eagle3-k1", "temperature": 0.7, "acceptance_varies_with_c": {}},
+               {"config": "eagle3-k1", "temperature": 0.7,
+                "acceptance_varies_with_c": {"positions": [1]}}]
+    marked = {g["temperature"]: g for g in train_serve_gap(rows, configs, eval_json,
+                                                           log=print, summary=summary)}
+    assert "depends on the concurrency" in marked[0.7]["note"] and not marked[0.7]["warning"]
+    text = summary_markdown({"summary": [], "num_prompts": 8, "repetitions": 1,
+                             "train_serve_gap": list(marked.values())})
+    assert "| eagle3-k1 | 0.7 | 1.5 | 1.4 | -6.7 | served acceptance depends" in text
 
 
 def test_eval_prompts_are_the_eval_split_only(tmp_path):

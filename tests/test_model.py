@@ -13,12 +13,14 @@ from draftline.model import (
     Eagle3Draft,
     FusedTTTAttention,
     TargetHead,
+    acceptance_length_from,
     apply_rotary,
     fused_attention_ok,
     init_draft_weights,
     metrics_from_counts,
     on_greedy_path,
     rotary_tables,
+    sampled_acceptance_counts,
     shift_left,
     ttt_attention,
     ttt_attention_reference,
@@ -390,6 +392,44 @@ def test_target_head_restricts_to_draft_vocab():
     torch.testing.assert_close(logp, torch.log_softmax(full[..., chosen], -1))
     assert torch.equal(in_draft, t2d[full.argmax(-1)])
     assert torch.equal(argmax, full.argmax(-1))
+
+
+def test_target_head_gives_full_vocab_probabilities_at_a_temperature():
+    """The server's rule at T > 0 uses the target's softmax(logits / T) over its whole vocab:
+    a draft token's probability is not renormalised over the draft vocab."""
+    gen = torch.Generator().manual_seed(0)
+    hidden, vocab = 8, 12
+    final = torch.randn(2, 5, hidden, generator=gen)
+    lm_head, norm_w = torch.randn(vocab, hidden, generator=gen), torch.rand(hidden) + 0.5
+    chosen = torch.tensor([1, 4, 5, 9])
+    head = TargetHead(norm_w, lm_head, 1e-6, chosen - torch.arange(4),
+                      torch.zeros(vocab, dtype=torch.bool))
+    normed = final * torch.rsqrt(final.pow(2).mean(-1, keepdim=True) + 1e-6) * norm_w
+    full = normed @ lm_head.T  # [2, 5, V]
+    for temperature in (0.5, 1.0):
+        torch.testing.assert_close(head.logp_at_temperature(final, temperature, chunk_rows=3),
+                                   torch.log_softmax(full / temperature, -1)[..., chosen])
+
+
+def test_sampled_acceptance_follows_the_draft_while_it_matches_the_data():
+    """One sample, 6 positions, K = 2 over a 3-token draft vocab mapped to target ids 10-12.
+    Step 0 row i predicts token i+2 with the target's probabilities at row i+1; step 1 counts
+    a row only where step 0's draft equalled the data token."""
+    input_ids = torch.tensor([[10, 11, 12, 10, 11, 12]])
+    loss_mask = torch.tensor([[0, 0, 1, 1, 1, 1]])
+    draft_ids = torch.tensor([10, 11, 12])
+    probs = torch.full((1, 6, 3), 0.1)
+    probs[0, :, 0] = torch.tensor([0.0, 0.5, 0.6, 0.7, 0.8, 0.9])  # P(target id 10) per row
+    # the draft always proposes draft id 0 (target id 10)
+    logits = [torch.tensor([[[5.0, 0.0, 0.0]] * 6]) for _ in range(2)]
+    counts = sampled_acceptance_counts(logits, probs.log(), input_ids, loss_mask, draft_ids)
+    # step 0: rows 0..3 predict tokens 2..5 (all generated), target rows 1..4
+    assert counts[:, 0].tolist() == pytest.approx([0.5 + 0.6 + 0.7 + 0.8, 4])
+    # step 1: rows 0..2 predict tokens 3..5 from target rows 2..4; eligible where step 0's
+    # draft (10) was the data token i+2: only row 1 (token 3 = 10)
+    assert counts[:, 1].tolist() == pytest.approx([0.7, 1])
+    a0, a1 = 2.6 / 4, 0.7
+    assert acceptance_length_from(counts) == pytest.approx([1 + a0, 1 + a0 + a0 * a1])
 
 
 def test_draft_config_from_a_kimi_like_target():

@@ -615,6 +615,24 @@ class TargetHead(nn.Module):
         return (*out, argmax_ids) if with_argmax else out
 
 
+    @torch.no_grad()
+    def logp_at_temperature(self, final: torch.Tensor, temperature: float,
+                            chunk_rows: int = 2048) -> torch.Tensor:
+        """final ``[..., Ht]`` -> the target's log-probability at ``temperature`` (softmax of
+        logits / T over its full vocab, as a server samples it) of each draft-vocab token
+        ``[..., D]`` fp32. Evaluation only: the training targets are ``forward``'s."""
+        flat = final.reshape(-1, final.shape[-1])  # [N, Ht]
+        out = []
+        for rows in flat.split(chunk_rows):
+            x32 = rows.float()
+            normed = (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps))
+            normed = self.norm_weight * normed.to(self.norm_weight.dtype)
+            logits = F.linear(normed.to(self.lm_head.dtype), self.lm_head).float()  # [n, V]
+            logp = torch.log_softmax(logits / temperature, dim=-1)  # [n, V]
+            out.append(logp[:, self.draft_ids])  # [n, D]
+        return torch.cat(out).view(*final.shape[:-1], -1)
+
+
 def on_greedy_path(input_ids: torch.Tensor, target_argmax: torch.Tensor) -> torch.Tensor:
     """``[B, T]`` bool: token j is the target's argmax at row j-1 (what the server would have
     taken there at temperature 0). Token 0 has no row before it: False."""
@@ -790,6 +808,46 @@ def metrics_from_counts(counts: torch.Tensor) -> dict:
         "simulated_acceptance_length_by_num_drafts": by_drafts,
         "simulated_acceptance_temperature": 0.0,
     }
+
+
+def sampled_acceptance_counts(step_logits: list[torch.Tensor], target_logp_t: torch.Tensor,
+                              input_ids: torch.Tensor, loss_mask: torch.Tensor,
+                              draft_ids: torch.Tensor) -> torch.Tensor:
+    """Per unroll step, what vLLM's rule gives a greedy draft at temperature T > 0: the draft's
+    argmax token d is accepted with the target's probability of it at T. Step k of row i counts
+    (is eligible) when the token it predicts is a generated one and the draft's tokens before
+    it equal the data's, so that the data context is the server's context after accepting
+    them. step_logits K x ``[B, T, D]``; target_logp_t ``[B, T, D]`` from
+    :meth:`TargetHead.logp_at_temperature`; draft_ids ``[D]`` the target id of each draft id.
+    Returns ``[2, K]`` float64: the summed acceptance probabilities and the eligible rows."""
+    batch, length = loss_mask.shape
+    chain = torch.ones(batch, length, dtype=torch.bool, device=loss_mask.device)  # [B, T]
+    per_step = []
+    for k, logits in enumerate(step_logits):
+        rows = length - 2 - k
+        if rows <= 0:
+            per_step.append(torch.zeros(2, dtype=torch.float64, device=loss_mask.device))
+            continue
+        drafted = logits[:, :rows].argmax(-1)  # [B, n] draft ids
+        p_accept = target_logp_t[:, 1 + k:1 + k + rows].gather(
+            -1, drafted.unsqueeze(-1)).squeeze(-1).exp()  # [B, n]
+        eligible = loss_mask[:, 2 + k:2 + k + rows].bool() & chain[:, :rows]
+        per_step.append(torch.stack([(p_accept * eligible).sum().double(),
+                                     eligible.sum().double()]))
+        chain[:, :rows] = eligible & (draft_ids[drafted] == input_ids[:, 2 + k:2 + k + rows])
+        chain[:, rows:] = False
+    return torch.stack(per_step, dim=1).cpu()
+
+
+def acceptance_length_from(accept_counts: torch.Tensor) -> list[float]:
+    """``[2, K]`` summed acceptance probabilities and eligible rows per step -> the expected
+    tokens per drafting round after 1..K drafts: 1 + sum_k prod_{j<=k} a_j."""
+    by_drafts, total, joint = [], 1.0, 1.0
+    for accepted, eligible in accept_counts.double().t().tolist():
+        joint *= accepted / eligible if eligible else 0.0
+        total += joint
+        by_drafts.append(total)
+    return by_drafts
 
 
 def init_draft_weights(model: Eagle3Draft, seed: int) -> None:

@@ -44,7 +44,8 @@ speed-up. A configuration that fails mid-run leaves the rows measured before it 
                     "configs": {name: {"num_speculative_tokens", "acceptance_length",
                                        "round_ms", "draft_step_ms",
                                        "break_even_acceptance_length", "max_speedup"}}},
-     "train_serve_gap": [{"config", "simulated", "serving", "gap_pct", "warning"}],
+     "train_serve_gap": [{"config", "temperature", "simulated", "serving", "gap_pct",
+                          "warning", "note"}],
      "best": {"num_speculative_tokens", "speedup_throughput"}}
 """
 
@@ -370,38 +371,68 @@ def add_speedups(summary: list[dict]) -> None:
             s["speedup_tpot"] = round(b["tpot_ms_p50"]["median"] / s["tpot_ms_p50"]["median"], 4)
 
 
-def simulated_acceptance(eval_json: dict, num_speculative_tokens: int) -> float | None:
+def simulated_acceptance(eval_json: dict, num_speculative_tokens: int,
+                         temperature: float = 0.0) -> float | None:
     """The training evaluation's simulated acceptance length at ``num_speculative_tokens``
-    drafts (``draftline.model.metrics_from_counts``: along the target's greedy path, so a T=0
-    figure). None when training unrolled fewer steps than the server drafts."""
-    by_drafts = eval_json.get("simulated_acceptance_length_by_num_drafts") or []
+    drafts served at ``temperature``: at 0 along the target's greedy path
+    (``draftline.model.metrics_from_counts``), above 0 the greedy draft accepted with the
+    target's probability of it (``simulated_acceptance_length_at``, for the temperatures
+    ``train.eval_temperatures`` names). None when not simulated there, or when training
+    unrolled fewer steps than the server drafts."""
+    if temperature == 0:
+        by_drafts = eval_json.get("simulated_acceptance_length_by_num_drafts") or []
+    else:
+        by_drafts = (eval_json.get("simulated_acceptance_length_at") or {}).get(
+            f"{temperature:g}") or []
     if len(by_drafts) < num_speculative_tokens:
         return None
     return round(by_drafts[num_speculative_tokens - 1], 4)
 
 
 def train_serve_gap(rows: list[dict], configs: list[dict], eval_json: dict | None,
-                    log=print) -> list[dict]:
-    """Serving acceptance at temperature 0, its counters pooled over every level and
-    repetition (``pooled_acceptance``), against the simulated one."""
+                    log=print, summary: list[dict] | None = None) -> list[dict]:
+    """Per speculative configuration and served temperature: serving acceptance, its counters
+    pooled over every level and repetition (``pooled_acceptance``), against the simulated one.
+    A row says why it has no gap when there is none to trust: a temperature training did not
+    simulate, or served acceptance the summary marks as depending on the concurrency."""
     gaps = []
     for cfg in configs:
         n = cfg["num_speculative_tokens"]
         if n is None or eval_json is None:
             continue
-        greedy = [r for r in rows if r["config"] == cfg["name"] and r["temperature"] == 0]
-        serve = pooled_acceptance(greedy)["acceptance_length"] if greedy else None
-        simulated = simulated_acceptance(eval_json, n)
-        if not serve or simulated is None:
-            continue
-        gap = 100.0 * (serve - simulated) / simulated
-        warning = abs(gap) > GAP_WARN_PCT
-        if warning:
-            log(f"WARNING: {cfg['name']}: serving acceptance length {serve:.3f} differs from the "
-                f"simulated {simulated:.3f} by {gap:+.1f}% (more than {GAP_WARN_PCT:.0f}%)")
-        gaps.append({"config": cfg["name"], "simulated": simulated, "serving": round(serve, 4),
-                     "gap_pct": round(gap, 2), "warning": warning})
+        for temperature in sorted({r["temperature"] for r in rows if r["config"] == cfg["name"]}):
+            served = [r for r in rows
+                      if r["config"] == cfg["name"] and r["temperature"] == temperature]
+            serve = pooled_acceptance(served)["acceptance_length"]
+            if serve:
+                gaps.append(_gap_row(cfg["name"], temperature, serve,
+                                     simulated_acceptance(eval_json, n, temperature),
+                                     _varies_with_c(summary, cfg["name"], temperature), log))
     return gaps
+
+
+def _varies_with_c(summary: list[dict] | None, config: str, temperature: float) -> bool:
+    return any(s.get("acceptance_varies_with_c") for s in summary or []
+               if s["config"] == config and s["temperature"] == temperature)
+
+
+def _gap_row(config: str, temperature: float, serve: float, simulated: float | None,
+             varies_with_c: bool, log) -> dict:
+    row = {"config": config, "temperature": temperature, "simulated": simulated,
+           "serving": round(serve, 4), "gap_pct": None, "warning": False, "note": None}
+    if simulated is None:
+        row["note"] = f"not simulated at T={temperature:g} (train.eval_temperatures)"
+        return row
+    row["gap_pct"] = round(100.0 * (serve - simulated) / simulated, 2)
+    if varies_with_c:
+        row["note"] = "served acceptance depends on the concurrency (marked c): not compared"
+        return row
+    row["warning"] = abs(row["gap_pct"]) > GAP_WARN_PCT
+    if row["warning"]:
+        log(f"WARNING: {config} at T={temperature:g}: serving acceptance length {serve:.3f} "
+            f"differs from the simulated {simulated:.3f} by {row['gap_pct']:+.1f}% (more than "
+            f"{GAP_WARN_PCT:.0f}%)")
+    return row
 
 
 def _cell_of(summary: list[dict], config: str, temperature: float) -> dict | None:
@@ -560,16 +591,19 @@ def summary_markdown(result: dict) -> str:
     lines += explain_speedup(result.get("step_costs"))
     lines += explain_concurrency_dependence(result["summary"])
     if result["train_serve_gap"]:
-        lines += ["", "## Train-serve gap (temperature 0)", "",
-                  "Simulated: the training evaluation's acceptance length along the target's "
-                  "greedy path (a T=0 figure; at T > 0 vLLM accepts a greedy draft token with "
-                  "the target's probability of it, so acceptance is lower and not simulated). "
-                  "Serving: vLLM's spec-decode counters at T=0, pooled over levels.", "",
-                  "| config | simulated | serving | gap % |", "|---|---|---|---|"]
+        lines += ["", "## Train-serve gap", "",
+                  "Simulated: the training evaluation's acceptance length, at T=0 along the "
+                  "target's greedy path, at T > 0 with each greedy draft token accepted with "
+                  "the target's probability of it at T (train.eval_temperatures; top_p not "
+                  "simulated). Serving: vLLM's spec-decode counters, pooled over levels.", "",
+                  "| config | T | simulated | serving | gap % | note |",
+                  "|---|---|---|---|---|---|"]
         for g in result["train_serve_gap"]:
+            gap = "-" if g.get("gap_pct") is None else f"{g['gap_pct']:+.1f}"
             flag = " (over 10%)" if g["warning"] else ""
-            lines.append(f"| {g['config']} | {g['simulated']} | {g['serving']} | "
-                         f"{g['gap_pct']:+.1f}{flag} |")
+            lines.append(f"| {g['config']} | {g.get('temperature', 0):g} | "
+                         f"{g['simulated'] if g['simulated'] is not None else '-'} | "
+                         f"{g['serving']} | {gap}{flag} | {g.get('note') or ''} |")
     return "\n".join(lines) + "\n"
 
 
@@ -714,7 +748,7 @@ def measure_deployment_benchmark(response_files: list[str], draft_dir: str, eval
                                          managed=not external_urls),
               "rows": rows, "summary": summary,
               "step_costs": step_costs(summary, configs),
-              "train_serve_gap": train_serve_gap(rows, configs, train_eval, log),
+              "train_serve_gap": train_serve_gap(rows, configs, train_eval, log, summary),
               "best": best_config(summary)}
     write_json(out / BENCH_RESULTS, result, indent=2)
     write_text(out / BENCH_SUMMARY, summary_markdown(result))

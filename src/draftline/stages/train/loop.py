@@ -22,7 +22,14 @@ from draftline.core.config import resolve_section
 from draftline.core.layout import ONLINE_STATS
 from draftline.core.machine import torch_machine
 from draftline.core.target import read_teacher_config
-from draftline.model import COUNT_KEYS, metrics_from_counts, on_greedy_path, ttt_loss
+from draftline.model import (
+    COUNT_KEYS,
+    acceptance_length_from,
+    metrics_from_counts,
+    on_greedy_path,
+    sampled_acceptance_counts,
+    ttt_loss,
+)
 from draftline.stages.hidden.store import HiddenStates
 from draftline.stages.train.checkpoint import (
     STATE_DIR,
@@ -255,6 +262,14 @@ def online_machine(store, rt: Runtime) -> dict:
 
 def run_micro_batch(model, head, batch: dict, cfg: dict, rt: Runtime):
     """Forward one micro-batch: (loss, counts ``[6, K]``)."""
+    loss, counts, _ = forward_micro_batch(model, head, batch, cfg, rt)
+    return loss, counts
+
+
+def forward_micro_batch(model, head, batch: dict, cfg: dict, rt: Runtime,
+                        temperatures: tuple[float, ...] = ()):
+    """One micro-batch: (loss, counts ``[6, K]``, acceptance counts ``[len(temperatures), 2,
+    K]`` of a greedy draft served at each temperature, ``sampled_acceptance_counts``)."""
     cuda = rt.device.type == "cuda"
     dtype = torch.bfloat16 if cuda else torch.float32
     aux = batch["aux"].to(rt.device, dtype, non_blocking=True)  # [B, T, 3Ht]
@@ -265,18 +280,35 @@ def run_micro_batch(model, head, batch: dict, cfg: dict, rt: Runtime):
     with amp:
         target_logp, target_in_draft, argmax = head(final, with_argmax=True)  # [B, T, (D)]
         logits = model(aux, input_ids, cfg["ttt_steps"])  # K x [B, T, D]
-        return ttt_loss(logits, target_logp, target_in_draft, loss_mask, cfg["loss_decay"],
-                        greedy_path=on_greedy_path(input_ids, argmax), objective=cfg["loss"])
+        loss, counts = ttt_loss(logits, target_logp, target_in_draft, loss_mask,
+                                cfg["loss_decay"], greedy_path=on_greedy_path(input_ids, argmax),
+                                objective=cfg["loss"])
+        accepted = torch.stack([
+            sampled_acceptance_counts(logits, head.logp_at_temperature(final, t), input_ids,
+                                      loss_mask, head.draft_ids)
+            for t in temperatures]) if temperatures else None
+    return loss, counts, accepted
 
 
 def evaluate(model, head, data, cfg: dict, rt: Runtime) -> dict:
-    """Metrics over the whole eval split; micro-batches are spread over the ranks."""
+    """Metrics over the whole eval split; micro-batches are spread over the ranks. Beside the
+    temperature-0 figures, the simulated acceptance of a greedy draft served at each
+    ``train.eval_temperatures`` (``simulated_acceptance_length_at``: per temperature, after
+    1..K drafts)."""
+    temperatures = tuple(cfg["eval_temperatures"])
     counts = torch.zeros(len(COUNT_KEYS), cfg["ttt_steps"], dtype=torch.float64)
+    accepted = torch.zeros(len(temperatures), 2, cfg["ttt_steps"], dtype=torch.float64)
     model.eval()
     with torch.no_grad():
         for batch, keep in data.eval_batches():
-            _, c = run_micro_batch(model, head, batch, cfg, rt)
+            _, c, a = forward_micro_batch(model, head, batch, cfg, rt, temperatures)
             if keep:
                 counts += c
+                if a is not None:
+                    accepted += a
     model.train()
-    return metrics_from_counts(all_reduce_sum(counts, rt))
+    metrics = metrics_from_counts(all_reduce_sum(counts, rt))
+    accepted = all_reduce_sum(accepted, rt)
+    metrics["simulated_acceptance_length_at"] = {
+        f"{t:g}": acceptance_length_from(a) for t, a in zip(temperatures, accepted, strict=True)}
+    return metrics
