@@ -12,4 +12,5 @@ with logged(snakemake.log[0]):
         snakemake.params.hidden,
         server_cfg=snakemake.params.server,
         server_state_dir=snakemake.params.state_dir,
+        sampling=snakemake.params.sampling,
     )

@@ -87,12 +87,17 @@ def cmd_vocab(cfg: dict, lay: Layout, args) -> None:
                 cfg["vocab"]["draft_vocab_size"], lay.vocab)
 
 
+def answer_sampling(cfg: dict) -> dict:
+    """How the dataset's answers were sampled: what the hidden-state gate checks against."""
+    return {key: cfg["generate"][key] for key in ("temperature", "top_p")}
+
+
 def cmd_hidden(cfg: dict, lay: Layout, args) -> None:
     from draftline.stages.hidden import extract_hidden_states
 
     hidden_cfg = {**cfg["hidden"], "trust_remote_code": cfg["target"]["trust_remote_code"]}
     extract_hidden_states(lay.dataset, target_model(cfg), lay.hidden, hidden_cfg,
-                          server_cfg=cfg["server"])
+                          server_cfg=cfg["server"], sampling=answer_sampling(cfg))
 
 
 def cmd_train(cfg: dict, lay: Layout, args) -> None:

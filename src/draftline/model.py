@@ -603,10 +603,7 @@ class TargetHead(nn.Module):
         flat = final.reshape(-1, final.shape[-1])  # [N, Ht]
         logps, argmax = [], []
         for rows in flat.split(chunk_rows):  # bounds the [rows, V] logits (V = 163,840 at Kimi)
-            x32 = rows.float()
-            normed = (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps))
-            normed = self.norm_weight * normed.to(self.norm_weight.dtype)
-            logits = F.linear(normed.to(self.lm_head.dtype), self.lm_head)  # [n, V]
+            logits = self.logits(rows)  # [n, V]
             argmax.append(logits.argmax(-1))  # [n]
             logps.append(torch.log_softmax(logits[:, self.draft_ids].float(), dim=-1))  # [n, D]
         shape = final.shape[:-1]
@@ -614,6 +611,20 @@ class TargetHead(nn.Module):
         out = (torch.cat(logps).view(*shape, -1), self.t2d[argmax_ids])
         return (*out, argmax_ids) if with_argmax else out
 
+
+    def logits(self, rows: torch.Tensor) -> torch.Tensor:
+        """rows ``[n, Ht]`` (pre-norm last-layer states) -> the target's logits ``[n, V]``:
+        its final RMSNorm (in fp32) and lm_head."""
+        x32 = rows.float()
+        normed = (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps))
+        normed = self.norm_weight * normed.to(self.norm_weight.dtype)
+        return F.linear(normed.to(self.lm_head.dtype), self.lm_head)
+
+    @torch.no_grad()
+    def full_logits(self, states: torch.Tensor, chunk_rows: int = 2048) -> torch.Tensor:
+        """states ``[N, Ht]`` -> the target's logits over its full vocab ``[N, V]`` fp32."""
+        return torch.cat([self.logits(rows.to(self.lm_head.dtype)).float()
+                          for rows in states.split(chunk_rows)])
 
     @torch.no_grad()
     def logp_at_temperature(self, final: torch.Tensor, temperature: float,
@@ -624,10 +635,7 @@ class TargetHead(nn.Module):
         flat = final.reshape(-1, final.shape[-1])  # [N, Ht]
         out = []
         for rows in flat.split(chunk_rows):
-            x32 = rows.float()
-            normed = (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps))
-            normed = self.norm_weight * normed.to(self.norm_weight.dtype)
-            logits = F.linear(normed.to(self.lm_head.dtype), self.lm_head).float()  # [n, V]
+            logits = self.logits(rows).float()  # [n, V]
             logp = torch.log_softmax(logits / temperature, dim=-1)  # [n, V]
             out.append(logp[:, self.draft_ids])  # [n, D]
         return torch.cat(out).view(*final.shape[:-1], -1)

@@ -172,3 +172,34 @@ def find_tensor(weight_map: dict[str, Path], suffix: str, target_dir: Path) -> s
     if len(hits) > 1:
         raise ValueError(f"target {target_dir}: several tensors match '{suffix}': {hits[:4]}")
     return hits[0] if hits else None
+
+
+def load_target_tensors(target_dir: Path) -> dict:
+    """The only target tensors the draft and its teacher need: ``embed``, ``norm`` and
+    ``lm_head`` (torch tensors; safetensors is imported here, the module stays standard
+    library only)."""
+    from safetensors import safe_open
+
+    target_dir = Path(target_dir)
+    cfg = read_teacher_config(target_dir)
+    weight_map = target_weight_map(target_dir)
+    names = {key: find_tensor(weight_map, suffix, target_dir) for key, suffix in
+             (("embed", "embed_tokens.weight"), ("norm", "model.norm.weight"),
+              ("lm_head", "lm_head.weight"))}
+    tied = bool(cfg.get("tie_word_embeddings") or text_config(cfg).get("tie_word_embeddings"))
+    if tied or names["lm_head"] is None:
+        if not tied:
+            raise ValueError(f"target {target_dir}: no lm_head.weight and tie_word_embeddings "
+                             "is not set")
+        names["lm_head"] = names["embed"]
+    tensors = {}
+    for key, name in names.items():
+        if name is None:
+            raise ValueError(f"target {target_dir}: tensor '{key}' not found in the weights")
+        file = weight_map[name]
+        if not file.exists():
+            raise FileNotFoundError(f"target {target_dir}: weights file {file} (for {name}) "
+                                    "is missing")
+        with safe_open(str(file), framework="pt") as f:
+            tensors[key] = f.get_tensor(name)
+    return tensors

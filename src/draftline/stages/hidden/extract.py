@@ -259,7 +259,8 @@ def _disk_need(parts: list[PartSpec], splits: dict[str, SplitData], per_token: i
 
 def extract_hidden_states(dataset_dir: str | Path, target_dir: str | Path, out_dir: str | Path,
             hidden_cfg: dict, server_cfg: dict | None = None,
-            server_state_dir: str | Path | None = None) -> dict:
+            server_state_dir: str | Path | None = None,
+            sampling: dict | None = None) -> dict:
     """Extract hidden states for every sample of the dataset; return the index.
 
     ``hidden_cfg`` is the config's ``hidden`` section (missing keys take the schema defaults;
@@ -268,7 +269,10 @@ def extract_hidden_states(dataset_dir: str | Path, target_dir: str | Path, out_d
     servers recorded in ``server_state_dir`` (they would hold the accelerators' memory).
     Parts already complete from an earlier, interrupted run with the same target, layers,
     dtype, backend, tokens and loss masks are kept.
-    Raises DiskFullError before writing anything when the disk is too small.
+    Raises DiskFullError before writing anything when the disk is too small. With
+    ``sampling`` (the ``temperature`` and ``top_p`` the dataset's answers were generated at),
+    the hidden-state gate (``draftline.stages.hidden.gate``) checks the stored final states
+    before the index is written; a refused capture leaves the parts, and no index.
     """
     from tqdm import tqdm
 
@@ -328,6 +332,10 @@ def extract_hidden_states(dataset_dir: str | Path, target_dir: str | Path, out_d
             backend.close()
     elapsed = time.monotonic() - started
 
+    gate = None
+    if sampling is not None:
+        gate = gate_stored_states(out_dir, [p.path for p in parts if p.split == "train"]
+                                  or [p.path for p in parts], target_dir, info, sampling)
     index = _build_index(target_dir, info, layer_ids, cfg["backend"],
                          [records[p.path] for p in parts], _machine(cfg["backend"], server_cfg))
     write_json(out_dir / HIDDEN_INDEX, index)
@@ -335,12 +343,42 @@ def extract_hidden_states(dataset_dir: str | Path, target_dir: str | Path, out_d
         "computed_tokens": todo_tokens, "computed_files": len(todo),
         "reused_files": len(parts) - len(todo), "elapsed_s": round(elapsed, 3),
         "tokens_per_s": round(todo_tokens / elapsed, 1) if todo and elapsed > 0 else None,
-        "capacity": capacity, "backend": cfg["backend"],
+        "capacity": capacity, "backend": cfg["backend"], "gate": gate,
     })
     if index["rejected"]:
         log.warning("hidden states: %d samples rejected (non-finite states), listed in %s",
                     len(index["rejected"]), out_dir / HIDDEN_INDEX)
     return index
+
+
+def gate_stored_states(out_dir: Path, part_paths: list[str], target_dir: Path, info: dict,
+                       sampling: dict) -> dict:
+    """The hidden-state gate on the samples of the first stored parts (up to the gate's
+    positions): the target's head on their final states against the sampled tokens."""
+    import torch
+
+    from draftline.core.target import load_target_tensors
+    from draftline.model import TargetHead
+    from draftline.stages.hidden.gate import GATE_POSITIONS, check_final_states
+    from draftline.stages.hidden.store import load_part
+
+    samples, positions = [], 0
+    for path in part_paths:
+        tensors, _ = load_part(out_dir / path)
+        offsets = tensors["offsets"].tolist()
+        for start, end in zip(offsets[:-1], offsets[1:], strict=True):
+            samples.append({key: tensors[key][start:end]
+                            for key in ("final", "input_ids", "loss_mask")})
+            positions += int(tensors["loss_mask"][start:end].sum())
+        if positions >= GATE_POSITIONS:
+            break
+    weights = load_target_tensors(target_dir)
+    vocab = weights["lm_head"].shape[0]
+    head = TargetHead(weights["norm"].float(), weights["lm_head"].float(),
+                      text_config(info["config"]).get("rms_norm_eps", 1e-6),
+                      torch.zeros(vocab, dtype=torch.long), torch.ones(vocab, dtype=torch.bool))
+    return check_final_states(samples, head, float(sampling["temperature"]),
+                              float(sampling["top_p"]), info["num_layers"], str(out_dir))
 
 
 def _machine(backend: str, server_cfg: dict | None) -> dict:

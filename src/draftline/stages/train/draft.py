@@ -16,43 +16,15 @@ from safetensors import safe_open
 from safetensors.torch import load_file
 
 from draftline.core.target import (
-    find_tensor,
+    load_target_tensors,
     read_target_config,
     read_teacher_config,
-    target_weight_map,
     text_config,
 )
 from draftline.model import DraftConfig, Eagle3Draft, TargetHead, init_draft_weights
 from draftline.stages.hidden.layers import check_layer_ids
 from draftline.stages.hidden.store import HiddenStates
 from draftline.stages.train.checkpoint import DRAFT_CONFIG_FILE, save_weights
-
-
-def load_target_tensors(target_dir: Path) -> dict:
-    """The only target tensors the draft needs: ``embed``, ``norm`` and ``lm_head``."""
-    target_dir = Path(target_dir)
-    cfg = read_teacher_config(target_dir)
-    weight_map = target_weight_map(target_dir)
-    names = {key: find_tensor(weight_map, suffix, target_dir) for key, suffix in
-             (("embed", "embed_tokens.weight"), ("norm", "model.norm.weight"),
-              ("lm_head", "lm_head.weight"))}
-    tied = bool(cfg.get("tie_word_embeddings") or text_config(cfg).get("tie_word_embeddings"))
-    if tied or names["lm_head"] is None:
-        if not tied:
-            raise ValueError(f"target {target_dir}: no lm_head.weight and tie_word_embeddings "
-                             "is not set")
-        names["lm_head"] = names["embed"]
-    tensors = {}
-    for key, name in names.items():
-        if name is None:
-            raise ValueError(f"target {target_dir}: tensor '{key}' not found in the weights")
-        file = weight_map[name]
-        if not file.exists():
-            raise FileNotFoundError(f"target {target_dir}: weights file {file} (for {name}) "
-                                    "is missing")
-        with safe_open(str(file), framework="pt") as f:
-            tensors[key] = f.get_tensor(name)
-    return tensors
 
 
 def build_draft(target_dir: Path, vocab_map: Path, seed: int, device=None,

@@ -1,0 +1,80 @@
+"""The hidden-state gate: the target's head on the captured final states must give the
+target's own sampled tokens; a capture one layer off is refused, naming the layer."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from draftline.core.target import load_target_tensors, read_target_config, text_config
+from draftline.model import TargetHead
+from draftline.stages.hidden.gate import HiddenStateGateError, check_final_states, in_nucleus
+
+PROMPT, ANSWER = 12, 40
+
+
+def sampled_answers(target_dir, temperature: float, top_p: float, layers: int = 2) -> dict:
+    """The toy target's own answers to a few prompts, sampled as a server samples them, with
+    the pre-norm output of its last ``layers`` decoder layers at every position (forward
+    hooks: what a capture of those layers would store)."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.float32).eval()
+    gen = torch.Generator().manual_seed(0)
+    torch.manual_seed(0)
+    prompts = torch.randint(10, model.config.vocab_size, (24, PROMPT), generator=gen)
+    sampling = ({"do_sample": False} if temperature == 0 else
+                {"do_sample": True, "temperature": temperature, "top_p": top_p, "top_k": 0})
+    with torch.no_grad():
+        ids = model.generate(prompts, max_new_tokens=ANSWER, pad_token_id=0, **sampling)
+        captured = {}
+        hooks = [layer.register_forward_hook(
+            lambda _m, _i, out, k=k: captured.__setitem__(k, out[0] if isinstance(out, tuple)
+                                                          else out))
+            for k, layer in enumerate(model.model.layers[-layers:])]
+        model(ids)
+        for hook in hooks:
+            hook.remove()
+    mask = torch.zeros_like(ids)
+    mask[:, PROMPT:] = 1
+    for i, row in enumerate(ids):  # an answer ends at its end-of-sequence token; padding follows
+        ends = torch.nonzero(row[PROMPT:] == model.config.eos_token_id)
+        if len(ends):
+            mask[i, PROMPT + int(ends[0]) + 1:] = 0
+    by_layer = {model.config.num_hidden_layers - layers + 1 + k: states
+                for k, states in captured.items()}  # layer id: the state after that layer
+    return {layer_id: [{"final": states[i], "input_ids": ids[i], "loss_mask": mask[i]}
+                       for i in range(len(ids))] for layer_id, states in by_layer.items()}
+
+
+def teacher(target_dir) -> TargetHead:
+    tensors = load_target_tensors(target_dir)
+    vocab = tensors["lm_head"].shape[0]
+    eps = text_config(read_target_config(target_dir)).get("rms_norm_eps", 1e-6)
+    return TargetHead(tensors["norm"].float(), tensors["lm_head"].float(), eps,
+                      torch.zeros(vocab, dtype=torch.long), torch.ones(vocab, dtype=torch.bool))
+
+
+@pytest.mark.parametrize("temperature", [0.7, 0.0])
+def test_the_gate_passes_the_final_states_and_refuses_one_layer_early(toy_target, temperature):
+    head = teacher(toy_target)
+    layers = read_target_config(toy_target)["num_hidden_layers"]
+    samples = sampled_answers(toy_target, temperature, 0.95)
+    report = check_final_states(samples[layers], head, temperature, 0.95, layers, "toy")
+    assert report["positions"] >= 250
+    assert report["agreement"] >= 0.99
+    if temperature > 0:
+        assert abs(report["excess_nll"]) < 0.15
+    with pytest.raises(HiddenStateGateError, match=f"layer id {layers}") as refused:
+        check_final_states(samples[layers - 1], head, temperature, 0.95, layers, "toy")
+    assert ("generated tokens" in str(refused.value)
+            and ("nats" in str(refused.value) or temperature == 0))
+
+
+def test_nucleus_membership_is_the_servers_rule():
+    logits = torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05]]))
+    tokens = torch.arange(4)
+    member = [bool(in_nucleus(logits, t.view(1), 1.0, 0.9)) for t in tokens]
+    assert member == [True, True, True, False]  # 0.5 + 0.3 < 0.9: the third is still in
+    assert [bool(in_nucleus(logits, t.view(1), 0.0, 0.9)) for t in tokens] == [
+        True, False, False, False]
