@@ -23,7 +23,7 @@ RUN python /tmp/lock/install_locked.py /tmp/lock/pipeline.txt && rm -rf /tmp/loc
 COPY pyproject.toml README.md /opt/draftline/
 COPY src /opt/draftline/src
 RUN pip install --no-cache-dir --no-deps /opt/draftline \
- && python -c "import draftline.config, draftline.server, datasets, transformers" \
+ && python -c "import draftline.core.config, draftline.serving.server, datasets, transformers" \
  && snakemake --version
 
 # The workflow itself, so `snakemake` also runs from the image (remote nodes, CI).

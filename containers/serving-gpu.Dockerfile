@@ -6,7 +6,7 @@
 #   docker build -f containers/serving-gpu.Dockerfile -t REGISTRY/draftline/serving-gpu:0.1.0 .
 #
 # BASE_IMAGE: vllm/vllm-openai:v0.32.0 (containers/images.lock: vllm-openai; its digest is
-# unverified there - run `python -m draftline.images resolve` first).
+# unverified there - run `python -m draftline.serving.images resolve` first).
 ARG BASE_IMAGE=docker.io/vllm/vllm-openai@sha256:0000000000000000000000000000000000000000000000000000000000000000
 FROM ${BASE_IMAGE}
 
@@ -20,7 +20,7 @@ RUN python3 /tmp/lock/install_locked.py /tmp/lock/pipeline.txt && rm -rf /tmp/lo
 COPY pyproject.toml README.md /opt/draftline/
 COPY src /opt/draftline/src
 RUN python3 -m pip install --no-cache-dir --no-deps /opt/draftline \
- && python3 -c "import vllm, draftline.server, datasets; print('vllm', vllm.__version__)" \
+ && python3 -c "import vllm, draftline.serving.server, datasets; print('vllm', vllm.__version__)" \
  && { command -v python >/dev/null || ln -s "$(command -v python3)" /usr/local/bin/python; }
 
 COPY Snakefile /opt/draftline/
