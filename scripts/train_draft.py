@@ -14,5 +14,6 @@ with logged(snakemake.log[0]):
         snakemake.params.train,
         online={"dataset_dir": snakemake.input.dataset, "hidden": online,
                 "server": snakemake.params.server,
-                "server_state_dir": snakemake.params.state_dir} if online else None,
+                "server_state_dir": snakemake.params.state_dir,
+                "sampling": snakemake.params.sampling} if online else None,
     )

@@ -78,3 +78,42 @@ def test_nucleus_membership_is_the_servers_rule():
     assert member == [True, True, True, False]  # 0.5 + 0.3 < 0.9: the third is still in
     assert [bool(in_nucleus(logits, t.view(1), 0.0, 0.9)) for t in tokens] == [
         True, False, False, False]
+
+
+def test_online_training_gates_the_produced_states(toy_target, tmp_path, monkeypatch):
+    """Online, the gate runs on the first training samples' produced states (before a
+    step); a producer that hands out another layer's state as the final one is refused."""
+    from datasets import Dataset, DatasetDict
+
+    from draftline.stages.dataset import dataset_features
+    from draftline.stages.hidden.online import OnlineStates
+
+    answers = sampled_answers(toy_target, 1.0, 1.0)
+    samples = next(iter(answers.values()))
+
+    def split(prefix: str, rows: list[dict]) -> Dataset:
+        return Dataset.from_dict({
+            "id": [f"{prefix}-{i}" for i in range(len(rows))],
+            "input_ids": [r["input_ids"].tolist() for r in rows],
+            "loss_mask": [r["loss_mask"].tolist() for r in rows]}, features=dataset_features())
+
+    DatasetDict({"train": split("train", samples[:20]), "eval": split("eval", samples[20:])}
+                ).save_to_disk(str(tmp_path / "dataset"))
+    source = OnlineStates(tmp_path / "dataset", toy_target, {}, 256)
+    report = source.gate({"temperature": 1.0, "top_p": 1.0})
+    assert report["positions"] > 200 and abs(report["excess_nll"]) < 0.15
+    assert source.stats["gate"] == report and source.stats["cache_bytes"] == 0
+    source.close()
+
+    wrong = OnlineStates(tmp_path / "dataset", toy_target, {}, 256)
+    convert = wrong._convert_one
+
+    def final_from_an_aux_layer(row, states, ref):
+        sample = convert(row, states, ref)
+        width = sample["final"].shape[-1]
+        return {**sample, "final": sample["aux"][..., -width:]}  # the last aux layer's state
+
+    monkeypatch.setattr(wrong, "_convert_one", final_from_an_aux_layer)
+    with pytest.raises(HiddenStateGateError, match="layer id 8"):
+        wrong.gate({"temperature": 1.0, "top_p": 1.0})
+    wrong.close()

@@ -335,7 +335,7 @@ def extract_hidden_states(dataset_dir: str | Path, target_dir: str | Path, out_d
     gate = None
     if sampling is not None:
         gate = gate_stored_states(out_dir, [p.path for p in parts if p.split == "train"]
-                                  or [p.path for p in parts], target_dir, info, sampling)
+                                  or [p.path for p in parts], target_dir, sampling)
     index = _build_index(target_dir, info, layer_ids, cfg["backend"],
                          [records[p.path] for p in parts], _machine(cfg["backend"], server_cfg))
     write_json(out_dir / HIDDEN_INDEX, index)
@@ -351,15 +351,11 @@ def extract_hidden_states(dataset_dir: str | Path, target_dir: str | Path, out_d
     return index
 
 
-def gate_stored_states(out_dir: Path, part_paths: list[str], target_dir: Path, info: dict,
+def gate_stored_states(out_dir: Path, part_paths: list[str], target_dir: Path,
                        sampling: dict) -> dict:
-    """The hidden-state gate on the samples of the first stored parts (up to the gate's
-    positions): the target's head on their final states against the sampled tokens."""
-    import torch
-
-    from draftline.core.target import load_target_tensors
-    from draftline.model import TargetHead
-    from draftline.stages.hidden.gate import GATE_POSITIONS, check_final_states
+    """The hidden-state gate (``draftline.stages.hidden.gate``) on the samples of the first
+    stored parts, up to the gate's positions."""
+    from draftline.stages.hidden.gate import GATE_POSITIONS, gate_samples
     from draftline.stages.hidden.store import load_part
 
     samples, positions = [], 0
@@ -372,13 +368,7 @@ def gate_stored_states(out_dir: Path, part_paths: list[str], target_dir: Path, i
             positions += int(tensors["loss_mask"][start:end].sum())
         if positions >= GATE_POSITIONS:
             break
-    weights = load_target_tensors(target_dir)
-    vocab = weights["lm_head"].shape[0]
-    head = TargetHead(weights["norm"].float(), weights["lm_head"].float(),
-                      text_config(info["config"]).get("rms_norm_eps", 1e-6),
-                      torch.zeros(vocab, dtype=torch.long), torch.ones(vocab, dtype=torch.bool))
-    return check_final_states(samples, head, float(sampling["temperature"]),
-                              float(sampling["top_p"]), info["num_layers"], str(out_dir))
+    return gate_samples(samples, target_dir, sampling, str(out_dir))
 
 
 def _machine(backend: str, server_cfg: dict | None) -> dict:

@@ -127,3 +127,22 @@ def check_final_states(samples: Iterable[dict], head, temperature: float, top_p:
             "training on it would not learn the served target")
     log.info("hidden-state gate: %s (final layer id %d)", report, final_layer_id)
     return report
+
+
+def gate_samples(samples: list[dict], target_dir, sampling: dict, origin: str) -> dict:
+    """``check_final_states`` with the target's own head (its final norm and lm_head, read
+    from its weights) and the sampling the answers were generated with (``temperature``,
+    ``top_p``)."""
+    import torch
+
+    from draftline.core.target import load_target_tensors, read_target_config, text_config
+    from draftline.model import TargetHead
+
+    text = text_config(read_target_config(target_dir))
+    weights = load_target_tensors(target_dir)
+    vocab = weights["lm_head"].shape[0]
+    head = TargetHead(weights["norm"].float(), weights["lm_head"].float(),
+                      text.get("rms_norm_eps", 1e-6), torch.zeros(vocab, dtype=torch.long),
+                      torch.ones(vocab, dtype=torch.bool))
+    return check_final_states(samples, head, float(sampling["temperature"]),
+                              float(sampling["top_p"]), int(text["num_hidden_layers"]), origin)

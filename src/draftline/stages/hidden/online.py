@@ -379,6 +379,29 @@ class OnlineStates:
                                    if stats["consume_s"] else None)
         return stats
 
+    def gate(self, sampling: dict) -> dict:
+        """The hidden-state gate (``draftline.stages.hidden.gate``) on the first training
+        samples' produced states, before training reads any."""
+        from draftline.stages.hidden.gate import GATE_POSITIONS, gate_samples
+
+        refs, samples, positions = self.samples["train"], [], 0
+        for index in range(len(refs)):
+            try:
+                batch = self.collated(refs, [index])
+            except OnlineStatesError:  # its states were not finite: left out, as in training
+                continue
+            samples.append({key: batch[key][0] for key in ("final", "input_ids", "loss_mask")})
+            positions += int(batch["loss_mask"][0].sum())
+            if positions >= GATE_POSITIONS:
+                break
+        with self._lock:  # states produced one sample at a time: training produces its own
+            self._cache.clear()
+            self.stats["cache_bytes"] = 0
+        report = gate_samples(samples, self.target_dir, sampling, self.origin)
+        with self._lock:
+            self.stats["gate"] = report
+        return report
+
     def close(self) -> None:
         for buffer in self._buffers:  # a loop left early (a signal, an error): stop producing
             buffer.stop()

@@ -87,6 +87,8 @@ def train_draft(hidden_dir, vocab_map, target_dir, out_dir, train_cfg: dict | No
     rt = init_runtime()
     store = open_states(hidden_dir, online, target_dir, cfg)
     try:
+        if online is not None and online.get("sampling") and rt.is_main:
+            store.gate(online["sampling"])  # before any training step reads the states
         lr_choice = None
         if cfg["lr"] == "auto":  # measured on this run's data before it trains
             lr_choice = choose_lr(rt, store, vocab_map, target_dir, out_dir, cfg)
