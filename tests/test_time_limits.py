@@ -47,10 +47,8 @@ class MarkedItem:
 
 
 def test_marked_tests_get_their_longer_limits(request):
-    Item = MarkedItem
-
-    assert time_limit_s(Item()) is None
-    assert time_limit_s(Item("slow")) == TIME_LIMITS_S["slow"]
-    assert time_limit_s(Item("slow", "vllm")) == TIME_LIMITS_S["vllm"]
-    assert time_limit_s(Item("vllm", "timeout")) is None  # its own limit stands
+    assert time_limit_s(MarkedItem()) is None
+    assert time_limit_s(MarkedItem("slow")) == TIME_LIMITS_S["slow"]
+    assert time_limit_s(MarkedItem("slow", "vllm")) == TIME_LIMITS_S["vllm"]
+    assert time_limit_s(MarkedItem("vllm", "timeout")) is None  # its own limit stands
     assert request.node.get_closest_marker("timeout") is None  # unmarked: the ini's default
