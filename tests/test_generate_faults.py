@@ -216,6 +216,25 @@ def test_an_endpoint_that_only_answers_502_ends_the_run_as_down_with_no_prompt_f
     assert (attempt["outcome"], attempt["answered"], attempt["errors"]) == ("EndpointsDown", 0, 0)
 
 
+def test_one_prompt_the_server_always_fails_spends_its_retries_and_the_run_ends(
+        tmp_path, quick_set_aside):
+    """A 5xx for one prompt only, every time (the server chokes on it): once the other
+    prompts are answered it is the only one asking, but the endpoint is not down, it is the
+    prompt. It ends in the errors file after its retries, the run ends normally."""
+    def reply(prompt_id: str, attempt: int) -> Reply:
+        if prompt_id == "q1":
+            return Reply({"error": {"message": "Internal Server Error"}}, status=500)
+        return Reply(good_completion(prompt_id))
+
+    settings = GenerateSettings(**{**SLOWER_BACKOFF, "endpoint_down_timeout_s": 3.0})
+    with FakeEndpoint(reply) as fake:
+        out, summary = _run(tmp_path, fake.endpoint, settings)
+    assert [r["id"] for r in _lines(out)] == ["q0", "q2"]
+    assert [e["id"] for e in _lines(out.with_name("shard-0.errors.jsonl"))] == ["q1"]
+    assert fake.asked["q1"] == SLOWER_BACKOFF["max_retries"] + 1
+    assert summary["endpoint_set_asides"] == 0
+
+
 # ----------------------------------------------------------------------------- one run at a time
 
 GENERATE_IN_A_PROCESS = """

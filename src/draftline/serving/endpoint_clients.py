@@ -160,9 +160,10 @@ class EndpointPool:
 
     COOLDOWN_S = 5.0
     # A 5xx alone may be the prompt's (a request the server chokes on) or a passing overload:
-    # it costs a retry. Only 5xx from an endpoint for this long, no answer between, says the
-    # server behind it is gone (a proxy in front of a dead server answers 502 at once, and the
-    # prompts would spend their whole retry budget in seconds).
+    # it costs a retry. Only 5xx from an endpoint for this long, for more than one prompt and no
+    # answer between, says the server behind it is gone (a proxy in front of a dead server
+    # answers 502 at once, and the prompts would spend their whole retry budget in seconds).
+    # One prompt alone failing, as the last one asking, is that prompt's fault.
     DOWN_AFTER_SERVER_ERRORS_S = 5.0
 
     def __init__(self, endpoints: list[Endpoint], timeout_s: float, max_connections: int):
@@ -174,8 +175,10 @@ class EndpointPool:
         self.sent = [0] * len(endpoints)
         # Since when no request has succeeded while connections kept failing (None: healthy).
         self.failing_since: float | None = None
-        # Per endpoint: since when it has answered only server errors (None: it answered).
+        # Per endpoint: since when it has answered only server errors (None: it answered),
+        # and the prompts those errors answered.
         self.server_errors_since: list[float | None] = [None] * len(endpoints)
+        self.server_error_prompts: list[set[str]] = [set() for _ in endpoints]
 
     def pick(self) -> int | None:
         now = time.monotonic()
@@ -192,17 +195,20 @@ class EndpointPool:
         """A request got no answer (refused, timed out, dropped): start the down clock."""
         self.failing_since = self.failing_since or time.monotonic()
 
-    def server_error(self, i: int) -> bool:
-        """Endpoint ``i`` answered a 5xx: start the down clock; True when it has answered only
-        server errors for ``DOWN_AFTER_SERVER_ERRORS_S``, so it is down (set aside, as one that
-        refuses connections)."""
+    def server_error(self, i: int, prompt_id: str) -> bool:
+        """Endpoint ``i`` answered a 5xx to ``prompt_id``: start the down clock; True when it
+        has answered only server errors, to more than one prompt, for
+        ``DOWN_AFTER_SERVER_ERRORS_S``, so it is down (set aside, as one that refuses
+        connections)."""
         self.failed()
         now = time.monotonic()
+        self.server_error_prompts[i].add(prompt_id)
         since = self.server_errors_since[i]
         if since is None:
             self.server_errors_since[i] = now
             return False
-        if now - since < self.DOWN_AFTER_SERVER_ERRORS_S:
+        if (now - since < self.DOWN_AFTER_SERVER_ERRORS_S
+                or len(self.server_error_prompts[i]) < 2):
             return False
         self.set_aside(i)
         return True
@@ -211,6 +217,7 @@ class EndpointPool:
         self.failing_since = None
         if i is not None:
             self.server_errors_since[i] = None
+            self.server_error_prompts[i].clear()
 
     def down_for(self) -> float:
         return 0.0 if self.failing_since is None else time.monotonic() - self.failing_since

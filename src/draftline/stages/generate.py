@@ -439,7 +439,7 @@ class GenerationRun:
                 self.open_requests = (count - 1, sent_sum - sent) if count > 1 else (0, 0.0)
                 self.pool.in_flight[index] -= 1
             kind = failure_kind(error)
-            if kind == "refused" or self._server_down(index, error):
+            if kind == "refused" or self._server_down(index, prompt_id, error):
                 if kind == "refused":
                     self.pool.set_aside(index)
                 stats.set_asides += 1
@@ -458,12 +458,12 @@ class GenerationRun:
             self._fail(shard, prompt_id, error, attempt + 1, kind)
             return None
 
-    def _server_down(self, index: int, error: BaseException) -> bool:
+    def _server_down(self, index: int, prompt_id: str, error: BaseException) -> bool:
         """A 5xx counts toward setting its endpoint aside (``EndpointPool.server_error``);
         True once the endpoint is down, and the answer no fault of the prompt's."""
         if getattr(error, "status_code", 0) < 500:
             return False
-        return self.pool.server_error(index)
+        return self.pool.server_error(index, prompt_id)
 
     async def _endpoint(self) -> int:
         while True:
