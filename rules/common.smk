@@ -115,6 +115,17 @@ def online_hidden_params():
     return {**hidden, "trust_remote_code": config["target"]["trust_remote_code"]}
 
 
+def answer_sampling():
+    """How the dataset's answers were sampled (generate's temperature and top_p): what the
+    hidden-state gate checks the captured final states against."""
+    return {k: config["generate"][k] for k in ("temperature", "top_p")}
+
+
+def online_sampling_params():
+    """The gate's sampling for online training (None offline: extraction gated the states)."""
+    return answer_sampling() if hidden_online() else None
+
+
 def online_server_params():
     """What the vllm producer of online training reads of the server section (its own
     server's settings; None for the hf producer or offline, which start no server)."""

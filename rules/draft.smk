@@ -16,7 +16,7 @@ rule train_draft:
         train=config["train"],
         online=online_hidden_params(),
         server=online_server_params(),
-        sampling={k: config["generate"][k] for k in ("temperature", "top_p")},
+        sampling=online_sampling_params(),
         state_dir=SERVER_STATE,
         model=target_path,
         revision=config["target"]["revision"],

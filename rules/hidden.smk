@@ -14,7 +14,7 @@ rule hidden_states:
     params:
         hidden=offline_hidden_params(),
         server=hidden_engine_params(),
-        sampling={k: config["generate"][k] for k in ("temperature", "top_p")},
+        sampling=answer_sampling(),
         model=target_path,
         revision=config["target"]["revision"],
         state_dir=SERVER_STATE,

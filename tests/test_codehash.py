@@ -296,7 +296,8 @@ def rules_whose_params_change(workdir: Path, **changes: dict) -> set[str]:
     # the benchmark reads generate's sampling settings and concurrency, not its retry policy
     ({"generate": {"max_retries": 2}}, {"generate"}),
     ({"generate": {"request_timeout_s": 60}}, {"generate"}),
-    ({"generate": {"top_p": 0.9}}, {"generate", "bench"}),
+    # ... and the hidden-state gate checks the stored states against that sampling
+    ({"generate": {"top_p": 0.9}}, {"generate", "hidden_states", "bench"}),
     # the hf backend of hidden-state extraction starts no vLLM: server settings are not its own
     ({"server": {"max_num_seqs": 128}}, {"generate", "bench"}),
     # offline, online-mode settings are nobody's; the stored index stands for the hidden keys
