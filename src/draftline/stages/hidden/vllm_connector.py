@@ -21,7 +21,9 @@ Per request it writes ``{spool_dir}/{name}.safetensors`` with ``hidden_states`` 
 H]`` (ids in ascending order, as vLLM captures them) and ``token_ids`` ``[T]`` (the prompt),
 atomically: the file exists only once complete. ``name`` comes from the request's
 ``kv_transfer_params["draftline_name"]`` (else the request id). A failed write leaves
-``{name}.error`` with the reason, so the reader fails fast instead of waiting.
+``{name}.error`` with the reason, so the reader fails fast instead of waiting. A request that
+ends before its whole prompt was computed (aborted, or failed) writes nothing: its blocks hold
+part of the states, and a retry under the same name must not find them.
 
 Only tensor-parallel rank 0 writes (the states are replicated across ranks).
 """
@@ -77,6 +79,17 @@ def spool_file(spool_dir: str | Path, name: str) -> Path:
 
 def error_file(spool_dir: str | Path, name: str) -> Path:
     return Path(spool_dir) / f"{name}.error"
+
+
+def prompt_states_complete(request: Request) -> bool:
+    """Whether the request ended normally with every prompt token's states computed."""
+    from vllm.v1.request import RequestStatus
+
+    if request.prompt_token_ids is None:
+        return False
+    if request.status in (RequestStatus.FINISHED_ABORTED, RequestStatus.FINISHED_ERROR):
+        return False
+    return request.num_computed_tokens >= len(request.prompt_token_ids)
 
 
 def hidden_state_group_id(kv_cache_config: KVCacheConfig | None) -> int:
@@ -150,7 +163,7 @@ class DraftlineHiddenStatesConnector(KVConnectorBase_V1, SupportsHMA):
 
     def request_finished(self, request: Request, block_ids: list[int]):
         """Keep the request's blocks until the worker has copied its states (returns True)."""
-        if not block_ids or request.prompt_token_ids is None:
+        if not block_ids or not prompt_states_complete(request):
             return False, None
         params = request.kv_transfer_params or {}
         name = str(params.get(NAME_KEY) or request.request_id)
