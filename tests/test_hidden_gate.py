@@ -117,3 +117,33 @@ def test_online_training_gates_the_produced_states(toy_target, tmp_path, monkeyp
     with pytest.raises(HiddenStateGateError, match="layer id 8"):
         wrong.gate({"temperature": 1.0, "top_p": 1.0})
     wrong.close()
+
+
+def stored_like(samples_by_layer: dict, layer_ids: list[int], final_id: int) -> list[dict]:
+    """Samples as the store holds them: ``aux`` the given layers' states side by side."""
+    return [{"aux": torch.cat([samples_by_layer[k][i]["final"] for k in layer_ids], dim=-1),
+             "final": samples_by_layer[final_id][i]["final"],
+             "input_ids": sample["input_ids"], "loss_mask": sample["loss_mask"]}
+            for i, sample in enumerate(samples_by_layer[final_id])]
+
+
+def test_the_gate_refuses_one_tensor_stored_for_two_layers(toy_target):
+    """Each aux layer's state must differ from the one before it along the residual stream
+    (the embeddings, the aux layers, the final state); a capture that stored one layer's
+    tensor twice is refused, naming both ids."""
+    from draftline.stages.hidden.gate import MIN_LAYER_CHANGE, check_layer_chain
+
+    layers = read_target_config(toy_target)["num_hidden_layers"]
+    by_layer = sampled_answers(toy_target, 0.0, 1.0, layers=4)  # ids layers-3 ... layers
+    embed = load_target_tensors(toy_target)["embed"]
+    aux_ids = [layers - 3, layers - 2, layers - 1]
+    report = check_layer_chain(stored_like(by_layer, aux_ids, layers), embed, aux_ids, layers,
+                               "toy")
+    assert list(report) == [f"0->{layers - 3}", f"{layers - 3}->{layers - 2}",
+                            f"{layers - 2}->{layers - 1}", f"{layers - 1}->{layers}"]
+    assert min(report.values()) > 10 * MIN_LAYER_CHANGE
+
+    doubled = {**by_layer, layers - 1: by_layer[layers - 2]}  # id layers-1 holds layers-2's
+    with pytest.raises(HiddenStateGateError,
+                       match=f"layer id {layers - 1} differs from layer id {layers - 2} by 0.0"):
+        check_layer_chain(stored_like(doubled, aux_ids, layers), embed, aux_ids, layers, "toy")

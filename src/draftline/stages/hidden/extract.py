@@ -335,7 +335,7 @@ def extract_hidden_states(dataset_dir: str | Path, target_dir: str | Path, out_d
     gate = None
     if sampling is not None:
         gate = gate_stored_states(out_dir, [p.path for p in parts if p.split == "train"]
-                                  or [p.path for p in parts], target_dir, sampling)
+                                  or [p.path for p in parts], target_dir, sampling, layer_ids)
     index = _build_index(target_dir, info, layer_ids, cfg["backend"],
                          [records[p.path] for p in parts], _machine(cfg["backend"], server_cfg))
     write_json(out_dir / HIDDEN_INDEX, index)
@@ -352,7 +352,7 @@ def extract_hidden_states(dataset_dir: str | Path, target_dir: str | Path, out_d
 
 
 def gate_stored_states(out_dir: Path, part_paths: list[str], target_dir: Path,
-                       sampling: dict) -> dict:
+                       sampling: dict, layer_ids: list[int]) -> dict:
     """The hidden-state gate (``draftline.stages.hidden.gate``) on the samples of the first
     stored parts, up to the gate's positions."""
     from draftline.stages.hidden.gate import GATE_POSITIONS, gate_samples
@@ -364,11 +364,11 @@ def gate_stored_states(out_dir: Path, part_paths: list[str], target_dir: Path,
         offsets = tensors["offsets"].tolist()
         for start, end in zip(offsets[:-1], offsets[1:], strict=True):
             samples.append({key: tensors[key][start:end]
-                            for key in ("final", "input_ids", "loss_mask")})
+                            for key in ("aux", "final", "input_ids", "loss_mask")})
             positions += int(tensors["loss_mask"][start:end].sum())
         if positions >= GATE_POSITIONS:
             break
-    return gate_samples(samples, target_dir, sampling, str(out_dir))
+    return gate_samples(samples, target_dir, sampling, str(out_dir), layer_ids)
 
 
 def _machine(backend: str, server_cfg: dict | None) -> dict:

@@ -11,6 +11,11 @@ tokens must be as likely under it as its own samples would be (a wrong tensor ca
 most sampled tokens inside a wide nucleus, but assigns them lower probability: the excess
 negative log-likelihood is its KL from the target's). The gate checks a spread sample of
 generated positions before training, after extraction. It costs one lm_head pass over them.
+
+It also checks that the captured layers are distinct layers: along the residual stream
+(the embeddings, each aux layer by id, the final state) each state must differ from the one
+before it as a layer's output does. The same tensor stored twice, or the embeddings stored for
+a layer, is the other capture mistake that still trains.
 """
 
 from __future__ import annotations
@@ -31,6 +36,10 @@ MIN_AGREEMENT = 0.95
 # what its own samples would give, in nats. Right captures give 0 within noise (toy: -0.02 and
 # 0.07); a final state one layer early 0.47-0.57. Refused above this and 3 standard errors.
 MAX_EXCESS_NLL = 0.2
+# Mean relative change ``|s_b - s_a| / |s_b|`` between consecutive captured states along the
+# residual stream. On the toy one layer changes it by 0.30 (ids 4 -> 5), the embeddings to
+# layer 2 by 1.0; the same tensor twice gives 0. Refused below this.
+MIN_LAYER_CHANGE = 0.01
 
 
 class HiddenStateGateError(ValueError):
@@ -132,10 +141,56 @@ def check_final_states(samples: Iterable[dict], head, temperature: float, top_p:
     return report
 
 
-def gate_samples(samples: list[dict], target_dir, sampling: dict, origin: str) -> dict:
+def layer_changes(samples: Iterable[dict], embed, layer_ids: list[int], final_layer_id: int,
+                  limit: int = GATE_POSITIONS) -> list[tuple[int, int, float]]:
+    """``(id a, id b, mean relative change)`` for each consecutive pair of the residual stream's
+    captured states, in depth order: the embeddings (id 0), the aux layers, the final state.
+    Samples hold ``aux`` ``[T, n * H]`` (``layer_ids`` order), ``final`` and ``input_ids``."""
+    import torch
+
+    chain = {0: [], final_layer_id: []}
+    for layer_id in layer_ids:
+        chain[layer_id] = []
+    for sample in samples:
+        ids = torch.as_tensor(sample["input_ids"])
+        chain[0].append(embed[ids].float())
+        aux = torch.as_tensor(sample["aux"]).float()
+        for j, layer_id in enumerate(layer_ids):
+            chain[layer_id].append(aux.view(len(ids), len(layer_ids), -1)[:, j])
+        chain[final_layer_id].append(torch.as_tensor(sample["final"]).float())
+    if not chain[0]:
+        return []
+    states = {layer_id: torch.cat(parts)[:limit] for layer_id, parts in chain.items()}
+    order = sorted(states)
+    changes = []
+    for a, b in zip(order[:-1], order[1:], strict=True):
+        change = (states[b] - states[a]).norm(dim=-1) / states[b].norm(dim=-1).clamp_min(1e-6)
+        changes.append((a, b, float(change.mean())))
+    return changes
+
+
+def check_layer_chain(samples: Iterable[dict], embed, layer_ids: list[int],
+                      final_layer_id: int, origin: str) -> dict:
+    """Each captured state differs from the one before it along the residual stream (module
+    docstring); raises HiddenStateGateError naming both layer ids below MIN_LAYER_CHANGE."""
+    changes = layer_changes(samples, embed, layer_ids, final_layer_id)
+    same = [(a, b, change) for a, b, change in changes if change < MIN_LAYER_CHANGE]
+    if same:
+        pairs = "; ".join(f"layer id {b} differs from layer id {a} by {change:.4f}"
+                          for a, b, change in same)
+        raise HiddenStateGateError(
+            f"{origin}: the captured states are not distinct layers (id 0: the embeddings): "
+            f"{pairs} (mean relative change; a layer's output changes it by at least "
+            f"{MIN_LAYER_CHANGE}). The capture stored one tensor for two layers")
+    return {f"{a}->{b}": round(change, 4) for a, b, change in changes}
+
+
+def gate_samples(samples: list[dict], target_dir, sampling: dict, origin: str,
+                 layer_ids: list[int] | None = None) -> dict:
     """``check_final_states`` with the target's own head (its final norm and lm_head, read
     from its weights) and the sampling the answers were generated with (``temperature``,
-    ``top_p``)."""
+    ``top_p``); then, given the aux ``layer_ids`` (samples with ``aux``),
+    ``check_layer_chain`` with the target's embeddings."""
     import torch
 
     from draftline.core.target import load_target_tensors, read_target_config, text_config
@@ -147,5 +202,11 @@ def gate_samples(samples: list[dict], target_dir, sampling: dict, origin: str) -
     head = TargetHead(weights["norm"].float(), weights["lm_head"].float(),
                       text.get("rms_norm_eps", 1e-6), torch.zeros(vocab, dtype=torch.long),
                       torch.ones(vocab, dtype=torch.bool))
-    return check_final_states(samples, head, float(sampling["temperature"]),
-                              float(sampling["top_p"]), int(text["num_hidden_layers"]), origin)
+    final_layer_id = int(text["num_hidden_layers"])
+    report = check_final_states(samples, head, float(sampling["temperature"]),
+                                float(sampling["top_p"]), final_layer_id, origin)
+    if layer_ids:
+        report["layer_change"] = check_layer_chain(samples, weights["embed"], list(layer_ids),
+                                                   final_layer_id, origin)
+        report["min_layer_change"] = MIN_LAYER_CHANGE
+    return report

@@ -390,14 +390,15 @@ class OnlineStates:
                 batch = self.collated(refs, [index])
             except OnlineStatesError:  # its states were not finite: left out, as in training
                 continue
-            samples.append({key: batch[key][0] for key in ("final", "input_ids", "loss_mask")})
+            samples.append({key: batch[key][0]
+                            for key in ("aux", "final", "input_ids", "loss_mask")})
             positions += int(batch["loss_mask"][0].sum())
             if positions >= GATE_POSITIONS:
                 break
         with self._lock:  # states produced one sample at a time: training produces its own
             self._cache.clear()
             self.stats["cache_bytes"] = 0
-        report = gate_samples(samples, self.target_dir, sampling, self.origin)
+        report = gate_samples(samples, self.target_dir, sampling, self.origin, self.layer_ids)
         with self._lock:
             self.stats["gate"] = report
         return report
