@@ -6,6 +6,7 @@ rule bench:
         eval=rules.train_draft.output.eval,
         profile=profile_input(),
         target=target_input(),
+        further_drafts=compare_draft_files(),
     output:
         results=LAYOUT.bench_results,
         summary=report(

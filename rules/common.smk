@@ -140,6 +140,26 @@ def target_input():
     return rules.toy_target.output.target if config["target"]["model"] == "toy" else []
 
 
+_hub = _library_module("hub")
+
+
+def compare_draft_files():
+    """The files of bench.compare_drafts (config and weights), so a changed draft makes the
+    benchmark stale; a hub id's are in its cached snapshot (none without huggingface_hub)."""
+    files = []
+    for draft in config["bench"]["compare_drafts"]:
+        try:
+            folder = _hub.local_dir(draft["model"], draft["revision"])
+        except ImportError:
+            continue
+        files += sorted(
+            str(p)
+            for p in Path(folder).iterdir()
+            if p.name == "config.json" or p.suffix == ".safetensors"
+        )
+    return files
+
+
 def package_data(name):
     """A data file shipped with the library (an input, so editing it makes its stage stale).
 

@@ -433,3 +433,51 @@ def test_proportion_z_of_two_rates():
     assert proportion_z(50, 100, 50, 100) == 0.0
     assert proportion_z(0, 100, 0, 100) == 0.0  # both 0: undecidable, not a difference
     assert round(proportion_z(60, 100, 40, 100), 3) == 2.828
+
+
+def test_probabilistic_drafting_is_served_measured_and_recommended_at_t_above_0():
+    from draftline.stages.bench import sampling_recommendation, speculative_config
+
+    configs = configurations([3], ("greedy", "probabilistic"))
+    assert [c["name"] for c in configs] == ["baseline", "eagle3-k3", "eagle3-k3-probabilistic"]
+    assert speculative_config("d", 3, "probabilistic") == {
+        "method": "eagle3", "model": "d", "num_speculative_tokens": 3,
+        "draft_sample_method": "probabilistic"}
+    assert "draft_sample_method" not in speculative_config("d", 3)
+    rows = []
+    for level, (greedy_tok, sampled_tok) in {1: (30.0, 36.0), 4: (80.0, 84.0)}.items():
+        rows += [_row("baseline", level, 0, 20.0, 5.0, temp=0.7),
+                 _row("eagle3-k3", level, 0, greedy_tok, 4.0, drafts=100, accepted=80, temp=0.7),
+                 _row("eagle3-k3-probabilistic", level, 0, sampled_tok, 4.0, drafts=100,
+                      accepted=120, temp=0.7)]
+    summary = summarise(rows)
+    [choice] = sampling_recommendation(summary, configs)
+    assert choice["method"] == "probabilistic" and choice["levels"] == 2
+    assert choice["probabilistic_over_greedy_tok_s"] == pytest.approx((1.2 + 1.05) / 2)
+    assert choice["acceptance_length"] == {"greedy": 1.8, "probabilistic": 2.2}
+    # the bundle's recommended depth stays the greedy draft's
+    assert best_config(summary) == {"config": "eagle3-k3", "num_speculative_tokens": 3,
+                                    "speedup_throughput": pytest.approx(2.75)}
+    text = summary_markdown({"summary": summary, "num_prompts": 4, "repetitions": 1,
+                             "train_serve_gap": [], "sampling_recommendation": [choice]})
+    assert '| 3 | 0.7 | 1.8 / 2.2 | 1.125 | `"draft_sample_method": "probabilistic"` |' in text
+    # a server whose acceptance at T > 0 depends on the concurrency recommends nothing
+    summary[2]["acceptance_varies_with_c"] = {"positions": []}
+    assert sampling_recommendation(summary, configs)[0]["method"] is None
+    # the gap compares the probabilistic configuration with its own simulation
+    eval_json = {"simulated_acceptance_length_at": {"0.7": [1.5, 1.7, 1.8]},
+                 "simulated_acceptance_length_probabilistic_at": {"0.7": [1.6, 2.0, 2.2]}}
+    gaps = {g["config"]: g["simulated"] for g in train_serve_gap(rows, configs, eval_json)}
+    assert gaps == {"eagle3-k3": 1.8, "eagle3-k3-probabilistic": 2.2}
+
+
+def test_probabilistic_drafting_without_a_temperature_above_0_is_refused():
+    from draftline.core.config import load_config
+    from draftline.core.config_check import ConfigError
+
+    with pytest.raises(ConfigError, match="'bench.draft_sample_methods'"):
+        load_config(overrides={"bench.draft_sample_methods": ["greedy", "probabilistic"],
+                               "bench.temperatures": [0.0]})
+    cfg = load_config(overrides={"bench.draft_sample_methods": ["greedy", "probabilistic"],
+                                 "bench.temperatures": [0.0, 0.7]})
+    assert cfg["bench"]["draft_sample_methods"] == ["greedy", "probabilistic"]

@@ -19,6 +19,7 @@ from draftline.model import (
     init_draft_weights,
     metrics_from_counts,
     on_greedy_path,
+    probabilistic_acceptance_counts,
     rotary_tables,
     sampled_acceptance_counts,
     shift_left,
@@ -430,6 +431,31 @@ def test_sampled_acceptance_follows_the_draft_while_it_matches_the_data():
     assert counts[:, 1].tolist() == pytest.approx([0.7, 1])
     a0, a1 = 2.6 / 4, 0.7
     assert acceptance_length_from(counts) == pytest.approx([1 + a0, 1 + a0 + a0 * a1])
+
+
+def test_probabilistic_acceptance_is_the_rejection_samplers_rate():
+    """A draft that samples x ~ q and is accepted with min(1, p(x) / q(x)) (vLLM's standard
+    rejection sampling) accepts with probability sum_x min(p, q): checked against the rule
+    itself, sampled; and steps chain over generated tokens whatever the draft proposed."""
+    gen = torch.Generator().manual_seed(0)
+    temperature = 0.7
+    logits = [torch.randn(1, 6, 5, generator=gen) * 2 for _ in range(2)]  # K=2, D=5
+    target_logp = torch.log_softmax(torch.randn(1, 6, 5, generator=gen) * 2, -1)
+    loss_mask = torch.tensor([[0, 0, 1, 1, 1, 1]])
+    counts = probabilistic_acceptance_counts(logits, target_logp, loss_mask, temperature)
+    assert counts[1].tolist() == [4, 3]  # rows 0-3 at step 0; rows 0-2 at step 1
+    # the rule, sampled: step 0 rows 0..3 predict from target rows 1..4
+    q = torch.softmax(logits[0][0, :4] / temperature, -1)  # [4, D]
+    p = target_logp[0, 1:5].exp()
+    draws = torch.multinomial(q, 200_000, replacement=True, generator=gen)  # [4, n]
+    ratio = (p.gather(-1, draws) / q.gather(-1, draws)).clamp(max=1)
+    accepted = (torch.rand(ratio.shape, generator=gen) < ratio).double().mean(-1).sum()
+    assert float(counts[0, 0]) == pytest.approx(float(accepted), abs=4 * 0.0011 * 2)
+    # a draft equal to the target accepts every step
+    flat = target_logp[:, :1].expand(1, 6, 5)  # one distribution at every row
+    same = probabilistic_acceptance_counts([flat * temperature] * 2, flat, loss_mask,
+                                           temperature)
+    assert same[0].tolist() == pytest.approx(same[1].tolist())
 
 
 def test_draft_config_from_a_kimi_like_target():

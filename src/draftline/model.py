@@ -847,6 +847,36 @@ def sampled_acceptance_counts(step_logits: list[torch.Tensor], target_logp_t: to
     return torch.stack(per_step, dim=1).cpu()
 
 
+def probabilistic_acceptance_counts(step_logits: list[torch.Tensor], target_logp_t: torch.Tensor,
+                                    loss_mask: torch.Tensor, temperature: float) -> torch.Tensor:
+    """Per unroll step, what vLLM's standard rejection sampling gives a draft that samples its
+    token from q = softmax(draft logits / T) (``draft_sample_method: probabilistic``): token x
+    is accepted with min(1, p(x) / q(x)), so a step accepts with probability
+    sum_x min(p(x), q(x)), p the target's distribution at T. Step k of row i counts where the
+    token it predicts and those before it in the round are generated ones: the draft's
+    contexts along the target's own sampled answer (which the accepted tokens follow in
+    distribution). step_logits K x ``[B, T, D]``; target_logp_t ``[B, T, D]`` from
+    :meth:`TargetHead.logp_at_temperature`. Returns ``[2, K]`` float64 as
+    :func:`sampled_acceptance_counts`."""
+    batch, length = loss_mask.shape
+    chain = torch.ones(batch, length, dtype=torch.bool, device=loss_mask.device)  # [B, T]
+    per_step = []
+    for k, logits in enumerate(step_logits):
+        rows = length - 2 - k
+        if rows <= 0:
+            per_step.append(torch.zeros(2, dtype=torch.float64, device=loss_mask.device))
+            continue
+        q = torch.softmax(logits[:, :rows].float() / temperature, dim=-1)  # [B, n, D]
+        p = target_logp_t[:, 1 + k:1 + k + rows].exp()  # [B, n, D]
+        p_accept = torch.minimum(p, q).sum(-1)  # [B, n]
+        eligible = loss_mask[:, 2 + k:2 + k + rows].bool() & chain[:, :rows]
+        per_step.append(torch.stack([(p_accept * eligible).sum().double(),
+                                     eligible.sum().double()]))
+        chain[:, :rows] = eligible
+        chain[:, rows:] = False
+    return torch.stack(per_step, dim=1).cpu()
+
+
 def acceptance_length_from(accept_counts: torch.Tensor) -> list[float]:
     """``[2, K]`` summed acceptance probabilities and eligible rows per step -> the expected
     tokens per drafting round after 1..K drafts: 1 + sum_k prod_{j<=k} a_j."""

@@ -16,7 +16,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-if __package__ == "draftline":
+if __package__ == "draftline.core":
     from draftline.core import hub, secret_names
     from draftline.core import target as target_module
 else:  # loaded by its path (rules/common.smk): its siblings are loaded by theirs
@@ -75,6 +75,40 @@ def check_semantics(config: dict[str, Any], base: Path | None = None) -> None:
         raise ConfigError("config key 'server.image': required when server.launcher is docker")
     _check_no_literal_secrets(config["server"])
     _check_bind_has_key(config["server"])
+    _check_compare_drafts(config["bench"]["compare_drafts"], base)
+    _check_probabilistic_has_a_temperature(config)
+
+
+def _check_probabilistic_has_a_temperature(config: dict) -> None:
+    bench = config["bench"]
+    temperatures = bench["temperatures"]
+    if temperatures is None:
+        temperatures = [0.0, config["generate"]["temperature"]]
+    if "probabilistic" in bench["draft_sample_methods"] and not any(t > 0 for t in temperatures):
+        raise ConfigError(
+            "config key 'bench.draft_sample_methods': probabilistic drafting differs from greedy "
+            f"only at T > 0, and bench.temperatures ({bench['temperatures']}, with "
+            f"generate.temperature {config['generate']['temperature']}) has none: add one")
+
+
+def _check_compare_drafts(drafts: list[dict], base: Path) -> None:
+    """Distinct names, and each draft on this machine (a folder, or a hub id in the cache)."""
+    names = [d["name"] for d in drafts]
+    for name in {n for n in names if names.count(n) > 1}:
+        raise ConfigError(f"config key 'bench.compare_drafts': the name {name!r} is used twice")
+    for i, draft in enumerate(drafts):
+        model = draft["model"]
+        local = base / model if model.startswith(("/", ".")) else model
+        try:
+            folder = hub.local_dir(local, draft.get("revision"))
+        except ImportError:  # a hub id on an orchestrator without huggingface_hub: the job checks
+            continue
+        except FileNotFoundError as exc:
+            raise ConfigError(str(exc).replace("'target.model'",
+                                               f"'bench.compare_drafts[{i}].model'")) from exc
+        if not (Path(folder) / "config.json").is_file():
+            raise ConfigError(f"config key 'bench.compare_drafts[{i}].model': {model} has no "
+                              "config.json: not a draft checkpoint")
 
 
 def _check_no_literal_secrets(server: dict) -> None:

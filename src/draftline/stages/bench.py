@@ -3,7 +3,8 @@
 Kept whole (about 740 lines): measuring, summarising, step costs and the gap table share
 the one row schema written out below, and read best beside it.
 
-For each configuration (``eagle3-k{n}`` for every ``num_speculative_tokens``, then
+For each configuration (``eagle3-k{n}`` for every ``num_speculative_tokens``, ``{name}-k{n}``
+for every further draft of ``bench.compare_drafts`` (``draftline.stages.bench_drafts``), then
 ``baseline``) a vLLM server is started (or an external endpoint used); the speculative ones go
 first, so a server that cannot start fails before baseline time is spent, and pairs known not
 to start (an MLA target with EAGLE-3 on vLLM's CPU build) are refused before anything runs.
@@ -24,7 +25,8 @@ speed-up. A configuration that fails mid-run leaves the rows measured before it 
 ``results.json`` schema (version 1)::
 
     {"schema": "draftline.stages.bench/1",
-     "configs": [{"name", "num_speculative_tokens" (null for baseline)}],
+     "configs": [{"name", "num_speculative_tokens" (null for baseline), "draft" (further
+                  drafts only: its bench.compare_drafts name)}],
      "levels": [int], "temperatures": [float], "repetitions": int, "num_prompts": int,
      "warmup_s", "measure_s",
      "rows": [{"config", "temperature", "concurrency", "repetition", "output_tok_s",
@@ -46,12 +48,19 @@ speed-up. A configuration that fails mid-run leaves the rows measured before it 
                                        "break_even_acceptance_length", "max_speedup"}}},
      "train_serve_gap": [{"config", "temperature", "simulated", "serving", "gap_pct",
                           "warning", "note"}],
-     "best": {"num_speculative_tokens", "speedup_throughput"}}
+     "best": {"config", "num_speculative_tokens", "speedup_throughput"} (the trained
+              draft's, greedy),
+     "sampling_recommendation": [{"num_speculative_tokens", "temperature", "levels",
+                                  "probabilistic_over_greedy_tok_s", "acceptance_length":
+                                  {"greedy", "probabilistic"}, "method" (null: marked c)}],
+     "further_drafts": [{"draft", "config", "trained_config", "cells", "trained_faster_cells",
+                         "acceptance_ratio", "throughput_ratio"}]}
 """
 
 from __future__ import annotations
 
 import json
+import re
 import statistics
 from pathlib import Path
 
@@ -67,6 +76,7 @@ from draftline.serving.loadgen import (
     server_latency_means,
 )
 from draftline.serving.server import Endpoint, endpoints_for, served_version
+from draftline.stages import bench_drafts
 from draftline.stages.profile import resolve_concurrency
 
 SCHEMA = "draftline.stages.bench/1"
@@ -116,15 +126,32 @@ def default_levels(chosen: int) -> list[int]:
     return sorted(set(levels + [chosen]))
 
 
-def configurations(num_speculative_tokens: list[int]) -> list[dict]:
-    return [{"name": "baseline", "num_speculative_tokens": None}] + [
-        {"name": f"eagle3-k{n}", "num_speculative_tokens": n} for n in num_speculative_tokens]
+TRAINED_CONFIG = re.compile(r"^eagle3-k(\d+)(-probabilistic)?$")
 
 
-def speculative_config(draft_dir: str, n: int | None) -> dict | None:
+def configurations(num_speculative_tokens: list[int],
+                   draft_sample_methods: tuple[str, ...] = ("greedy",)) -> list[dict]:
+    """The baseline and the trained draft at every length: ``eagle3-k{n}`` drafting greedily,
+    ``eagle3-k{n}-probabilistic`` sampling its drafts (vLLM's ``draft_sample_method``;
+    measured at T > 0 only, where it differs)."""
+    configs = [{"name": "baseline", "num_speculative_tokens": None}]
+    for n in num_speculative_tokens:
+        configs += [{"name": f"eagle3-k{n}", "num_speculative_tokens": n}
+                    if method == "greedy" else
+                    {"name": f"eagle3-k{n}-{method}", "num_speculative_tokens": n,
+                     "draft_sample_method": method}
+                    for method in draft_sample_methods]
+    return configs
+
+
+def speculative_config(draft_dir: str, n: int | None,
+                       draft_sample_method: str = "greedy") -> dict | None:
     if n is None:
         return None
-    return {"method": "eagle3", "model": str(draft_dir), "num_speculative_tokens": n}
+    spec = {"method": "eagle3", "model": str(draft_dir), "num_speculative_tokens": n}
+    if draft_sample_method != "greedy":
+        spec["draft_sample_method"] = draft_sample_method
+    return spec
 
 
 # ----------------------------------------------------------------------------- measuring
@@ -372,18 +399,21 @@ def add_speedups(summary: list[dict]) -> None:
 
 
 def simulated_acceptance(eval_json: dict, num_speculative_tokens: int,
-                         temperature: float = 0.0) -> float | None:
+                         temperature: float = 0.0,
+                         draft_sample_method: str = "greedy") -> float | None:
     """The training evaluation's simulated acceptance length at ``num_speculative_tokens``
     drafts served at ``temperature``: at 0 along the target's greedy path
     (``draftline.model.metrics_from_counts``), above 0 the greedy draft accepted with the
-    target's probability of it (``simulated_acceptance_length_at``, for the temperatures
-    ``train.eval_temperatures`` names). None when not simulated there, or when training
-    unrolled fewer steps than the server drafts."""
+    target's probability of it (``simulated_acceptance_length_at``), or a sampled draft by
+    rejection sampling (``simulated_acceptance_length_probabilistic_at``), for the
+    temperatures ``train.eval_temperatures`` names. None when not simulated there, or when
+    training unrolled fewer steps than the server drafts."""
     if temperature == 0:
         by_drafts = eval_json.get("simulated_acceptance_length_by_num_drafts") or []
     else:
-        by_drafts = (eval_json.get("simulated_acceptance_length_at") or {}).get(
-            f"{temperature:g}") or []
+        key = ("simulated_acceptance_length_at" if draft_sample_method == "greedy" else
+               "simulated_acceptance_length_probabilistic_at")
+        by_drafts = (eval_json.get(key) or {}).get(f"{temperature:g}") or []
     if len(by_drafts) < num_speculative_tokens:
         return None
     return round(by_drafts[num_speculative_tokens - 1], 4)
@@ -398,7 +428,7 @@ def train_serve_gap(rows: list[dict], configs: list[dict], eval_json: dict | Non
     gaps = []
     for cfg in configs:
         n = cfg["num_speculative_tokens"]
-        if n is None or eval_json is None:
+        if n is None or eval_json is None or cfg.get("draft"):  # training evaluated its own
             continue
         for temperature in sorted({r["temperature"] for r in rows if r["config"] == cfg["name"]}):
             served = [r for r in rows
@@ -406,7 +436,9 @@ def train_serve_gap(rows: list[dict], configs: list[dict], eval_json: dict | Non
             serve = pooled_acceptance(served)["acceptance_length"]
             if serve:
                 gaps.append(_gap_row(cfg["name"], temperature, serve,
-                                     simulated_acceptance(eval_json, n, temperature),
+                                     simulated_acceptance(eval_json, n, temperature,
+                                                          cfg.get("draft_sample_method",
+                                                                  "greedy")),
                                      _varies_with_c(summary, cfg["name"], temperature), log))
     return gaps
 
@@ -513,16 +545,76 @@ def explain_speedup(costs: dict | None) -> list[str]:
 
 
 def best_config(summary: list[dict]) -> dict | None:
-    """The speculative depth with the highest median throughput speedup over all cells."""
+    """The trained draft's greedy depth with the highest median throughput speedup over all
+    cells (probabilistic drafting, measured at T > 0 only, is ``sampling_recommendation``'s)."""
     by_config: dict[str, list[float]] = {}
     for s in summary:
-        if s["config"] != "baseline" and s["speedup_throughput"]:
+        trained = TRAINED_CONFIG.match(s["config"])
+        if trained and not trained.group(2) and s["speedup_throughput"]:
             by_config.setdefault(s["config"], []).append(s["speedup_throughput"])
     if not by_config:
         return None
     name = max(by_config, key=lambda k: statistics.median(by_config[k]))
-    return {"config": name, "num_speculative_tokens": int(name.rsplit("k", 1)[1]),
+    return {"config": name, "num_speculative_tokens": int(TRAINED_CONFIG.match(name).group(1)),
             "speedup_throughput": round(statistics.median(by_config[name]), 4)}
+
+
+def sampling_recommendation(summary: list[dict], configs: list[dict]) -> list[dict]:
+    """Per draft length and temperature > 0 where both were measured: greedy or probabilistic
+    drafting, by the median over levels of the probabilistic / greedy tok/s ratio. None where
+    the server's acceptance at that temperature depends on the concurrency (marked c): then
+    neither figure is the draft's."""
+    cells = {(s["config"], s["temperature"], s["concurrency"]): s for s in summary}
+    out = []
+    for cfg in configs:
+        if cfg.get("draft_sample_method") != "probabilistic":
+            continue
+        greedy = f"eagle3-k{cfg['num_speculative_tokens']}"
+        for temperature in sorted({t for (name, t, _) in cells if name == cfg["name"] and t > 0}):
+            pairs = [(cells[(greedy, t, c)], s) for (name, t, c), s in cells.items()
+                     if name == cfg["name"] and t == temperature and (greedy, t, c) in cells]
+            if not pairs:
+                continue
+            ratio = statistics.median(b["output_tok_s"]["median"] / a["output_tok_s"]["median"]
+                                      for a, b in pairs)
+            marked = any(a.get("acceptance_varies_with_c") or b.get("acceptance_varies_with_c")
+                         for a, b in pairs)
+            out.append({"num_speculative_tokens": cfg["num_speculative_tokens"],
+                        "temperature": temperature, "levels": len(pairs),
+                        "probabilistic_over_greedy_tok_s": round(ratio, 4),
+                        "acceptance_length": {
+                            "greedy": pooled_acceptance_of(summary, greedy, temperature),
+                            "probabilistic": pooled_acceptance_of(summary, cfg["name"],
+                                                                  temperature)},
+                        "method": None if marked else
+                        ("probabilistic" if ratio > 1 else "greedy")})
+    return out
+
+
+def pooled_acceptance_of(summary: list[dict], config: str, temperature: float) -> float | None:
+    """Median over levels of a configuration's acceptance length at one temperature."""
+    values = [s["acceptance_length"] for s in summary
+              if s["config"] == config and s["temperature"] == temperature
+              and s["acceptance_length"]]
+    return round(statistics.median(values), 4) if values else None
+
+
+def sampling_markdown(rows: list[dict]) -> list[str]:
+    if not rows:
+        return []
+    lines = ["", "## Greedy or probabilistic drafting at T > 0", "",
+             "vLLM's `draft_sample_method`: greedy drafts the argmax, probabilistic samples the "
+             "draft and verifies by rejection sampling. Tok/s ratio: median over levels.", "",
+             "| k | T | acceptance length greedy / probabilistic | tok/s probabilistic / "
+             "greedy | serve with |", "|---|---|---|---|---|"]
+    for r in rows:
+        method = (f'`"draft_sample_method": "{r["method"]}"`' if r["method"] else
+                  "not measurable here: acceptance depends on the concurrency (c)")
+        lines.append(f"| {r['num_speculative_tokens']} | {r['temperature']:g} | "
+                     f"{r['acceptance_length']['greedy'] or '-'} / "
+                     f"{r['acceptance_length']['probabilistic'] or '-'} | "
+                     f"{r['probabilistic_over_greedy_tok_s']} | {method} |")
+    return lines
 
 
 # ----------------------------------------------------------------------------- outputs
@@ -589,6 +681,8 @@ def summary_markdown(result: dict) -> str:
             f" | {s['speedup_throughput'] or '-'} | "
             f"{s['speedup_tpot'] or '-'} | {s.get('predicted_speedup') or '-'} |")
     lines += explain_speedup(result.get("step_costs"))
+    lines += bench_drafts.comparison_markdown(result.get("further_drafts") or [])
+    lines += sampling_markdown(result.get("sampling_recommendation") or [])
     lines += explain_concurrency_dependence(result["summary"])
     if result["train_serve_gap"]:
         lines += ["", "## Train-serve gap", "",
@@ -713,7 +807,14 @@ def measure_deployment_benchmark(response_files: list[str], draft_dir: str, eval
 
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    configs = configurations(bench_cfg["num_speculative_tokens"])
+    further = bench_cfg.get("compare_drafts") or []
+    configs = configurations(bench_cfg["num_speculative_tokens"],
+                             tuple(bench_cfg.get("draft_sample_methods") or ("greedy",)))
+    configs += bench_drafts.configurations(
+        further, bench_cfg["num_speculative_tokens"])
+    draft_dirs = {d["name"]: bench_drafts.served_folder(d, i, out / ".drafts")
+                  for i, d in enumerate(further)}  # refused here, before any server starts
+    draft_dirs[None] = draft_dir
     external_urls = bench_cfg.get("endpoints") or {}
     check_configurations(configs, model, external_urls, has_gpu())
     prompts = eval_prompts([Path(p) for p in response_files], eval_fraction,
@@ -729,7 +830,8 @@ def measure_deployment_benchmark(response_files: list[str], draft_dir: str, eval
         try:
             rows += _measure_one(cfg, external_urls.get(cfg["name"]), prompts, levels,
                                  temperatures, sampling, windows, bench_cfg, server_cfg, model,
-                                 draft_dir, state_dir, trust_remote_code, log, revision=revision)
+                                 draft_dirs[cfg.get("draft")], state_dir, trust_remote_code, log,
+                                 revision=revision)
         except Exception as exc:
             partial = _partial_path(out)
             write_json(partial, {"schema": SCHEMA, "failed_config": cfg["name"], "rows": rows},
@@ -749,7 +851,9 @@ def measure_deployment_benchmark(response_files: list[str], draft_dir: str, eval
               "rows": rows, "summary": summary,
               "step_costs": step_costs(summary, configs),
               "train_serve_gap": train_serve_gap(rows, configs, train_eval, log, summary),
-              "best": best_config(summary)}
+              "best": best_config(summary),
+              "further_drafts": bench_drafts.comparison(summary, configs),
+              "sampling_recommendation": sampling_recommendation(summary, configs)}
     write_json(out / BENCH_RESULTS, result, indent=2)
     write_text(out / BENCH_SUMMARY, summary_markdown(result))
     plot(result, *(out / name for name in BENCH_PLOTS))
@@ -762,6 +866,10 @@ def _measure_one(cfg: dict, external: str | None, prompts, levels, temperatures,
                  windows, bench_cfg, server_cfg, model, draft_dir, state_dir,
                  trust_remote_code, log, revision: str | None = None) -> list[dict]:
     """Start (or reach) the configuration's server and measure it."""
+    method = cfg.get("draft_sample_method", "greedy")
+    if method != "greedy":  # at T = 0 every request is greedy: the same as greedy drafting
+        temperatures = [t for t in temperatures if t > 0]
+
     def measure(endpoint: Endpoint) -> list[dict]:
         rows = measure_config(endpoint, config=cfg, prompts=prompts, levels=levels,
                               temperatures=temperatures, repetitions=bench_cfg["repetitions"],
@@ -773,7 +881,7 @@ def _measure_one(cfg: dict, external: str | None, prompts, levels, temperatures,
         return measure(Endpoint(base_url=external.rstrip("/").removesuffix("/v1") + "/v1",
                                 model=bench_cfg.get("served_name") or server_cfg["served_name"]))
     managed = dict(server_cfg, mode="managed")
-    spec_cfg = speculative_config(draft_dir, cfg["num_speculative_tokens"])
+    spec_cfg = speculative_config(draft_dir, cfg["num_speculative_tokens"], method)
     with endpoints_for(managed, model, Path(state_dir), trust_remote_code, spec_cfg,
                        log=log, revision=revision) as (endpoint,):
         return measure(endpoint)

@@ -27,6 +27,7 @@ from draftline.model import (
     acceptance_length_from,
     metrics_from_counts,
     on_greedy_path,
+    probabilistic_acceptance_counts,
     sampled_acceptance_counts,
     ttt_loss,
 )
@@ -271,7 +272,8 @@ def run_micro_batch(model, head, batch: dict, cfg: dict, rt: Runtime):
 def forward_micro_batch(model, head, batch: dict, cfg: dict, rt: Runtime,
                         temperatures: tuple[float, ...] = ()):
     """One micro-batch: (loss, counts ``[6, K]``, acceptance counts ``[len(temperatures), 2,
-    K]`` of a greedy draft served at each temperature, ``sampled_acceptance_counts``)."""
+    2, K]`` of a draft served at each temperature, greedy (``sampled_acceptance_counts``) then
+    probabilistic (``probabilistic_acceptance_counts``))."""
     cuda = rt.device.type == "cuda"
     dtype = torch.bfloat16 if cuda else torch.float32
     aux = batch["aux"].to(rt.device, dtype, non_blocking=True)  # [B, T, 3Ht]
@@ -286,20 +288,29 @@ def forward_micro_batch(model, head, batch: dict, cfg: dict, rt: Runtime,
                                 cfg["loss_decay"], greedy_path=on_greedy_path(input_ids, argmax),
                                 objective=cfg["loss"])
         accepted = torch.stack([
-            sampled_acceptance_counts(logits, head.logp_at_temperature(final, t), input_ids,
-                                      loss_mask, head.draft_ids)
+            served_acceptance_counts(logits, head.logp_at_temperature(final, t), input_ids,
+                                     loss_mask, head.draft_ids, t)
             for t in temperatures]) if temperatures else None
     return loss, counts, accepted
 
 
+def served_acceptance_counts(logits, target_logp_t, input_ids, loss_mask, draft_ids,
+                             temperature: float) -> torch.Tensor:
+    """``[2, 2, K]``: the acceptance counts of a greedy and of a probabilistic draft at T."""
+    return torch.stack([
+        sampled_acceptance_counts(logits, target_logp_t, input_ids, loss_mask, draft_ids),
+        probabilistic_acceptance_counts(logits, target_logp_t, loss_mask, temperature)])
+
+
 def evaluate(model, head, data, cfg: dict, rt: Runtime) -> dict:
     """Metrics over the whole eval split; micro-batches are spread over the ranks. Beside the
-    temperature-0 figures, the simulated acceptance of a greedy draft served at each
-    ``train.eval_temperatures`` (``simulated_acceptance_length_at``: per temperature, after
-    1..K drafts)."""
+    temperature-0 figures, the simulated acceptance of a draft served at each
+    ``train.eval_temperatures``, per temperature after 1..K drafts: greedy
+    (``simulated_acceptance_length_at``) and probabilistic draft sampling
+    (``simulated_acceptance_length_probabilistic_at``)."""
     temperatures = tuple(cfg["eval_temperatures"])
     counts = torch.zeros(len(COUNT_KEYS), cfg["ttt_steps"], dtype=torch.float64)
-    accepted = torch.zeros(len(temperatures), 2, cfg["ttt_steps"], dtype=torch.float64)
+    accepted = torch.zeros(len(temperatures), 2, 2, cfg["ttt_steps"], dtype=torch.float64)
     model.eval()
     with torch.no_grad():
         for batch, keep in data.eval_batches():
@@ -311,6 +322,8 @@ def evaluate(model, head, data, cfg: dict, rt: Runtime) -> dict:
     model.train()
     metrics = metrics_from_counts(all_reduce_sum(counts, rt))
     accepted = all_reduce_sum(accepted, rt)
-    metrics["simulated_acceptance_length_at"] = {
-        f"{t:g}": acceptance_length_from(a) for t, a in zip(temperatures, accepted, strict=True)}
+    for key, method in (("simulated_acceptance_length_at", 0),
+                        ("simulated_acceptance_length_probabilistic_at", 1)):
+        metrics[key] = {f"{t:g}": acceptance_length_from(a[method])
+                        for t, a in zip(temperatures, accepted, strict=True)}
     return metrics
