@@ -1,6 +1,7 @@
 """Served EAGLE-3 acceptance per draft position against concurrency, with and without seeds.
 
-One vLLM server (the target with the trained draft, ``num_speculative_tokens`` 3, started with
+One vLLM server (the target with the trained draft, ``num_speculative_tokens`` 3, its
+``--draft-sample-method`` greedy or probabilistic, started with
 the flags the benchmark uses: ``draftline.serving.server.spec_from_config``) answers the same
 prompts
 at every concurrency level; each cell sends every prompt once (``loadgen.run_requests``) and
@@ -138,15 +139,18 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seeded", choices=["both", "yes", "no"], default="both")
     parser.add_argument("--fix-expand", action="store_true",
                         help="serve with the float-aware expand (checks the cause)")
+    parser.add_argument("--draft-sample-method", choices=["greedy", "probabilistic"],
+                        default="greedy", help="vLLM's draft_sample_method")
     parser.add_argument("--json", type=Path)
     args = parser.parse_args(argv)
 
     from draftline.core.config import load_config
     from draftline.serving.server import ManagedServer, spec_from_config
+    from draftline.stages.bench import speculative_config
 
     config = load_config(REPO / "config" / "config.yaml", {})
-    spec = spec_from_config(config["server"], args.target, speculative_config={
-        "method": "eagle3", "model": args.draft, "num_speculative_tokens": 3})
+    spec = spec_from_config(config["server"], args.target, speculative_config=speculative_config(
+        args.draft, 3, args.draft_sample_method))
     prompts = load_prompts(args.prompts, args.num_prompts)
     with tempfile.TemporaryDirectory() as tmp:
         if args.fix_expand:
