@@ -68,6 +68,13 @@ def test_bench_time_is_its_windows_and_server_starts():
     config["bench"]["num_speculative_tokens"] = [3, 5]
     bench = by_stage(plan(config, measured))["bench"]
     assert bench["time_s"] == 3 * 2 * 2 * 3 * 10.0 + 3 * 90.0
+    # probabilistic drafting is measured at T > 0 only; a further draft like the trained one
+    config["bench"]["draft_sample_methods"] = ["greedy", "probabilistic"]
+    config["bench"]["compare_drafts"] = [{"name": "public", "model": "x"}]
+    bench = by_stage(plan(config, measured))["bench"]
+    cells = 3 * 2 + 2 * 1 + 2 * 2  # baseline + 2 greedy; 2 probabilistic; 2 further drafts
+    assert bench["time_s"] == cells * 2 * 3 * 10.0 + 7 * 90.0
+    assert "7 configurations" in bench["basis"]
 
 
 def test_measured_counts_and_rates_replace_assumptions():

@@ -356,14 +356,19 @@ def lr_probe_share(train: dict) -> float:
 
 def _bench_row(config: dict, measured: dict, kind: str) -> dict:
     """The benchmark is closed-loop windows of fixed length: one per configuration (the target
-    alone and each draft length), level, temperature and repetition, plus a server start per
-    configuration. Its levels are ``bench.levels`` or the defaults up to the concurrency
-    generation uses (the measured profile's choice under ``auto``; else the profile's highest
-    level, assumed)."""
-    from draftline.stages.bench import default_levels
+    alone, each draft length, drafting greedily and probabilistically, and each further
+    draft), level, temperature (a probabilistic one only above 0) and repetition, plus a
+    server start per configuration. Its levels are ``bench.levels`` or the defaults up to the
+    concurrency generation uses (the measured profile's choice under ``auto``; else the
+    profile's highest level, assumed)."""
+    from draftline.stages import bench_drafts
+    from draftline.stages.bench import configurations, default_levels
 
     bench, generate = config["bench"], config["generate"]
-    configs = 1 + len(bench["num_speculative_tokens"])
+    configs = configurations(bench["num_speculative_tokens"],
+                             tuple(bench["draft_sample_methods"]))
+    configs += bench_drafts.configurations(bench["compare_drafts"],
+                                           bench["num_speculative_tokens"])
     if bench["levels"]:
         levels, basis = list(bench["levels"]), "bench.levels"
     elif isinstance(generate["concurrency"], int):
@@ -375,12 +380,15 @@ def _bench_row(config: dict, measured: dict, kind: str) -> dict:
         levels = default_levels(max(config["profile"]["levels"]))
         basis = "up to the profile's highest level (assumed)"
     temperatures = bench["temperatures"] or sorted({0.0, float(generate["temperature"])})
-    windows = configs * len(levels) * len(temperatures) * bench["repetitions"]
+    cells = sum(len([t for t in temperatures if t > 0 or "draft_sample_method" not in c])
+                for c in configs)
+    windows = cells * len(levels) * bench["repetitions"]
     window_s = bench["warmup_s"] + bench["measure_s"]
-    return _row("bench", 1_000_000, windows * window_s + configs * SERVER_START_S[kind],
-                f"{windows} windows ({configs} configurations x {len(levels)} levels {basis} x "
-                f"{len(temperatures)} temperatures x {bench['repetitions']} repetitions) x "
-                f"({bench['warmup_s']} + {bench['measure_s']}) s + {configs} server starts")
+    return _row("bench", 1_000_000, windows * window_s + len(configs) * SERVER_START_S[kind],
+                f"{windows} windows ({cells} configuration-temperatures of {len(configs)} "
+                f"configurations x {len(levels)} levels {basis} x {bench['repetitions']} "
+                f"repetitions) x ({bench['warmup_s']} + {bench['measure_s']}) s + "
+                f"{len(configs)} server starts")
 
 
 def _total_row(config: dict, rows: list[dict]) -> dict:
