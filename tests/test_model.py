@@ -533,3 +533,54 @@ def test_yarn_rotary_equals_the_one_vllm_serves(scaling):
     torch.testing.assert_close(sin, torch.cat([ref_sin, ref_sin], -1), atol=2e-5, rtol=1e-5)
     plain_cos, _ = rotary_tables(positions, head_dim, theta)
     assert (cos - plain_cos).abs().max() > 0.05  # the test tells YaRN from plain rotary
+
+
+def test_the_draft_rows_teacher_gives_the_full_heads_loss_and_gradients():
+    """train.teacher_head draft_rows computes only the draft vocabulary's lm_head rows. Its
+    targets equal the full head's, and a training step's loss and gradients equal the full
+    teacher's wherever the full teacher keeps every row (each target argmax in the draft
+    vocab); where it does not, draft_rows is the full head's loss with every row kept."""
+    import torch.nn.functional as F
+
+    from draftline.stages.train.distributed import Runtime
+    from draftline.stages.train.loop import resolve_train_cfg, run_micro_batch
+
+    gen = torch.Generator().manual_seed(0)
+    vocab, draft_vocab = TINY.vocab_size, TINY.draft_vocab_size
+    chosen = torch.randperm(vocab, generator=gen)[:draft_vocab].sort().values  # target ids
+    d2t, t2d = chosen - torch.arange(draft_vocab), torch.zeros(vocab, dtype=torch.bool)
+    t2d[chosen] = True
+    lm_head = torch.randn(vocab, TINY.target_hidden_size, generator=gen)
+    batch = {"aux": torch.randn(2, 16, 3 * TINY.target_hidden_size, generator=gen),
+             "final": torch.randn(2, 16, TINY.target_hidden_size, generator=gen),
+             "input_ids": torch.randint(0, vocab, (2, 16), generator=gen),
+             "loss_mask": torch.ones(2, 16, dtype=torch.long)}
+    batch["loss_mask"][:, :4] = 0
+    rt = Runtime(rank=0, world=1, local_rank=0, device=torch.device("cpu"), owns_group=False)
+    norm = torch.rand(TINY.target_hidden_size, generator=gen) + 0.5
+
+    def step(lm_head: torch.Tensor, teacher: str):
+        head = TargetHead(norm, lm_head, 1e-6, d2t, t2d)
+        model = tiny_draft(seed=3).train()
+        cfg = resolve_train_cfg({"teacher_head": teacher, "ttt_steps": 3})
+        loss, _ = run_micro_batch(model, head, batch, cfg, rt)
+        loss.backward()
+        return head, loss.detach(), {n: p.grad for n, p in model.named_parameters()
+                                     if p.grad is not None}
+
+    head, loss_masked, _ = step(lm_head, "full")
+    full_logp, in_draft = head(batch["final"])
+    torch.testing.assert_close(head.draft_rows(batch["final"], chunk_rows=5), full_logp)
+    assert not in_draft.all()  # some rows' argmax lies outside: the two teachers differ there
+    assert abs(float(step(lm_head, "draft_rows")[1] - loss_masked)) > 1e-3
+
+    # every argmax inside the draft vocab (other rows pushed down): equal loss and gradients
+    inside = lm_head.clone()
+    inside[~t2d] = -F.normalize(inside[~t2d], dim=-1) * 0.01
+    head, loss_full, grads_full = step(inside, "full")
+    assert head(batch["final"])[1].all()
+    _, loss_rows, grads_rows = step(inside, "draft_rows")
+    torch.testing.assert_close(loss_rows, loss_full)
+    assert grads_rows.keys() == grads_full.keys() and len(grads_rows) > 5
+    for name in grads_full:
+        torch.testing.assert_close(grads_rows[name], grads_full[name], msg=name)

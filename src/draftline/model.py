@@ -612,13 +612,29 @@ class TargetHead(nn.Module):
         return (*out, argmax_ids) if with_argmax else out
 
 
-    def logits(self, rows: torch.Tensor) -> torch.Tensor:
-        """rows ``[n, Ht]`` (pre-norm last-layer states) -> the target's logits ``[n, V]``:
-        its final RMSNorm (in fp32) and lm_head."""
+    @torch.no_grad()
+    def draft_rows(self, final: torch.Tensor, chunk_rows: int = 2048) -> torch.Tensor:
+        """final ``[..., Ht]`` -> ``forward``'s log-probs over the draft vocab ``[..., D]``
+        (fp32) from the draft vocabulary's lm_head rows alone: the softmax over the draft
+        vocab needs no other row, so this is D / V of the full head's work (32,000 of 163,840
+        rows at Kimi-K2.5). It cannot say where the target's full-vocab argmax lies: a loss
+        fed from it counts every generated row (``train.teacher_head``)."""
+        if getattr(self, "_draft_lm_head", None) is None:  # [D, Ht], made once
+            self._draft_lm_head = self.lm_head[self.draft_ids].contiguous()
+        flat = final.reshape(-1, final.shape[-1])  # [N, Ht]
+        logps = [torch.log_softmax(self.logits(rows, self._draft_lm_head).float(), dim=-1)
+                 for rows in flat.split(chunk_rows)]  # [n, D] each
+        return torch.cat(logps).view(*final.shape[:-1], -1)
+
+    def logits(self, rows: torch.Tensor, lm_head: torch.Tensor | None = None) -> torch.Tensor:
+        """rows ``[n, Ht]`` (pre-norm last-layer states) -> the target's logits ``[n, V]``
+        (``[n, rows of lm_head]`` given some of its rows): its final RMSNorm (in fp32) and
+        lm_head."""
+        lm_head = self.lm_head if lm_head is None else lm_head
         x32 = rows.float()
         normed = (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps))
         normed = self.norm_weight * normed.to(self.norm_weight.dtype)
-        return F.linear(normed.to(self.lm_head.dtype), self.lm_head)
+        return F.linear(normed.to(lm_head.dtype), lm_head)
 
     @torch.no_grad()
     def full_logits(self, states: torch.Tensor, chunk_rows: int = 2048) -> torch.Tensor:

@@ -264,13 +264,15 @@ def online_machine(store, rt: Runtime) -> dict:
 
 
 def run_micro_batch(model, head, batch: dict, cfg: dict, rt: Runtime):
-    """Forward one micro-batch: (loss, counts ``[6, K]``)."""
-    loss, counts, _ = forward_micro_batch(model, head, batch, cfg, rt)
+    """Forward one training micro-batch: (loss, counts ``[6, K]``), with the teacher
+    ``train.teacher_head`` names."""
+    loss, counts, _ = forward_micro_batch(model, head, batch, cfg, rt,
+                                          full_teacher=cfg["teacher_head"] == "full")
     return loss, counts
 
 
 def forward_micro_batch(model, head, batch: dict, cfg: dict, rt: Runtime,
-                        temperatures: tuple[float, ...] = ()):
+                        temperatures: tuple[float, ...] = (), full_teacher: bool = True):
     """One micro-batch: (loss, counts ``[6, K]``, acceptance counts ``[len(temperatures), 2,
     2, K]`` of a draft served at each temperature, greedy (``sampled_acceptance_counts``) then
     probabilistic (``probabilistic_acceptance_counts``))."""
@@ -282,10 +284,15 @@ def forward_micro_batch(model, head, batch: dict, cfg: dict, rt: Runtime,
     loss_mask = batch["loss_mask"].to(rt.device, non_blocking=True)  # [B, T]
     amp = torch.autocast("cuda", dtype=torch.bfloat16) if cuda else contextlib.nullcontext()
     with amp:
-        target_logp, target_in_draft, argmax = head(final, with_argmax=True)  # [B, T, (D)]
+        if full_teacher:
+            target_logp, target_in_draft, argmax = head(final, with_argmax=True)  # [B, T, (D)]
+            greedy_path = on_greedy_path(input_ids, argmax)
+        else:  # every generated row in the loss; the step's counts are not the greedy path's
+            target_logp = head.draft_rows(final)  # [B, T, D]
+            target_in_draft, greedy_path = torch.ones_like(loss_mask, dtype=torch.bool), None
         logits = model(aux, input_ids, cfg["ttt_steps"])  # K x [B, T, D]
         loss, counts = ttt_loss(logits, target_logp, target_in_draft, loss_mask,
-                                cfg["loss_decay"], greedy_path=on_greedy_path(input_ids, argmax),
+                                cfg["loss_decay"], greedy_path=greedy_path,
                                 objective=cfg["loss"])
         accepted = torch.stack([
             served_acceptance_counts(logits, head.logp_at_temperature(final, t), input_ids,
