@@ -31,6 +31,7 @@ against an fp32 truth, at the run's dimensions.
     python benchmarks/train_step.py --steps-k 7 --tokens 4096 --repeats 3 --threads 1
     python benchmarks/train_step.py --memory-only --dims kimi   # the analytic memory, no run
     python benchmarks/train_step.py --preset h200        # CUDA, Kimi-K2.5 draft dims (< 8 min)
+    python benchmarks/train_step.py --teacher-heads full draft_rows --impls diagonal
 
 Needs torch and draftline only (``PYTHONPATH=src`` from a checkout).
 """
@@ -112,7 +113,9 @@ KIMI = {"hidden_size": 7168, "target_hidden_size": 7168, "num_attention_heads": 
                          "original_max_position_embeddings": 4096}}
 DIMS = {"toy": TOY, "kimi": KIMI}
 # Training's settings that the step reads (the schema's defaults; Kimi's config keeps them).
-TRAIN = {"loss_decay": 0.8, "lr": 3e-4, "weight_decay": 0.0, "grad_clip": 0.5}
+TRAIN = {"loss_decay": 0.8, "lr": 3e-4, "weight_decay": 0.0, "grad_clip": 0.5,
+         "teacher_head": "full"}
+TEACHER_HEADS = ("full", "draft_rows")  # train.teacher_head
 
 IMPLS = ("diagonal", "diagonal-eager", "dense", "dense-sdpa")
 PRESETS = {
@@ -177,13 +180,15 @@ def attention_impl(impl: str):
 # ----------------------------------------------------------------------------- FLOPs, memory
 
 
-def flops_per_token(cfg: m.DraftConfig, tokens: int, steps_k: int) -> dict[str, float]:
+def flops_per_token(cfg: m.DraftConfig, tokens: int, steps_k: int,
+                    teacher_head: str = TRAIN["teacher_head"]) -> dict[str, float]:
     """Model FLOPs of one training step per token (2 per multiply-add; recomputation in
     kernels, softmax, norms and other elementwise work not counted).
 
     Trainable matrix products cost 3x their forward (forward, input gradient, weight
     gradient); ``fc`` 2x (its input, the target's hidden states, needs no gradient); the
-    frozen teacher head 1x (no gradient). Attention: at unroll step s a row i attends to the
+    frozen teacher head 1x (no gradient), over the whole vocab or, ``teacher_head``
+    draft_rows, the draft vocabulary's rows only. Attention: at unroll step s a row i attends to the
     i+1 causal keys of step 0 and its own key of steps 1..s: QK^T and PV cost 4 * nh * hd per
     key, a row has (T+1)/2 causal keys on average, and the backward costs 2x the forward.
     """
@@ -200,7 +205,7 @@ def flops_per_token(cfg: m.DraftConfig, tokens: int, steps_k: int) -> dict[str, 
         "draft_layer": 3 * steps_k * layer,
         "draft_head": 3 * steps_k * (2 * H * D),
         "attention": 3 * (4 * Q * keys),
-        "teacher_head": 2 * cfg.target_hidden_size * V,
+        "teacher_head": 2 * cfg.target_hidden_size * (V if teacher_head == "full" else D),
     }
     terms["total"] = sum(terms.values())
     return terms
@@ -216,7 +221,7 @@ def trainable_params(cfg: m.DraftConfig) -> dict[str, int]:
 
 
 def memory_model(cfg: m.DraftConfig, batch: int, tokens: int, steps_k: int,
-                 device_type: str) -> dict[str, float]:
+                 device_type: str, teacher_head: str = TRAIN["teacher_head"]) -> dict[str, float]:
     """Expected bytes at the step's peak (the end of the forward, when everything saved for
     the backward is alive), term by term, from what the code keeps (checked against the
     tensors autograd saves in tests/test_train_step_bench.py).
@@ -243,7 +248,9 @@ def memory_model(cfg: m.DraftConfig, batch: int, tokens: int, steps_k: int,
     Per token, once: aux (3H), final (H) and ids; the teacher's fp32 log-probs (4D) and
     probabilities (4D, a view of which every step's loss saves). The teacher head itself runs
     in chunks of TEACHER_CHUNK_ROWS rows before the unroll (a transient of rows * V at 2 B
-    plus rows * D at 4 B, freed before the peak). Not counted: the backward's own transients
+    plus rows * D at 4 B, freed before the peak; ``teacher_head`` draft_rows: rows * D, and a
+    copy of the draft vocabulary's lm_head rows kept beside the full head, which evaluation
+    still uses). Not counted: the backward's own transients
     (one step's gradients at a time), which the gradients counted from the start cover.
     """
     cuda = device_type == "cuda"
@@ -253,7 +260,9 @@ def memory_model(cfg: m.DraftConfig, batch: int, tokens: int, steps_k: int,
     W = 2 if cuda else 4
     params = trainable_params(cfg)
     n_params = sum(params.values())
-    frozen = (V * H + V * cfg.target_hidden_size) * W  # embedding + teacher lm_head
+    draft_rows = teacher_head == "draft_rows"
+    head_rows = V + (D if draft_rows else 0)  # the full head, and its draft rows' copy
+    frozen = (V * H + head_rows * cfg.target_hidden_size) * W  # embedding + teacher lm_head
     weight_casts = (n_params - params["fc.weight"]) * 2 if cuda else 0
     norms = 4 * W * H + 3 * 4 * H + 4 * 4
     qkv = 3 * W * 2 * H if cuda else 4 * 2 * H
@@ -272,7 +281,7 @@ def memory_model(cfg: m.DraftConfig, batch: int, tokens: int, steps_k: int,
         "teacher log-probs + probs": rows * 2 * 4 * D,
     }
     terms["peak"] = sum(terms.values())
-    terms["teacher head transient"] = chunk * (2 * V + 4 * D * 2)
+    terms["teacher head transient"] = chunk * (2 * (D if draft_rows else V) + 4 * D * 2)
     terms["activations per token"] = sum(saved)
     return terms
 
@@ -316,8 +325,10 @@ class Setup:
     """Draft, target head, optimizer and one micro-batch, as ``draftline.stages.train`` builds
     them."""
 
-    def __init__(self, dims: dict, device: str, batch: int, tokens: int, seed: int = 0):
+    def __init__(self, dims: dict, device: str, batch: int, tokens: int, seed: int = 0,
+                 teacher_head: str = TRAIN["teacher_head"]):
         torch.manual_seed(seed)
+        self.teacher_head = teacher_head
         self.device = torch.device(device)
         self.cfg = m.DraftConfig(**dims)
         cuda = self.device.type == "cuda"
@@ -357,7 +368,7 @@ class Setup:
     def loss(self, steps_k: int):
         return run_micro_batch(self.model, self.head, self.batch,
                                {"ttt_steps": steps_k, "loss_decay": TRAIN["loss_decay"],
-                                "loss": "kl"}, self.rt)
+                                "loss": "kl", "teacher_head": self.teacher_head}, self.rt)
 
     def step(self, steps_k: int) -> float:
         """One optimizer step of one micro-batch (grad_accum 1), as draftline.stages.train's
@@ -389,7 +400,8 @@ def measure(setup: Setup, impl: str, steps_k: int, repeats: int) -> dict:
     """One configuration: seconds per step, tokens/s, peak memory in MiB."""
     rows, tokens = setup.batch["input_ids"].shape
     cuda = setup.device.type == "cuda"
-    row = {"impl": impl, "K": steps_k, "tokens": tokens, "batch": rows}
+    row = {"impl": impl, "K": steps_k, "tokens": tokens, "batch": rows,
+           "teacher": setup.teacher_head}
     try:
         with attention_impl(impl):
             if cuda:
@@ -512,29 +524,32 @@ def step_gradients_diff(setup: Setup, steps_k: int) -> dict:
 
 
 def table(rows: list[dict], cfg: m.DraftConfig, peak_flops: float, device_type: str) -> str:
-    by = {(r["impl"], r["K"], r["tokens"]): r for r in rows}
+    """One row per (T, K, teacher head, attention); speeds against the dense mask with the
+    full teacher, measured in the same run (MFU on each row's own FLOPs)."""
+    by = {(r.get("teacher", "full"), r["impl"], r["K"], r["tokens"]): r for r in rows}
     memory = "peak allocated (MiB)" if device_type == "cuda" else "peak RSS increase (MiB)"
-    lines = [f"| T | K | attention | step (ms) | tokens/s | {memory} | model estimate (MiB) | "
-             "GFLOP/token | MFU | speed vs dense |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+    lines = [f"| T | K | teacher | attention | step (ms) | tokens/s | {memory} | model estimate "
+             "(MiB) | GFLOP/token | MFU | speed vs dense, full teacher |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
     for tokens in sorted({r["tokens"] for r in rows}):
         for k in sorted({r["K"] for r in rows}):
-            dense = by.get(("dense", k, tokens))
-            flops = flops_per_token(cfg, tokens, k)["total"]
-            for impl in IMPLS:
-                r = by.get((impl, k, tokens))
+            dense = by.get(("full", "dense", k, tokens))
+            for teacher, impl in ((t, i) for t in TEACHER_HEADS for i in IMPLS):
+                r = by.get((teacher, impl, k, tokens))
                 if r is None:
                     continue
-                estimate = memory_model(cfg, r["batch"], tokens, k, device_type)["peak"] / 2**20
+                flops = flops_per_token(cfg, tokens, k, teacher)["total"]
+                estimate = memory_model(cfg, r["batch"], tokens, k, device_type,
+                                        teacher)["peak"] / 2**20
                 if r["oom"]:
-                    lines.append(f"| {tokens} | {k} | {impl} | out of memory | | | "
+                    lines.append(f"| {tokens} | {k} | {teacher} | {impl} | out of memory | | | "
                                  f"{estimate:,.0f} | {flops / 1e9:.4g} | | |")
                     continue
                 speed = (f"{r['tokens_per_s'] / dense['tokens_per_s']:.2f}x"
-                         if dense and not dense["oom"] else "dense OOM")
+                         if dense and not dense["oom"] else "-")
                 mfu = flops * r["tokens_per_s"] / peak_flops
                 lines.append(
-                    f"| {tokens} | {k} | {impl} | {r['s_per_step'] * 1e3:,.1f} | "
+                    f"| {tokens} | {k} | {teacher} | {impl} | {r['s_per_step'] * 1e3:,.1f} | "
                     f"{r['tokens_per_s']:,.0f} | {r['peak_memory_mib']:,.0f} | "
                     f"{estimate:,.0f} | {flops / 1e9:.4g} | {100 * mfu:.1f}% | {speed} |")
     return "\n".join(lines)
@@ -611,6 +626,9 @@ def parse_args(argv):
     parser.add_argument("--tokens", type=int, nargs="+", default=[2048])
     parser.add_argument("--batch", type=int, default=1, help="rows per micro-batch")
     parser.add_argument("--impls", nargs="+", choices=IMPLS, default=list(IMPLS))
+    parser.add_argument("--teacher-heads", nargs="+", choices=TEACHER_HEADS,
+                        default=[TRAIN["teacher_head"]],
+                        help="train.teacher_head values measured (each beside every attention)")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--threads", type=int, default=None,
                         help="torch threads (default: torch's; 1 is steadier on a busy CPU)")
@@ -620,7 +638,8 @@ def parse_args(argv):
     parser.add_argument("--memory-only", action="store_true",
                         help="print the FLOPs and the analytic memory, run nothing")
     parser.add_argument("--json", help="also write the rows and checks to this file")
-    parser.add_argument("--one", nargs=3, metavar=("IMPL", "K", "T"), help=argparse.SUPPRESS)
+    parser.add_argument("--one", nargs=4, metavar=("IMPL", "K", "T", "TEACHER"),
+                        help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.preset:
         for key, value in PRESETS[args.preset].items():
@@ -630,9 +649,10 @@ def parse_args(argv):
     return args
 
 
-def child_row(args, impl: str, k: int, tokens: int) -> dict:
+def child_row(args, impl: str, k: int, tokens: int, teacher: str) -> dict:
     """CPU: one configuration in a fresh process, so that its peak RSS is its own."""
-    cmd = [sys.executable, __file__, "--one", impl, str(k), str(tokens), "--dims", args.dims,
+    cmd = [sys.executable, __file__, "--one", impl, str(k), str(tokens), teacher,
+           "--dims", args.dims,
            "--batch", str(args.batch), "--repeats", str(args.repeats)]
     if args.threads:
         cmd += ["--threads", str(args.threads)]
@@ -647,7 +667,7 @@ def main(argv: list[str] | None = None) -> int:
     cfg = m.DraftConfig(**DIMS[args.dims])
     if args.one:  # child process: one configuration, JSON on stdout
         impl, k, tokens = args.one[0], int(args.one[1]), int(args.one[2])
-        setup = Setup(DIMS[args.dims], "cpu", args.batch, tokens)
+        setup = Setup(DIMS[args.dims], "cpu", args.batch, tokens, teacher_head=args.one[3])
         print(json.dumps(measure(setup, impl, k, args.repeats)))
         return 0
     print(flops_table(cfg, args.tokens, args.steps_k))
@@ -688,15 +708,17 @@ def main(argv: list[str] | None = None) -> int:
     for tokens in args.tokens:
         setup.set_batch(args.batch, tokens)
         for k in args.steps_k:
-            for impl in args.impls:
+            for teacher, impl in ((t, i) for t in args.teacher_heads for i in args.impls):
+                setup.teacher_head = teacher  # one model: the head is a setting of the step
                 if device.type == "cpu" and not args.in_process:
-                    row = child_row(args, impl, k, tokens)
+                    row = child_row(args, impl, k, tokens, teacher)
                 else:
                     row = measure(setup, impl, k, args.repeats)
                 rows.append(row)
                 write_json()
                 rate = "OOM" if row["oom"] else f"{row['tokens_per_s']:,.0f} tok/s"
-                print(f"  {impl:14s} T={tokens} K={k}: {rate}", file=sys.stderr, flush=True)
+                print(f"  {teacher:10s} {impl:14s} T={tokens} K={k}: {rate}", file=sys.stderr,
+                      flush=True)
     name = torch.cuda.get_device_name() if device.type == "cuda" else "CPU"
     print(f"\ndraft train step, {args.dims} dims, {name}, {args.batch} row(s), "
           f"{torch.get_num_threads()} threads, load average {os.getloadavg()[0]:.1f}, "

@@ -105,15 +105,17 @@ def test_cpu_path_runs_at_toy_dims_and_reports_the_table(tmp_path, capsys):
     out = tmp_path / "rows.json"
     assert bench.main(["--device", "cpu", "--dims", "toy", "--tokens", "48", "--steps-k", "1",
                        "3", "--impls", "diagonal", "dense", "--repeats", "1", "--in-process",
-                       "--json", str(out)]) == 0
+                       "--teacher-heads", "full", "draft_rows", "--json", str(out)]) == 0
     printed = capsys.readouterr().out
-    header = next(line for line in printed.splitlines() if line.startswith("| T | K | attention"))
+    header = next(line for line in printed.splitlines() if line.startswith("| T | K | teacher"))
     assert [c.strip() for c in header.strip("|").split("|")] == [
-        "T", "K", "attention", "step (ms)", "tokens/s", "peak RSS increase (MiB)",
-        "model estimate (MiB)", "GFLOP/token", "MFU", "speed vs dense"]
+        "T", "K", "teacher", "attention", "step (ms)", "tokens/s", "peak RSS increase (MiB)",
+        "model estimate (MiB)", "GFLOP/token", "MFU", "speed vs dense, full teacher"]
     report = json.loads(out.read_text())
-    assert {(r["impl"], r["K"]) for r in report["rows"]} == {
-        (impl, k) for impl in ("diagonal", "dense") for k in (1, 3)}
+    assert {(r["teacher"], r["impl"], r["K"]) for r in report["rows"]} == {
+        (t, impl, k) for t in ("full", "draft_rows") for impl in ("diagonal", "dense")
+        for k in (1, 3)}
+    assert "| 48 | 3 | draft_rows | diagonal |" in printed
     for row in report["rows"]:
         assert not row["oom"] and row["tokens_per_s"] > 0 and row["tokens"] == 48
         mfu = report["flops_per_token"][f"48,{row['K']}"]["total"] * row["tokens_per_s"] \
@@ -129,12 +131,25 @@ def test_cpu_path_runs_at_toy_dims_and_reports_the_table(tmp_path, capsys):
     assert step["max_grad_diff_rel"] < 1e-4
 
 
+def test_the_draft_rows_teacher_counts_its_own_work_and_memory():
+    """train.teacher_head draft_rows: the teacher's FLOPs are D / V of the full head's, and the
+    step holds a copy of the draft rows beside the full head (evaluation's)."""
+    cfg = m.DraftConfig(**bench.KIMI)
+    full = bench.flops_per_token(cfg, 4096, 7, "full")
+    rows = bench.flops_per_token(cfg, 4096, 7, "draft_rows")
+    assert full["teacher_head"] == 2 * 7168 * 163840 and rows["teacher_head"] == 2 * 7168 * 32000
+    assert full["total"] - rows["total"] == 2 * 7168 * (163840 - 32000)
+    memory = {t: bench.memory_model(cfg, 1, 4096, 7, "cuda", t) for t in ("full", "draft_rows")}
+    assert (memory["draft_rows"]["frozen embedding + target head"]
+            - memory["full"]["frozen embedding + target head"]) == 32000 * 7168 * 2
+
+
 def test_cpu_child_reports_its_own_peak_memory_not_its_parents():
     """Each CPU configuration runs in a fresh process so that its peak memory is its own; the
     parent here holds 512 MiB (as the CPU path's parent does after its fused-vs-eager check)."""
     ballast = torch.ones(512 * 2**20 // 4)  # noqa: F841 - touched, so resident
     args = bench.parse_args(["--dims", "toy", "--repeats", "1", "--threads", "1"])
-    row = bench.child_row(args, "diagonal", 2, 64)
+    row = bench.child_row(args, "diagonal", 2, 64, "full")
     assert 1 < row["peak_memory_mib"] < 256
 
 
