@@ -96,6 +96,10 @@ ROWS: dict[str, dict] = {
     "loss decay 1.0": {"loss_decay": 1.0},
     "lk loss": {"loss": "lk"},
     "frozen lm_head": {"lm_head": "frozen"},
+    # the teacher from the draft vocabulary's lm_head rows only (every generated row in the loss)
+    "teacher draft rows": {"teacher_head": "draft_rows"},
+    # the draft families vLLM serves: P-EAGLE drafts every token in one pass
+    "p-eagle": {"draft.drafting": "parallel"},
     # the peer: its CLI's defaults (Muon, norms before fc and residual, norm_output, frozen
     # lm_head, decay 1.0, linear schedule, packing) at several rates, same tokens a step
     "peer lr=5e-3": {"trainer": PEER, "lr": 0.005, "optimizer": "muon"},

@@ -7,7 +7,11 @@ Measures, on the same samples:
 * the padding the batching adds (padded tokens / real tokens);
 * bytes written per token by a full ``extract`` against the theoretical minimum
   (``4 * H * dtype_size`` of states; plus 9 bytes of token id and loss mask);
-* optionally (``--vllm``) tokens/s of the vllm backend after the engine has started.
+* optionally (``--vllm``) tokens/s of the vllm backend after the engine has started, against
+  the physical limit of the same engine: a plain prefill of the same prompts with the same
+  engine arguments but no capture (no ``extract_hidden_states`` method, no connector;
+  ``max_tokens=1``), and their ratio (medians of ``--repeats`` runs, the two engines one
+  after the other).
 
 Usage::
 
@@ -101,23 +105,68 @@ def bench_hf(target: Path, samples: list[list[int]], batch_tokens: int, repeats:
             "padding": padded / tokens - 1, "batch_tokens": batch_tokens}
 
 
-def bench_vllm(target: Path, samples: list[list[int]], batch_tokens: int, work: Path) -> dict:
+VLLM_SERVER_CFG = {"enforce_eager": True, "dtype": "bfloat16"}
+
+
+def bench_vllm(target: Path, samples: list[list[int]], batch_tokens: int, work: Path,
+               repeats: int) -> dict:
+    """The vllm backend's capture against a plain prefill by the same engine arguments."""
+    plain = bench_plain_prefill(target, samples, batch_tokens, work, repeats)
     from draftline.stages.hidden.vllm_backend import VLLMBackend
 
     info = target_info(target)
     ids = capture_ids(resolve_layer_ids(None, info["num_layers"]), info["num_layers"])
     start = time.perf_counter()
     backend = VLLMBackend(target, ids, max(map(len, samples)), work / "spool",
-                          {"batch_tokens": batch_tokens},
-                          {"enforce_eager": True, "dtype": "bfloat16"})
+                          {"batch_tokens": batch_tokens}, VLLM_SERVER_CFG)
     started = time.perf_counter() - start
     backend.states(samples[:4])  # warm-up
-    start = time.perf_counter()
-    backend.states(samples)
-    seconds = time.perf_counter() - start
+    runs = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        backend.states(samples)
+        runs.append(time.perf_counter() - start)
     backend.close()
     tokens = sum(map(len, samples))
-    return {"start_s": started, "seconds": seconds, "tok_s": tokens / seconds}
+    seconds = statistics.median(runs)
+    return {"start_s": started, "seconds": seconds, "tok_s": tokens / seconds,
+            "runs_s": runs, "plain_prefill": plain,
+            "ratio_to_plain_prefill": (tokens / seconds) / plain["tok_s"]}
+
+
+def bench_plain_prefill(target: Path, samples: list[list[int]], batch_tokens: int, work: Path,
+                        repeats: int) -> dict:
+    """The same prompts prefilled by an engine with the capture engine's arguments less the
+    capture (its speculative and KV-transfer configs): the most the capture can reach."""
+    import os
+
+    from draftline.stages.hidden.vllm_backend import engine_kwargs
+
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    from vllm import LLM, SamplingParams
+    from vllm.platforms import current_platform
+
+    info = target_info(target)
+    ids = capture_ids(resolve_layer_ids(None, info["num_layers"]), info["num_layers"])
+    kwargs = engine_kwargs(target, ids, work / "unused", max(map(len, samples)),
+                           {"batch_tokens": batch_tokens}, VLLM_SERVER_CFG)
+    del kwargs["speculative_config"], kwargs["kv_transfer_config"]
+    if current_platform.is_cpu():
+        kwargs.setdefault("gpu_memory_utilization", 0.3)  # as the backend sets it there
+    llm = LLM(**kwargs)
+    prompts = [{"prompt_token_ids": list(map(int, s))} for s in samples]
+    params = SamplingParams(max_tokens=1)
+    llm.generate(prompts[:4], params, use_tqdm=False)  # warm-up
+    runs = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        llm.generate(prompts, params, use_tqdm=False)
+        runs.append(time.perf_counter() - start)
+    llm.llm_engine.engine_core.shutdown()
+    del llm
+    seconds = statistics.median(runs)
+    return {"seconds": seconds, "tok_s": sum(map(len, samples)) / seconds, "runs_s": runs}
 
 
 def bench_bytes(target: Path, samples: list[list[int]], batch_tokens: int, work: Path) -> dict:
@@ -142,8 +191,13 @@ def print_table(hf: dict, size: dict, vllm: dict | None) -> None:
         ("speed-up (ratio)", f"{hf['batched_tok_s'] / hf['single_tok_s']:.2f}x", "best of runs"),
     ]
     if vllm:
-        rows.append(("vllm backend", f"{vllm['tok_s']:,.0f} tok/s",
-                     f"engine start {vllm['start_s']:.0f} s, not counted"))
+        rows += [("vllm backend (capture)", f"{vllm['tok_s']:,.0f} tok/s",
+                  f"engine start {vllm['start_s']:.0f} s, not counted; median of "
+                  f"{len(vllm['runs_s'])}"),
+                 ("vllm plain prefill", f"{vllm['plain_prefill']['tok_s']:,.0f} tok/s",
+                  "same engine arguments, no capture, max_tokens=1"),
+                 ("capture / plain prefill", f"{vllm['ratio_to_plain_prefill']:.2f}x",
+                  "1.0 = capture costs nothing")]
     rows += [
         ("bytes/token written", f"{size['bytes_per_token']:,.1f} B",
          f"{size['files']} part files, H = {size['hidden_size']}"),
@@ -182,7 +236,8 @@ def main(argv: list[str] | None = None) -> int:
         samples = random_samples(args.samples, args.min_len, args.max_len, vocab, seed=0)
         hf = bench_hf(target, samples, args.batch_tokens, args.repeats)
         size = bench_bytes(target, samples, args.batch_tokens, work)
-        vllm = bench_vllm(target, samples, args.batch_tokens, work) if args.vllm else None
+        vllm = (bench_vllm(target, samples, args.batch_tokens, work, args.repeats)
+                if args.vllm else None)
     print_table(hf, size, vllm)
     if args.json:
         args.json.write_text(json.dumps({"hf": hf, "bytes": size, "vllm": vllm}, indent=1))

@@ -35,6 +35,9 @@ VARIANTS = {
                                    "norm_output": True},
     "own-sizes-all-flags": {**DRAFT_ARCHITECTURE, **FLAGS},
 }
+# P-EAGLE: vLLM drafts every token in one pass from mask slots appended after the anchor
+PARALLEL = {"drafting": "parallel", "mask_token_id": 7}
+PARALLEL_STEPS = 3
 REFERENCE = Path(__file__).with_name("vllm_eagle3_reference.py")
 LENGTH = 24
 
@@ -113,3 +116,43 @@ def test_exported_drafts_compute_in_vllm_what_they_compute_in_training(draft_inp
         # one exactly when norm_output is set
         gap = (mine["hidden"] - mine["prenorm"]).abs().max()
         assert gap > 0.1, f"{name}: normed and prenorm states too close to tell apart"
+
+
+@requires_vllm
+def test_a_parallel_draft_computes_in_vllm_what_its_unroll_computes(draft_inputs, tmp_path):
+    """P-EAGLE: vLLM's proposer appends K-1 mask slots (config.json's mask_token_id, the state
+    combine_hidden_states(mask_hidden)) after the last real token and runs one forward pass;
+    its K logits there equal the K unroll steps of training's model at that row."""
+    model, cfg = random_draft(draft_inputs, PARALLEL, seed=7)
+    assert cfg.parallel_drafting and cfg.mask_token_id == 7
+    checkpoint = export(model, cfg, draft_inputs, tmp_path / "p-eagle")
+    config = json.loads((checkpoint / "config.json").read_text())
+    assert config["mask_token_id"] == 7 and config["parallel_drafting"] is True
+    exported = load_file(str(checkpoint / "model.safetensors"))
+    assert exported["mask_hidden"].shape == (3 * cfg.target_hidden_size,)
+    model.load_state_dict({k: v.float() for k, v in exported.items()
+                           if k not in ("d2t", "t2d")}, strict=False)
+    gen = torch.Generator().manual_seed(107)
+    aux = torch.randn(1, LENGTH, 3 * cfg.target_hidden_size, generator=gen)
+    input_ids = torch.randint(0, cfg.vocab_size, (1, LENGTH), generator=gen)
+    with torch.no_grad():
+        steps = model(aux, input_ids, PARALLEL_STEPS)  # K x [1, T, D]
+    anchor = LENGTH - 1 - PARALLEL_STEPS  # a row whose K predicted tokens lie in the sample
+    save_file({"aux": aux[0, :anchor + 1], "tokens": shift_left(input_ids, 1)[0, :anchor + 1],
+               "positions": torch.arange(anchor + PARALLEL_STEPS)}, str(tmp_path / "p.in"))
+    done = subprocess.run([sys.executable, str(REFERENCE), str(draft_inputs["target_dir"]),
+                           str(checkpoint), str(tmp_path / "p.in"), str(tmp_path / "p.out")],
+                          capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-4000:]
+    theirs = load_file(str(tmp_path / "p.out"))["logits"][anchor:]  # [K, V]: anchor, slots
+    d2t = load_file(str(draft_inputs["vocab_map"]))["d2t"]
+    draft_ids = torch.arange(d2t.shape[0]) + d2t
+    mine = torch.stack([step[0, anchor] for step in steps])  # [K, D]
+    torch.testing.assert_close(theirs[:, draft_ids], mine, atol=2e-4, rtol=1e-4)
+    # the slots are not the autoregressive unroll: its steps 1..K-1 differ by O(1)
+    autoregressive = DraftConfig.from_dict({**cfg.to_dict(), "parallel_drafting": False})
+    model.cfg = autoregressive
+    with torch.no_grad():
+        chained = torch.stack([step[0, anchor] for step in model(aux, input_ids,
+                                                                 PARALLEL_STEPS)])
+    assert (chained[1:] - mine[1:]).abs().max() > 0.1

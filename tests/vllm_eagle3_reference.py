@@ -10,6 +10,12 @@ model's forward, ``compute_logits``. Writes ``first_state`` ``[T, H]``, ``hidden
 state the logits read) and ``aux_output`` (the state vLLM feeds the next step) ``[T, H]``,
 ``logits`` ``[T, V]`` (the draft vocab scattered into the target's, -inf elsewhere).
 
+A P-EAGLE checkpoint (config.json ``parallel_drafting``) is built with vLLM's
+``parallel_drafting`` and run as vLLM's proposer runs it: the sequence's real positions, then
+``mask_slots`` positions with the token the proposer reads (config.json ``mask_token_id``) and
+the state ``combine_hidden_states(mask_hidden)``, one forward pass; ``logits`` then covers the
+real positions and the mask slots.
+
 One substitution: the paged attention kernel needs a KV cache and the scheduler's metadata,
 so its ``attn`` (the kernel call only: q, k, v after vLLM's projections and rotary) is a plain
 causal attention over the one sequence. Everything else is vLLM's code. Its own process: vLLM
@@ -18,6 +24,7 @@ initialises a process-wide distributed group.
 
 from __future__ import annotations
 
+import json
 import sys
 
 import torch
@@ -41,7 +48,7 @@ class CausalAttention(torch.nn.Module):
         return out.transpose(0, 1).reshape(length, -1)
 
 
-def build(checkpoint: str, target: str):
+def build(checkpoint: str, target: str, parallel: bool = False):
     from vllm.config import (
         ModelConfig,
         ParallelConfig,
@@ -54,9 +61,10 @@ def build(checkpoint: str, target: str):
     from vllm.model_executor.models.llama_eagle3 import Eagle3LlamaForCausalLM
 
     model_cfg = ModelConfig(model=target, dtype="float32", enforce_eager=True, max_model_len=512)
-    parallel = ParallelConfig()
+    parallel_drafting, parallel = parallel, ParallelConfig()
     spec = SpeculativeConfig(method="eagle3", model=checkpoint, num_speculative_tokens=3,
-                             target_model_config=model_cfg, target_parallel_config=parallel)
+                             target_model_config=model_cfg, target_parallel_config=parallel,
+                             parallel_drafting=parallel_drafting)
     vllm_cfg = VllmConfig(model_config=model_cfg, speculative_config=spec,
                           parallel_config=parallel)
     with set_current_vllm_config(vllm_cfg):
@@ -79,11 +87,20 @@ def build(checkpoint: str, target: str):
 def run(checkpoint: str, target: str, inputs: str, outputs: str) -> None:
     from vllm.config import set_current_vllm_config
 
-    model, vllm_cfg = build(checkpoint, target)
-    data = load_file(inputs)  # aux [T, A], tokens [T], positions [T]
+    with open(f"{checkpoint}/config.json") as f:
+        parallel = bool(json.load(f).get("parallel_drafting"))
+    model, vllm_cfg = build(checkpoint, target, parallel)
+    data = load_file(inputs)  # aux [T, A], tokens [T], positions [T (+ mask slots)]
     with torch.no_grad(), set_current_vllm_config(vllm_cfg):
         first = model.combine_hidden_states(data["aux"].float())
-        hidden, aux_output = model(data["tokens"], data["positions"], first)
+        tokens = data["tokens"]
+        if parallel:  # the proposer's mask slots (llm_base_proposer, parallel drafting)
+            slots = len(data["positions"]) - len(tokens)
+            hf = vllm_cfg.speculative_config.draft_model_config.hf_config
+            mask_state = model.combine_hidden_states(model.mask_hidden.view(-1))
+            tokens = torch.cat([tokens, torch.full((slots,), hf.mask_token_id)])
+            first = torch.cat([first, mask_state.expand(slots, -1)])
+        hidden, aux_output = model(tokens, data["positions"], first)
         logits = model.compute_logits(hidden)
     out = {"first_state": first, "hidden": hidden, "aux_output": aux_output, "logits": logits}
     save_file({k: v.clone().contiguous() for k, v in out.items()}, outputs)  # may share memory

@@ -24,6 +24,13 @@ Alignment (as vLLM's EAGLE proposer): row i of step 0 holds the target state at 
 the token at i+1, sits at rotary position i, and predicts token i+2. Step k feeds row i its
 own step k-1 state, the token at i+1+k, at rotary position i+k, and predicts token i+2+k.
 
+Parallel drafting (P-EAGLE, ``parallel_drafting``; vLLM's ``parallel_drafting`` speculative
+setting): vLLM drafts all K tokens in one forward pass, appending K-1 mask slots after the last
+real token, each with the token ``mask_token_id`` and the state ``fc(mask_hidden)`` (a trained
+``[A]`` vector, combined like the aux states). Training is the same unroll with those constant
+inputs at steps k >= 1: step k of row i is the mask slot at position i+k, and the TTT
+attention below is exactly the causal attention of that appended sequence.
+
 Attention at step k: row i sees the step-0 keys/values of rows j <= i (the real context, as
 in vLLM's draft KV cache) plus its own keys/values of steps 1..k (a diagonal). The diagonal
 is computed as k extra scores per row and softmaxed jointly with the causal scores, never as
@@ -73,6 +80,9 @@ class DraftConfig:
     fc_norm: bool = False
     norm_before_residual: bool = False
     norm_output: bool = False
+    # P-EAGLE (module docstring): mask slots instead of the draft's own tokens and states
+    parallel_drafting: bool = False
+    mask_token_id: int = 0
 
     # The draft layer's own sizes, settable in config (train.draft); null keeps the target's.
     ARCHITECTURE_KEYS = ("intermediate_size", "num_attention_heads", "num_key_value_heads",
@@ -101,6 +111,10 @@ class DraftConfig:
                       if k in cls.ARCHITECTURE_KEYS and v is not None})
         check_architecture(sizes)
         flags = {k: bool(architecture.get(k, False)) for k in cls.NORM_FLAGS}
+        if architecture.get("drafting") == "parallel":
+            flags.update(parallel_drafting=True,
+                         mask_token_id=mask_token_of(cfg, target_config,
+                                                     architecture.get("mask_token_id")))
         return cls(
             hidden_size=hidden,
             target_hidden_size=hidden,
@@ -120,6 +134,26 @@ class DraftConfig:
     @classmethod
     def from_dict(cls, data: dict) -> DraftConfig:
         return cls(**data)
+
+
+def mask_token_of(text_cfg: dict, target_config: dict, configured: int | None) -> int:
+    """The token of P-EAGLE's mask slots: the configured one, else the target's padding, end
+    or first token (its embedding is the target's, frozen; ``mask_hidden`` is what learns)."""
+    if configured is not None:
+        chosen = int(configured)
+    else:
+        chosen = 0
+        for key in ("pad_token_id", "eos_token_id"):
+            value = text_cfg.get(key, target_config.get(key))
+            value = value[0] if isinstance(value, list) and value else value
+            if isinstance(value, int):
+                chosen = value
+                break
+    vocab = int(text_cfg["vocab_size"])
+    if not 0 <= chosen < vocab:
+        raise ValueError(f"config key 'train.draft.mask_token_id': {chosen} is outside the "
+                         f"target's vocabulary [0, {vocab})")
+    return chosen
 
 
 YARN_KEYS = frozenset({"rope_type", "factor", "original_max_position_embeddings", "beta_fast",
@@ -508,6 +542,8 @@ class Eagle3Draft(nn.Module):
             self.fc_norm = nn.ModuleList(RMSNorm(cfg.target_hidden_size, cfg.rms_norm_eps)
                                          for _ in range(cfg.num_aux_hidden_states))
         self.fc = nn.Linear(aux_width, cfg.hidden_size, bias=False)
+        if cfg.parallel_drafting:  # the aux states of a mask slot (vLLM's mask_hidden), [A]
+            self.mask_hidden = nn.Parameter(torch.randn(aux_width))
         self.midlayer = DraftDecoderLayer(cfg)
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.draft_vocab_size, bias=False)
@@ -526,7 +562,11 @@ class Eagle3Draft(nn.Module):
         cache = TTTCache()
         logits = []
         for step in range(ttt_steps):
-            tokens = shift_left(input_ids, step + 1)  # [B, T]: row i -> token i+1+step
+            if step and self.cfg.parallel_drafting:  # a mask slot: constant token and state
+                tokens = torch.full_like(input_ids, self.cfg.mask_token_id)
+                hidden = self.combine_aux(self.mask_hidden).to(hidden.dtype).expand_as(hidden)
+            else:
+                tokens = shift_left(input_ids, step + 1)  # [B, T]: row i -> token i+1+step
             embeds = self.embed_tokens(tokens).to(hidden.dtype)  # [B, T, H]
             cos = cos_all[step:step + length]  # positions shift by one per step, [T, hd]
             sin = sin_all[step:step + length]
@@ -560,6 +600,8 @@ def expected_shapes(cfg: DraftConfig) -> dict[str, tuple[int, ...]]:
     norms = {"input_norm.weight": (aux_width,)} if cfg.norm_before_fc else {}
     norms.update({f"fc_norm.{i}.weight": (cfg.target_hidden_size,)
                   for i in range(cfg.num_aux_hidden_states)} if cfg.fc_norm else {})
+    if cfg.parallel_drafting:
+        norms["mask_hidden"] = (aux_width,)
     return {
         **norms,
         "fc.weight": (hidden, aux_width),
@@ -908,6 +950,9 @@ def init_draft_weights(model: Eagle3Draft, seed: int) -> None:
     """Deterministic init of the trainable projections (norms stay at one, lm_head as given)."""
     gen = torch.Generator().manual_seed(seed)
     for name, param in model.named_parameters():
+        if name == "mask_hidden":  # a state like the aux ones: unit scale per element
+            with torch.no_grad():
+                param.copy_(torch.randn(param.shape, generator=gen))
         if name.endswith("proj.weight") or name == "fc.weight":
             bound = 1.0 / math.sqrt(param.shape[1])
             with torch.no_grad():

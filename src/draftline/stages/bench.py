@@ -151,7 +151,16 @@ def speculative_config(draft_dir: str, n: int | None,
     spec = {"method": "eagle3", "model": str(draft_dir), "num_speculative_tokens": n}
     if draft_sample_method != "greedy":
         spec["draft_sample_method"] = draft_sample_method
+    if parallel_drafting(draft_dir):
+        spec["parallel_drafting"] = True
     return spec
+
+
+def parallel_drafting(draft_dir: str) -> bool:
+    """A P-EAGLE draft (its config.json says so): vLLM drafts it only when the speculative
+    config asks for parallel drafting."""
+    path = Path(draft_dir) / "config.json"
+    return path.is_file() and bool(json.loads(path.read_text()).get("parallel_drafting"))
 
 
 # ----------------------------------------------------------------------------- measuring

@@ -156,6 +156,12 @@ def draft_config_json(draft_cfg, target_cfg: dict, layer_ids: list[int], dtype: 
     }
     if draft_cfg.target_hidden_size != draft_cfg.hidden_size:
         config["target_hidden_size"] = draft_cfg.target_hidden_size
+    if draft_cfg.parallel_drafting:
+        # P-EAGLE: vLLM reads the mask slots' token here (its proposer's first choice) and the
+        # state from the weights' mask_hidden; parallel_drafting itself is a speculative-config
+        # setting, recorded here for the servers draftline starts and the model card
+        config["mask_token_id"] = draft_cfg.mask_token_id
+        config["parallel_drafting"] = True
     return config
 
 

