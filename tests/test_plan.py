@@ -200,3 +200,16 @@ def test_plan_command_prints_the_production_plan():
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
     assert "57,344 B/token" in proc.stdout and "hidden" in proc.stdout
+
+
+def test_a_p_eagle_draft_counts_its_mask_state():
+    """P-EAGLE trains the same layer plus one [3H] mask state (train.draft.drafting)."""
+    from draftline.plan import draft_params
+
+    dims = {"hidden_size": 7168, "num_heads": 64, "num_kv_heads": 64,
+            "intermediate_size": 18432}
+    eagle3 = draft_params(dims, 32000, {})
+    assert draft_params(dims, 32000, {"drafting": "parallel"}) - eagle3 == 3 * 7168
+    config = default_config()
+    config["train"]["draft"]["drafting"] = "parallel"
+    assert by_stage(plan(config, {}))["train"]["basis"].startswith("P-EAGLE draft")

@@ -137,7 +137,9 @@ def draft_params(dims: dict, draft_vocab: int, architecture: dict | None = None)
     kv = arch.get("num_key_value_heads", dims.get("num_kv_heads", heads))
     attention = 2 * h * heads * head_dim + 2 * (2 * h * kv * head_dim) + heads * head_dim * h
     mlp = 3 * h * arch.get("intermediate_size", dims.get("intermediate_size", 4 * h))
-    return 3 * h * h + attention + mlp + draft_vocab * h + 4 * h  # fc, attn, mlp, lm_head, norms
+    mask_hidden = 3 * h if arch.get("drafting") == "parallel" else 0  # P-EAGLE's mask state
+    # fc, attention, mlp, lm_head, norms
+    return 3 * h * h + attention + mlp + draft_vocab * h + 4 * h + mask_hidden
 
 
 def _token_counts(config: dict, measured: dict) -> tuple[int, int, int, str]:
@@ -335,7 +337,8 @@ def _train_rows(config: dict, measured: dict, dims: dict | None, kind: str,
                   if probes else "")
     return [
         _row("train", checkpoint + state, seconds,
-             f"draft {params / 1e6:,.1f} M trainable params (+ shared embedding); "
+             f"{drafting_name(train.get('draft'))} draft {params / 1e6:,.1f} M trainable params "
+             "(+ shared embedding); "
              f"{train['epochs']} epochs x {out_tokens:,} supervised tokens at {rate:,.0f} tok/s "
              f"({rate_basis}, ttt_steps {train['ttt_steps']}){probe_note}",
              draft_params=params),
@@ -343,6 +346,11 @@ def _train_rows(config: dict, measured: dict, dims: dict | None, kind: str,
         _row("bundle", 2 * checkpoint, 2 * checkpoint / 200e6,
              "draft checkpoint twice (folder + tar)"),
     ]
+
+
+def drafting_name(architecture: dict | None) -> str:
+    """EAGLE-3 or P-EAGLE (train.draft.drafting): the same unroll trains both, at one cost."""
+    return "P-EAGLE" if (architecture or {}).get("drafting") == "parallel" else "EAGLE-3"
 
 
 def lr_probe_share(train: dict) -> float:
