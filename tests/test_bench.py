@@ -481,17 +481,3 @@ def test_probabilistic_drafting_without_a_temperature_above_0_is_refused():
     cfg = load_config(overrides={"bench.draft_sample_methods": ["greedy", "probabilistic"],
                                  "bench.temperatures": [0.0, 0.7]})
     assert cfg["bench"]["draft_sample_methods"] == ["greedy", "probabilistic"]
-
-
-def test_a_t0_gap_on_sampled_answers_says_why():
-    """Simulated at T = 0 counts the target's greedy tokens inside answers sampled at T > 0;
-    the server decodes greedy answers: the row says so (the toy: -10% at T = 0 on answers
-    sampled at 0.7)."""
-    configs = configurations([3])
-    rows = [_row("eagle3-k3", 1, 0, 30.0, 4.0, drafts=100, accepted=164)]
-    eval_json = {"simulated_acceptance_length_by_num_drafts": [1.7, 2.4, 2.93]}
-    [sampled] = train_serve_gap(rows, configs, eval_json, data_temperature=0.7)
-    assert sampled["gap_pct"] == pytest.approx(-9.9, abs=0.01)
-    assert sampled["note"].startswith("simulated on answers sampled at T=0.7")
-    [greedy] = train_serve_gap(rows, configs, eval_json, data_temperature=0.0)
-    assert greedy["note"] is None

@@ -429,15 +429,11 @@ def simulated_acceptance(eval_json: dict, num_speculative_tokens: int,
 
 
 def train_serve_gap(rows: list[dict], configs: list[dict], eval_json: dict | None,
-                    log=print, summary: list[dict] | None = None,
-                    data_temperature: float | None = None) -> list[dict]:
+                    log=print, summary: list[dict] | None = None) -> list[dict]:
     """Per speculative configuration and served temperature: serving acceptance, its counters
     pooled over every level and repetition (``pooled_acceptance``), against the simulated one.
     A row says why it has no gap when there is none to trust: a temperature training did not
-    simulate, or served acceptance the summary marks as depending on the concurrency; and why
-    a T = 0 gap is expected when the answers were sampled (``data_temperature`` > 0): the
-    simulation counts the target's greedy tokens inside sampled answers, the server decodes
-    greedy answers, which are other contexts."""
+    simulate, or served acceptance the summary marks as depending on the concurrency."""
     gaps = []
     for cfg in configs:
         n = cfg["num_speculative_tokens"]
@@ -448,14 +444,11 @@ def train_serve_gap(rows: list[dict], configs: list[dict], eval_json: dict | Non
                       if r["config"] == cfg["name"] and r["temperature"] == temperature]
             serve = pooled_acceptance(served)["acceptance_length"]
             if serve:
-                row = _gap_row(cfg["name"], temperature, serve,
-                               simulated_acceptance(eval_json, n, temperature,
-                                                    cfg.get("draft_sample_method", "greedy")),
-                               _varies_with_c(summary, cfg["name"], temperature), log)
-                if temperature == 0 and data_temperature and row["note"] is None:
-                    row["note"] = (f"simulated on answers sampled at T={data_temperature:g}; "
-                                   "served greedy answers are other contexts")
-                gaps.append(row)
+                gaps.append(_gap_row(cfg["name"], temperature, serve,
+                                     simulated_acceptance(eval_json, n, temperature,
+                                                          cfg.get("draft_sample_method",
+                                                                  "greedy")),
+                                     _varies_with_c(summary, cfg["name"], temperature), log))
     return gaps
 
 
@@ -866,8 +859,7 @@ def measure_deployment_benchmark(response_files: list[str], draft_dir: str, eval
                                          managed=not external_urls),
               "rows": rows, "summary": summary,
               "step_costs": step_costs(summary, configs),
-              "train_serve_gap": train_serve_gap(rows, configs, train_eval, log, summary,
-                                                 float(generate_cfg["temperature"])),
+              "train_serve_gap": train_serve_gap(rows, configs, train_eval, log, summary),
               "best": best_config(summary),
               "further_drafts": bench_drafts.comparison(summary, configs),
               "sampling_recommendation": sampling_recommendation(summary, configs)}
