@@ -584,3 +584,27 @@ def test_the_draft_rows_teacher_gives_the_full_heads_loss_and_gradients():
     assert grads_rows.keys() == grads_full.keys() and len(grads_rows) > 5
     for name in grads_full:
         torch.testing.assert_close(grads_rows[name], grads_full[name], msg=name)
+
+
+def test_an_mla_draft_takes_its_sizes_from_the_config_or_an_mla_target():
+    """train.draft.arch deepseek_mla: sizes from train.draft, else from an MLA target (Kimi's
+    own kv_lora_rank and head sizes); without either, or with a norm before fc (the MLA class
+    has none), the config is refused naming the key."""
+    llama = {"hidden_size": 64, "num_attention_heads": 4, "intermediate_size": 96,
+             "vocab_size": 100, "rope_theta": 10000.0}
+    mla = {"arch": "deepseek_mla", "norm_before_fc": False}
+    with pytest.raises(ValueError, match="'train.draft.q_lora_rank'"):
+        DraftConfig.from_target(llama, 50, mla)
+    with pytest.raises(ValueError, match="'train.draft.norm_before_fc'"):
+        DraftConfig.from_target({**llama, "q_lora_rank": 8, "kv_lora_rank": 8,
+                                 "qk_nope_head_dim": 8, "qk_rope_head_dim": 4,
+                                 "v_head_dim": 8}, 50, {**mla, "norm_before_fc": True})
+    kimi = {**llama, "q_lora_rank": 1536, "kv_lora_rank": 512, "qk_nope_head_dim": 128,
+            "qk_rope_head_dim": 64, "v_head_dim": 128}
+    cfg = DraftConfig.from_target(kimi, 50, {**mla, "kv_lora_rank": 256})
+    assert (cfg.arch, cfg.q_lora_rank, cfg.kv_lora_rank, cfg.qk_rope_head_dim) == (
+        "deepseek_mla", 1536, 256, 64)
+    with pytest.raises(ValueError, match="mscale"):  # vLLM's Llama YaRN would ignore it
+        DraftConfig.from_target(llama, 50, {"rope_scaling": {
+            "rope_type": "yarn", "factor": 2, "original_max_position_embeddings": 64,
+            "mscale": 0.7}})

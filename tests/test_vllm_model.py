@@ -21,7 +21,7 @@ import torch
 from conftest import DRAFT_ARCHITECTURE, requires_vllm
 from safetensors.torch import load_file, save_file
 
-from draftline.model import DraftConfig, TTTCache, rotary_tables, shift_left
+from draftline.model import DraftConfig, TTTCache, shift_left
 from draftline.stages.export import export_draft
 from draftline.stages.train.checkpoint import DRAFT_CONFIG_FILE, save_weights
 from draftline.stages.train.draft import build_draft
@@ -63,17 +63,20 @@ def export(model, cfg, inputs: dict, directory: Path) -> Path:
                         directory / "checkpoint")
 
 
-def first_step(model, cfg, aux: torch.Tensor, input_ids: torch.Tensor) -> dict:
-    """draftline's unroll step 0, its intermediate states named as vLLM's outputs."""
+def first_step(model, cfg, aux: torch.Tensor, input_ids: torch.Tensor,
+               offset: int = 0) -> dict:
+    """draftline's unroll step 0 at positions ``offset``..., its intermediate states named as
+    vLLM's outputs (the logits too: the layer's normed state through lm_head)."""
     length = input_ids.shape[1]
-    cos, sin = rotary_tables(torch.arange(length), cfg.head_dim, cfg.rope_theta,
-                             cfg.rope_scaling)
+    cos, sin = model.midlayer.self_attn.rotary(torch.arange(length) + offset)
     with torch.no_grad():
         first = model.combine_aux(aux)
         embeds = model.embed_tokens(shift_left(input_ids, 1))
         prenorm = model.midlayer(embeds, first, cos, sin, TTTCache())
         normed = model.norm(prenorm)
-        logits = model(aux, input_ids, 1)[0]
+        logits = model.lm_head(normed)
+        if offset == 0:  # the model's own forward is the same computation
+            torch.testing.assert_close(model(aux, input_ids, 1)[0], logits)
     return {"first_state": first[0], "hidden": normed[0], "prenorm": prenorm[0],
             "aux_output": (normed if cfg.norm_output else prenorm)[0], "logits": logits[0]}
 
@@ -156,3 +159,53 @@ def test_a_parallel_draft_computes_in_vllm_what_its_unroll_computes(draft_inputs
         chained = torch.stack([step[0, anchor] for step in model(aux, input_ids,
                                                                  PARALLEL_STEPS)])
     assert (chained[1:] - mine[1:]).abs().max() > 0.1
+
+
+# The MLA draft (vLLM's Eagle3DeepseekV3ForCausalLM): sizes of its own (the toy target has no
+# MLA), DeepSeek's YaRN with both mscales, and the norm flags that class reads.
+MLA = {"arch": "deepseek_mla", "norm_before_fc": False, "q_lora_rank": 48, "kv_lora_rank": 32,
+       "qk_nope_head_dim": 16, "qk_rope_head_dim": 8, "v_head_dim": 12}
+MLA_VARIANTS = {
+    "mla-yarn": {**MLA, "rope_scaling": {"rope_type": "yarn", "factor": 4.0,
+                                         "original_max_position_embeddings": 64,
+                                         "mscale": 1.0, "mscale_all_dim": 0.707}},
+    "mla-all-flags": {**MLA, "fc_norm": True, "norm_before_residual": True,
+                      "norm_output": True},
+}
+
+
+@requires_vllm
+def test_an_mla_draft_computes_in_vllm_what_it_computes_in_training(draft_inputs, tmp_path):
+    """The exported MLA draft in vLLM's own Eagle3DeepseekV3ForCausalLM (its loader, weight
+    stacking, MLA projections, DeepSeek rotary and YaRN scale; only the MLA kernel call is a
+    plain attention) gives draftline's first step: states and draft-vocab logits."""
+    d2t = load_file(str(draft_inputs["vocab_map"]))["d2t"]
+    draft_ids = torch.arange(d2t.shape[0]) + d2t
+    for i, (name, architecture) in enumerate(MLA_VARIANTS.items()):
+        model, cfg = random_draft(draft_inputs, architecture, seed=20 + i)
+        checkpoint = export(model, cfg, draft_inputs, tmp_path / name)
+        config = json.loads((checkpoint / "config.json").read_text())
+        assert config["architectures"] == ["Eagle3DeepseekV3ForCausalLM"]
+        assert config["model_type"] == "deepseek_v2" and "head_dim" not in config
+        exported = load_file(str(checkpoint / "model.safetensors"))
+        model.load_state_dict({k: v.float() for k, v in exported.items()
+                               if k not in ("d2t", "t2d")}, strict=False)
+        gen = torch.Generator().manual_seed(200 + i)
+        aux = torch.randn(1, LENGTH, 3 * cfg.target_hidden_size, generator=gen)
+        input_ids = torch.randint(0, cfg.vocab_size, (1, LENGTH), generator=gen)
+        # positions past the YaRN's original context, where its frequencies matter
+        offset = 100
+        save_file({"aux": aux[0], "tokens": shift_left(input_ids, 1)[0],
+                   "positions": torch.arange(LENGTH) + offset}, str(tmp_path / f"{name}.in"))
+        mine = first_step(model, cfg, aux, input_ids, offset)
+        done = subprocess.run([sys.executable, str(REFERENCE), str(draft_inputs["target_dir"]),
+                               str(checkpoint), str(tmp_path / f"{name}.in"),
+                               str(tmp_path / f"{name}.out")],
+                              capture_output=True, text=True, timeout=600)
+        assert done.returncode == 0, done.stderr[-4000:]
+        theirs = load_file(str(tmp_path / f"{name}.out"))
+        for key in ("first_state", "hidden", "aux_output"):
+            torch.testing.assert_close(theirs[key], mine[key], atol=2e-4, rtol=1e-4,
+                                       msg=lambda m, k=key, n=name: f"{n} {k}: {m}")
+        torch.testing.assert_close(theirs["logits"][:, draft_ids], mine["logits"],
+                                   atol=2e-4, rtol=1e-4, msg=lambda m, n=name: f"{n}: {m}")

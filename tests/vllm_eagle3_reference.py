@@ -20,6 +20,14 @@ One substitution: the paged attention kernel needs a KV cache and the scheduler'
 so its ``attn`` (the kernel call only: q, k, v after vLLM's projections and rotary) is a plain
 causal attention over the one sequence. Everything else is vLLM's code. Its own process: vLLM
 initialises a process-wide distributed group.
+
+An MLA checkpoint (config.json ``model_type`` deepseek_v2) is built as vLLM's
+``Eagle3DeepseekV3ForCausalLM``; its substitution is the MLA kernel call
+(``self_attn.mla_attn.mla_attn``: q with rotary applied, the normed latent and the rotary key
+part), made plain multi-head attention through the model's own ``kv_b_proj``; and its rotary
+runs vLLM's native torch path (the CPU build's rotary kernel mis-rotates a ``[T, heads, R]``
+query with the default rope). One MLA model per process: vLLM registers its attention layer
+by name once.
 """
 
 from __future__ import annotations
@@ -30,6 +38,25 @@ import sys
 import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
+
+
+class PlainMLA(torch.nn.Module):
+    """vLLM's MLA kernel call as plain attention: keys and values from the latent through
+    ``kv_b_proj`` (per head [k_nope, v]), the rotary key part shared by the heads."""
+
+    def __init__(self, kv_b_proj, heads: int, nope: int, v_dim: int, scale: float):
+        super().__init__()
+        self.kv_b_proj, self.heads, self.nope, self.v_dim, self.scale = (
+            kv_b_proj, heads, nope, v_dim, scale)
+
+    def forward(self, q, kv_c_normed, k_pe, output_shape=None, q_dcp_replicated=None):
+        length = q.shape[0]
+        kv = self.kv_b_proj(kv_c_normed)[0].view(length, self.heads, self.nope + self.v_dim)
+        k_nope, v = kv.split([self.nope, self.v_dim], dim=-1)
+        k = torch.cat([k_nope, k_pe.expand(length, self.heads, -1)], dim=-1)
+        out = F.scaled_dot_product_attention(q.transpose(0, 1), k.transpose(0, 1),
+                                             v.transpose(0, 1), is_causal=True, scale=self.scale)
+        return out.transpose(0, 1).reshape(output_shape)
 
 
 class CausalAttention(torch.nn.Module):
@@ -58,6 +85,7 @@ def build(checkpoint: str, target: str, parallel: bool = False):
     )
     from vllm.distributed import init_distributed_environment, initialize_model_parallel
     from vllm.model_executor.model_loader.utils import process_weights_after_loading
+    from vllm.model_executor.models.deepseek_eagle3 import Eagle3DeepseekV3ForCausalLM
     from vllm.model_executor.models.llama_eagle3 import Eagle3LlamaForCausalLM
 
     model_cfg = ModelConfig(model=target, dtype="float32", enforce_eager=True, max_model_len=512)
@@ -72,9 +100,19 @@ def build(checkpoint: str, target: str, parallel: bool = False):
             init_distributed_environment(world_size=1, rank=0, local_rank=0, backend="gloo",
                                          distributed_init_method="tcp://127.0.0.1:0")
             initialize_model_parallel(1, 1)
-        model = Eagle3LlamaForCausalLM(vllm_config=vllm_cfg)
-        attn = model.model.layers[0].self_attn
-        attn.attn = CausalAttention(attn.num_heads, attn.num_kv_heads, attn.head_dim)
+        with open(f"{checkpoint}/config.json") as f:
+            draft_cfg = json.load(f)
+        if draft_cfg.get("model_type") == "deepseek_v2":
+            model = Eagle3DeepseekV3ForCausalLM(vllm_config=vllm_cfg)
+            attn = model.model.layers[0].self_attn
+            attn.rotary_emb._forward_method = attn.rotary_emb.forward_native
+            attn.mla_attn.mla_attn = PlainMLA(attn.kv_b_proj, attn.num_local_heads,
+                                              draft_cfg["qk_nope_head_dim"],
+                                              draft_cfg["v_head_dim"], attn.scaling)
+        else:
+            model = Eagle3LlamaForCausalLM(vllm_config=vllm_cfg)
+            attn = model.model.layers[0].self_attn
+            attn.attn = CausalAttention(attn.num_heads, attn.num_kv_heads, attn.head_dim)
         weights = load_file(f"{checkpoint}/model.safetensors")
         embed = [v for k, v in load_file(f"{target}/model.safetensors").items()
                  if k.endswith("embed_tokens.weight")]

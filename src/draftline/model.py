@@ -24,6 +24,12 @@ Alignment (as vLLM's EAGLE proposer): row i of step 0 holds the target state at 
 the token at i+1, sits at rotary position i, and predicts token i+2. Step k feeds row i its
 own step k-1 state, the token at i+1+k, at rotary position i+k, and predicts token i+2+k.
 
+The MLA draft (``arch`` "deepseek_mla"; vLLM's ``Eagle3DeepseekV3ForCausalLM``) is the same
+layer with DeepSeek's multi-head latent attention in place of the Llama one (``DraftMLA``):
+queries through a low-rank ``q_a_proj``/``q_b_proj``, keys and values from one compressed
+latent (``kv_a_proj_with_mqa``, ``kv_b_proj``) plus a rotary part shared by all heads, rotated
+GPT-J style (interleaved pairs) with DeepSeek's YaRN. It has no ``norm_before_fc``.
+
 Parallel drafting (P-EAGLE, ``parallel_drafting``; vLLM's ``parallel_drafting`` speculative
 setting): vLLM drafts all K tokens in one forward pass, appending K-1 mask slots after the last
 real token, each with the token ``mask_token_id`` and the state ``fc(mask_hidden)`` (a trained
@@ -83,11 +89,20 @@ class DraftConfig:
     # P-EAGLE (module docstring): mask slots instead of the draft's own tokens and states
     parallel_drafting: bool = False
     mask_token_id: int = 0
+    # the attention: "llama" (multi-head, GQA) or "deepseek_mla" (DraftMLA, these sizes)
+    arch: str = "llama"
+    q_lora_rank: int = 0
+    kv_lora_rank: int = 0
+    qk_nope_head_dim: int = 0
+    qk_rope_head_dim: int = 0
+    v_head_dim: int = 0
 
     # The draft layer's own sizes, settable in config (train.draft); null keeps the target's.
     ARCHITECTURE_KEYS = ("intermediate_size", "num_attention_heads", "num_key_value_heads",
                          "head_dim", "rope_theta", "rope_scaling")
     NORM_FLAGS = ("norm_before_fc", "fc_norm", "norm_before_residual", "norm_output")
+    MLA_KEYS = ("q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim",
+                "v_head_dim")
 
     @classmethod
     def from_target(cls, target_config: dict, draft_vocab_size: int,
@@ -109,12 +124,14 @@ class DraftConfig:
         architecture = architecture or {}
         sizes.update({k: v for k, v in architecture.items()
                       if k in cls.ARCHITECTURE_KEYS and v is not None})
-        check_architecture(sizes)
+        check_architecture(sizes, architecture.get("arch", "llama"))
         flags = {k: bool(architecture.get(k, False)) for k in cls.NORM_FLAGS}
         if architecture.get("drafting") == "parallel":
             flags.update(parallel_drafting=True,
                          mask_token_id=mask_token_of(cfg, target_config,
                                                      architecture.get("mask_token_id")))
+        if architecture.get("arch") == "deepseek_mla":
+            flags.update(arch="deepseek_mla", **mla_sizes(cfg, architecture, flags))
         return cls(
             hidden_size=hidden,
             target_hidden_size=hidden,
@@ -134,6 +151,27 @@ class DraftConfig:
     @classmethod
     def from_dict(cls, data: dict) -> DraftConfig:
         return cls(**data)
+
+
+def mla_sizes(text_cfg: dict, architecture: dict, flags: dict) -> dict:
+    """The MLA draft's sizes: train.draft's, else an MLA target's own (Kimi-K2.5, DeepSeek)."""
+    sizes = {}
+    for key in DraftConfig.MLA_KEYS:
+        value = architecture.get(key)
+        value = text_cfg.get(key) if value is None else value
+        if not isinstance(value, int) or value <= 0:
+            raise ValueError(
+                f"config key 'train.draft.{key}': the MLA draft (train.draft.arch deepseek_mla) "
+                f"needs it, and the target has none: set it (a positive integer; vLLM cannot "
+                f"load an MLA draft without q_lora_rank)")
+        sizes[key] = value
+    if sizes["qk_rope_head_dim"] % 2:
+        raise ValueError("config key 'train.draft.qk_rope_head_dim': must be even (rotary)")
+    if flags.get("norm_before_fc"):
+        raise ValueError("config key 'train.draft.norm_before_fc': vLLM's "
+                         "Eagle3DeepseekV3ForCausalLM has no norm before fc: set it to false "
+                         "for train.draft.arch deepseek_mla")
+    return sizes
 
 
 def mask_token_of(text_cfg: dict, target_config: dict, configured: int | None) -> int:
@@ -158,9 +196,11 @@ def mask_token_of(text_cfg: dict, target_config: dict, configured: int | None) -
 
 YARN_KEYS = frozenset({"rope_type", "factor", "original_max_position_embeddings", "beta_fast",
                        "beta_slow", "attention_factor", "truncate"})
+# DeepSeek's YaRN (the MLA draft) also reads its two magnitudes; vLLM's Llama YaRN ignores them
+DEEPSEEK_YARN_KEYS = YARN_KEYS | {"mscale", "mscale_all_dim"}
 
 
-def check_architecture(sizes: dict) -> None:
+def check_architecture(sizes: dict, arch: str = "llama") -> None:
     """Refuse draft sizes that vLLM's Llama EAGLE-3 layer cannot take (keys of train.draft)."""
     heads, kv_heads = sizes["num_attention_heads"], sizes["num_key_value_heads"]
     if heads % kv_heads:
@@ -177,10 +217,11 @@ def check_architecture(sizes: dict) -> None:
             scaling):
         raise ValueError("config key 'train.draft.rope_scaling': yarn needs 'factor' and "
                          "'original_max_position_embeddings'")
-    unknown = set(scaling or {}) - YARN_KEYS
+    supported = DEEPSEEK_YARN_KEYS if arch == "deepseek_mla" else YARN_KEYS
+    unknown = set(scaling or {}) - supported
     if unknown:
         raise ValueError(f"config key 'train.draft.rope_scaling': unsupported keys "
-                         f"{sorted(unknown)} (supported: {sorted(YARN_KEYS)})")
+                         f"{sorted(unknown)} (supported: {sorted(supported)})")
 
 
 
@@ -240,6 +281,42 @@ def yarn_frequencies(inv_freq: torch.Tensor, head_dim: int, theta: float,
     magnitude = scaling.get("attention_factor") or (
         0.1 * math.log(factor) + 1.0 if factor > 1 else 1.0)
     return inv_freq, float(magnitude)
+
+
+def yarn_mscale(factor: float, mscale: float) -> float:
+    """DeepSeek's YaRN magnitude ``0.1 * mscale * ln(factor) + 1`` (1 without scaling)."""
+    return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
+
+
+def deepseek_rotary_tables(positions: torch.Tensor, rope_dim: int, theta: float,
+                           scaling: dict | None = None):
+    """cos, sin ``[T, rope_dim/2]`` of DeepSeek's rotary (one angle per interleaved pair), and
+    the factor its YaRN puts on the attention scores (vLLM's deepseek_yarn: the same
+    frequencies as ``yarn_frequencies``, cos and sin scaled by mscale(factor, mscale) /
+    mscale(factor, mscale_all_dim), the scores by mscale(factor, mscale_all_dim)^2)."""
+    exponents = torch.arange(0, rope_dim, 2, device=positions.device,
+                             dtype=torch.float32) / rope_dim  # [R/2]
+    inv_freq = 1.0 / theta ** exponents
+    magnitude, score_gain = 1.0, 1.0
+    if scaling is not None:
+        inv_freq, _ = yarn_frequencies(inv_freq, rope_dim, theta, {**scaling, "truncate": True})
+        factor = float(scaling["factor"])
+        all_dim = yarn_mscale(factor, float(scaling.get("mscale_all_dim", 0)))
+        magnitude = yarn_mscale(factor, float(scaling.get("mscale", 1))) / all_dim
+        score_gain = all_dim * all_dim
+    angles = positions.float()[:, None] * inv_freq[None, :]  # [T, R/2]
+    return angles.cos() * magnitude, angles.sin() * magnitude, score_gain
+
+
+def apply_rotary_interleaved(x: torch.Tensor, cos: torch.Tensor,
+                             sin: torch.Tensor) -> torch.Tensor:
+    """x ``[..., T, n, R]`` rotated pair by pair (GPT-J style: (x0, x1) -> (x0 c - x1 s,
+    x1 c + x0 s)) by cos/sin ``[T, R/2]``."""
+    pairs = x.float().unflatten(-1, (-1, 2))  # [..., T, n, R/2, 2]
+    even, odd = pairs[..., 0], pairs[..., 1]
+    c, s = cos[:, None, :], sin[:, None, :]  # [T, 1, R/2]
+    rotated = torch.stack([even * c - odd * s, odd * c + even * s], dim=-1)
+    return rotated.flatten(-2).to(x.dtype)
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -456,12 +533,18 @@ class TTTCache:
 class DraftAttention(nn.Module):
     def __init__(self, cfg: DraftConfig):
         super().__init__()
+        self.cfg = cfg
         self.heads, self.kv_heads, self.head_dim = (
             cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim)
         self.q_proj = nn.Linear(2 * cfg.hidden_size, self.heads * self.head_dim, bias=False)
         self.k_proj = nn.Linear(2 * cfg.hidden_size, self.kv_heads * self.head_dim, bias=False)
         self.v_proj = nn.Linear(2 * cfg.hidden_size, self.kv_heads * self.head_dim, bias=False)
         self.o_proj = nn.Linear(self.heads * self.head_dim, cfg.hidden_size, bias=False)
+
+    def rotary(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin ``[T, hd]`` at ``positions`` (vLLM's Llama rotary, neox style)."""
+        return rotary_tables(positions, self.head_dim, self.cfg.rope_theta,
+                             self.cfg.rope_scaling)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 cache: TTTCache) -> torch.Tensor:
@@ -474,6 +557,60 @@ class DraftAttention(nn.Module):
         groups = self.heads // self.kv_heads
         cache.add(repeat_kv(k, groups), repeat_kv(v, groups))  # [B, nh, T, hd] each
         out = ttt_attention(q, cache.k_ctx, cache.v_ctx, cache.k_diag, cache.v_diag)
+        return self.o_proj(out.transpose(1, 2).reshape(batch, length, -1))
+
+
+class DraftMLA(nn.Module):
+    """DeepSeek's multi-head latent attention as vLLM's ``DeepseekV2MLAAttention`` computes it,
+    in its plain multi-head form (keys and values expanded from the latent by ``kv_b_proj``).
+    Sizes: N heads, P = qk_nope_head_dim, R = qk_rope_head_dim, Vd = v_head_dim,
+    Lq = q_lora_rank, Lkv = kv_lora_rank. The flash kernel wants one head size, so values are
+    padded from Vd to P + R with zeros and the output cut back."""
+
+    def __init__(self, cfg: DraftConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.heads = cfg.num_attention_heads
+        self.nope, self.rope, self.v_dim = (cfg.qk_nope_head_dim, cfg.qk_rope_head_dim,
+                                            cfg.v_head_dim)
+        width = 2 * cfg.hidden_size  # [embedding, state]
+        self.q_a_proj = nn.Linear(width, cfg.q_lora_rank, bias=False)
+        self.q_a_layernorm = RMSNorm(cfg.q_lora_rank, cfg.rms_norm_eps)
+        self.q_b_proj = nn.Linear(cfg.q_lora_rank, self.heads * (self.nope + self.rope),
+                                  bias=False)
+        self.kv_a_proj_with_mqa = nn.Linear(width, cfg.kv_lora_rank + self.rope, bias=False)
+        self.kv_a_layernorm = RMSNorm(cfg.kv_lora_rank, cfg.rms_norm_eps)
+        self.kv_b_proj = nn.Linear(cfg.kv_lora_rank, self.heads * (self.nope + self.v_dim),
+                                   bias=False)
+        self.o_proj = nn.Linear(self.heads * self.v_dim, cfg.hidden_size, bias=False)
+        self.score_gain = deepseek_rotary_tables(torch.zeros(1), 2, cfg.rope_theta,
+                                                 cfg.rope_scaling)[2]
+
+    def rotary(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin ``[T, R/2]`` at ``positions`` (DeepSeek's interleaved rotary)."""
+        cos, sin, _ = deepseek_rotary_tables(positions, self.rope, self.cfg.rope_theta,
+                                             self.cfg.rope_scaling)
+        return cos, sin
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                cache: TTTCache) -> torch.Tensor:
+        """x ``[B, T, 2H]`` -> ``[B, T, H]``; appends this step's keys/values to ``cache``."""
+        batch, length, _ = x.shape
+        heads, nope, rope = self.heads, self.nope, self.rope
+        q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
+        q = q.view(batch, length, heads, nope + rope)  # [B, T, N, P+R]
+        latent, k_rope = self.kv_a_proj_with_mqa(x).split([self.cfg.kv_lora_rank, rope], -1)
+        kv = self.kv_b_proj(self.kv_a_layernorm(latent)).view(batch, length, heads, -1)
+        k_nope, v = kv.split([nope, self.v_dim], dim=-1)  # [B, T, N, P], [B, T, N, Vd]
+        q_rope = apply_rotary_interleaved(q[..., nope:], cos, sin)
+        k_rope = apply_rotary_interleaved(k_rope.unsqueeze(2), cos, sin)  # [B, T, 1, R]
+        # DeepSeek's YaRN scales the scores: folded into q (the kernels use 1/sqrt(P+R))
+        q = torch.cat([q[..., :nope], q_rope], dim=-1) * self.score_gain
+        k = torch.cat([k_nope, k_rope.expand(-1, -1, heads, -1)], dim=-1)
+        v = F.pad(v, (0, nope + rope - self.v_dim))  # [B, T, N, P+R]
+        cache.add(k.transpose(1, 2), v.transpose(1, 2))  # [B, N, T, P+R] each
+        out = ttt_attention(q.transpose(1, 2), cache.k_ctx, cache.v_ctx, cache.k_diag,
+                            cache.v_diag)[..., :self.v_dim]  # [B, N, T, Vd]
         return self.o_proj(out.transpose(1, 2).reshape(batch, length, -1))
 
 
@@ -495,7 +632,7 @@ class DraftDecoderLayer(nn.Module):
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.hidden_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = DraftAttention(cfg)
+        self.self_attn = DraftMLA(cfg) if cfg.arch == "deepseek_mla" else DraftAttention(cfg)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = DraftMLP(cfg)
         self.norm_before_residual = cfg.norm_before_residual
@@ -556,8 +693,7 @@ class Eagle3Draft(nn.Module):
         """aux ``[B, T, A]``, input_ids ``[B, T]`` -> K logits ``[B, T, D]`` (see module doc)."""
         length = input_ids.shape[1]
         positions = torch.arange(length + ttt_steps, device=input_ids.device)  # [T+K]
-        cos_all, sin_all = rotary_tables(positions, self.cfg.head_dim, self.cfg.rope_theta,
-                                         self.cfg.rope_scaling)
+        cos_all, sin_all = self.midlayer.self_attn.rotary(positions)  # [T+K, ...]
         hidden = self.combine_aux(aux)  # [B, T, H]
         cache = TTTCache()
         logits = []
@@ -568,7 +704,7 @@ class Eagle3Draft(nn.Module):
             else:
                 tokens = shift_left(input_ids, step + 1)  # [B, T]: row i -> token i+1+step
             embeds = self.embed_tokens(tokens).to(hidden.dtype)  # [B, T, H]
-            cos = cos_all[step:step + length]  # positions shift by one per step, [T, hd]
+            cos = cos_all[step:step + length]  # positions shift by one per step, [T, ...]
             sin = sin_all[step:step + length]
             prenorm = self.midlayer(embeds, hidden, cos, sin, cache)  # [B, T, H]
             normed = self.norm(prenorm)
@@ -602,13 +738,30 @@ def expected_shapes(cfg: DraftConfig) -> dict[str, tuple[int, ...]]:
                   for i in range(cfg.num_aux_hidden_states)} if cfg.fc_norm else {})
     if cfg.parallel_drafting:
         norms["mask_hidden"] = (aux_width,)
+    if cfg.arch == "deepseek_mla":
+        qk = cfg.qk_nope_head_dim + cfg.qk_rope_head_dim
+        attention = {
+            attn + "q_a_proj.weight": (cfg.q_lora_rank, 2 * hidden),
+            attn + "q_a_layernorm.weight": (cfg.q_lora_rank,),
+            attn + "q_b_proj.weight": (heads * qk, cfg.q_lora_rank),
+            attn + "kv_a_proj_with_mqa.weight": (cfg.kv_lora_rank + cfg.qk_rope_head_dim,
+                                                 2 * hidden),
+            attn + "kv_a_layernorm.weight": (cfg.kv_lora_rank,),
+            attn + "kv_b_proj.weight": (heads * (cfg.qk_nope_head_dim + cfg.v_head_dim),
+                                        cfg.kv_lora_rank),
+            attn + "o_proj.weight": (hidden, heads * cfg.v_head_dim),
+        }
+    else:
+        attention = {
+            attn + "q_proj.weight": (heads * hd, 2 * hidden),
+            attn + "k_proj.weight": (kv * hd, 2 * hidden),
+            attn + "v_proj.weight": (kv * hd, 2 * hidden),
+            attn + "o_proj.weight": (hidden, heads * hd),
+        }
     return {
         **norms,
         "fc.weight": (hidden, aux_width),
-        attn + "q_proj.weight": (heads * hd, 2 * hidden),
-        attn + "k_proj.weight": (kv * hd, 2 * hidden),
-        attn + "v_proj.weight": (kv * hd, 2 * hidden),
-        attn + "o_proj.weight": (hidden, heads * hd),
+        **attention,
         mlp + "gate_proj.weight": (cfg.intermediate_size, hidden),
         mlp + "up_proj.weight": (cfg.intermediate_size, hidden),
         mlp + "down_proj.weight": (hidden, cfg.intermediate_size),
@@ -953,7 +1106,7 @@ def init_draft_weights(model: Eagle3Draft, seed: int) -> None:
         if name == "mask_hidden":  # a state like the aux ones: unit scale per element
             with torch.no_grad():
                 param.copy_(torch.randn(param.shape, generator=gen))
-        if name.endswith("proj.weight") or name == "fc.weight":
+        if name.endswith(("proj.weight", "proj_with_mqa.weight")) or name == "fc.weight":
             bound = 1.0 / math.sqrt(param.shape[1])
             with torch.no_grad():
                 param.copy_(torch.empty(param.shape).uniform_(-bound, bound, generator=gen))

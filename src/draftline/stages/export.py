@@ -156,6 +156,10 @@ def draft_config_json(draft_cfg, target_cfg: dict, layer_ids: list[int], dtype: 
     }
     if draft_cfg.target_hidden_size != draft_cfg.hidden_size:
         config["target_hidden_size"] = draft_cfg.target_hidden_size
+    if draft_cfg.arch == "deepseek_mla":
+        config.update(mla_config_keys(draft_cfg))
+        for key in ("head_dim", "num_key_value_heads", "norm_before_fc"):  # not the MLA class's
+            config.pop(key)
     if draft_cfg.parallel_drafting:
         # P-EAGLE: vLLM reads the mask slots' token here (its proposer's first choice) and the
         # state from the weights' mask_hidden; parallel_drafting itself is a speculative-config
@@ -163,6 +167,17 @@ def draft_config_json(draft_cfg, target_cfg: dict, layer_ids: list[int], dtype: 
         config["mask_token_id"] = draft_cfg.mask_token_id
         config["parallel_drafting"] = True
     return config
+
+
+def mla_config_keys(draft_cfg) -> dict:
+    """What vLLM's ``Eagle3DeepseekV3ForCausalLM`` reads besides the Llama draft's keys.
+
+    ``model_type`` must be deepseek_v2: vLLM rewrites a deepseek_v3 draft config into its MTP
+    model (``SpeculativeConfig.hf_config_override``), which has no EAGLE-3 class. The loader
+    always stacks ``kv_a_proj_with_mqa`` into ``fused_qkv_a_proj``, which exists only with a
+    ``q_lora_rank``: the draft always has one (``draftline.model.mla_sizes``)."""
+    return {"architectures": ["Eagle3DeepseekV3ForCausalLM"], "model_type": "deepseek_v2",
+            **{key: getattr(draft_cfg, key) for key in draft_cfg.MLA_KEYS}}
 
 
 def _target_dtype(target_cfg: dict) -> str:
