@@ -111,7 +111,15 @@ KIMI = {"hidden_size": 7168, "target_hidden_size": 7168, "num_attention_heads": 
         "draft_vocab_size": 32000, "max_position_embeddings": 262144,
         "rope_scaling": {"rope_type": "yarn", "factor": 64,
                          "original_max_position_embeddings": 4096}}
-DIMS = {"toy": TOY, "kimi": KIMI}
+# The draft config/kimi-k2.5.yaml trains: the same layer with the target's MLA attention
+# (its latent ranks and head sizes, its own YaRN), the step production runs. KIMI keeps the
+# Llama layer at Kimi's dimensions: the one a Llama-only peer can be measured beside.
+KIMI_MLA = {**KIMI, "arch": "deepseek_mla", "q_lora_rank": 1536, "kv_lora_rank": 512,
+            "qk_nope_head_dim": 128, "qk_rope_head_dim": 64, "v_head_dim": 128,
+            "rope_scaling": {"rope_type": "yarn", "factor": 64,
+                             "original_max_position_embeddings": 4096, "beta_fast": 32,
+                             "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 1.0}}
+DIMS = {"toy": TOY, "kimi": KIMI, "kimi-mla": KIMI_MLA}
 # Training's settings that the step reads (the schema's defaults; Kimi's config keeps them).
 TRAIN = {"loss_decay": 0.8, "lr": 3e-4, "weight_decay": 0.0, "grad_clip": 0.5,
          "teacher_head": "full"}
@@ -196,15 +204,22 @@ def flops_per_token(cfg: m.DraftConfig, tokens: int, steps_k: int,
                   cfg.draft_vocab_size, cfg.vocab_size)
     Q, KV, F = (cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim,
                 cfg.intermediate_size)
-    layer = 2 * (2 * H * (Q + 2 * KV)  # q, k, v projections of [embedding, state] (2H)
-                 + Q * H  # o_proj
-                 + 3 * H * F)  # gate, up, down
+    projections = 2 * H * (Q + 2 * KV) + Q * H  # q, k, v of [embedding, state] (2H); o_proj
+    per_key = 4 * Q  # QK^T and PV
+    if cfg.arch == "deepseek_mla":  # low-rank q, one latent for k and v, per-head expansion
+        N, QK, VD = (cfg.num_attention_heads, cfg.qk_nope_head_dim + cfg.qk_rope_head_dim,
+                     cfg.v_head_dim)
+        projections = (2 * H * (cfg.q_lora_rank + cfg.kv_lora_rank + cfg.qk_rope_head_dim)
+                       + cfg.q_lora_rank * N * QK
+                       + cfg.kv_lora_rank * N * (cfg.qk_nope_head_dim + VD) + N * VD * H)
+        per_key = 2 * N * QK + 2 * N * VD
+    layer = 2 * (projections + 3 * H * F)  # attention projections; gate, up, down
     keys = sum((tokens + 1) / 2 + s for s in range(steps_k))  # keys per row, all steps
     terms = {
         "fc": 2 * (2 * A * H),
         "draft_layer": 3 * steps_k * layer,
         "draft_head": 3 * steps_k * (2 * H * D),
-        "attention": 3 * (4 * Q * keys),
+        "attention": 3 * (per_key * keys),
         "teacher_head": 2 * cfg.target_hidden_size * (V if teacher_head == "full" else D),
     }
     terms["total"] = sum(terms.values())
@@ -266,6 +281,13 @@ def memory_model(cfg: m.DraftConfig, batch: int, tokens: int, steps_k: int,
     weight_casts = (n_params - params["fc.weight"]) * 2 if cuda else 0
     norms = 4 * W * H + 3 * 4 * H + 4 * 4
     qkv = 3 * W * 2 * H if cuda else 4 * 2 * H
+    if cfg.arch == "deepseek_mla":  # approximate (not checked against autograd): the two
+        # projections of [embedding, state], the low-rank query and latent with their norms,
+        # and attention tensors of the query/key width (values are padded to it)
+        Q = nh * (cfg.qk_nope_head_dim + cfg.qk_rope_head_dim)
+        low_rank = cfg.q_lora_rank + cfg.kv_lora_rank
+        qkv = ((2 * W * 2 * H if cuda else 4 * 2 * H) + 2 * W * low_rank + 4 * low_rank
+               + 2 * W * cfg.qk_rope_head_dim)
     mlp = (2 * W * H if cuda else 4 * H) + 4 * W * F
     saved = [norms + qkv + mlp + W * H + W * D
              + (4 * W * Q + 4 * nh if s == 0 else 4 * W * Q + 4 * nh * (1 + s))

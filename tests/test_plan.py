@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 from conftest import default_config
 
@@ -213,3 +214,22 @@ def test_a_p_eagle_draft_counts_its_mask_state():
     config = default_config()
     config["train"]["draft"]["drafting"] = "parallel"
     assert by_stage(plan(config, {}))["train"]["basis"].startswith("P-EAGLE draft")
+
+
+def test_an_mla_draft_counts_its_latent_attention():
+    """train.draft.arch deepseek_mla at Kimi-K2.5's sizes: the benchmark's parameter count
+    (draftline.model's shapes), not the Llama layer's."""
+
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    import train_step
+
+    from draftline.model import DraftConfig
+    from draftline.plan import KNOWN_TARGETS, draft_params
+
+    kimi = KNOWN_TARGETS["moonshotai/kimi-k2.5"]
+    mla = {"arch": "deepseek_mla", "intermediate_size": 12288}
+    shapes = sum(train_step.trainable_params(DraftConfig(**train_step.KIMI_MLA)).values())
+    counted = draft_params(kimi, 32000, mla)
+    assert abs(counted - shapes) < 10 * 7168  # the plan counts norms roughly
+    assert counted < draft_params(kimi, 32000, {"intermediate_size": 12288})

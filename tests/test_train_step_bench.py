@@ -42,9 +42,20 @@ def test_flops_per_token_equals_a_hand_count():
 
 
 def test_kimi_dims_are_the_production_config():
+    """KIMI_MLA is the draft config/kimi-k2.5.yaml trains (the target's MLA sizes filled in as
+    training fills them); KIMI the Llama layer at the same sizes, which the peer can train."""
+    from draftline.plan import KNOWN_TARGETS
+
     config = yaml.safe_load((ROOT / "config/kimi-k2.5.yaml").read_text())
-    for key, value in config["train"]["draft"].items():
-        assert bench.KIMI[key] == value, key
+    kimi = KNOWN_TARGETS["moonshotai/kimi-k2.5"]
+    production = m.DraftConfig.from_target(
+        {**kimi, "num_attention_heads": kimi["num_heads"], "rope_theta": 50000.0,
+         "max_position_embeddings": 262144, "rms_norm_eps": 1e-6},
+        config["vocab"]["draft_vocab_size"], config["train"]["draft"])
+    benchmarked = m.DraftConfig(**bench.KIMI_MLA)
+    for key in ("arch", "intermediate_size", "num_attention_heads", "rope_scaling",
+                "rope_theta", "draft_vocab_size", "vocab_size", *m.DraftConfig.MLA_KEYS):
+        assert getattr(benchmarked, key) == getattr(production, key), key
     assert bench.KIMI["draft_vocab_size"] == config["vocab"]["draft_vocab_size"]
     assert (bench.KIMI["hidden_size"], bench.KIMI["vocab_size"]) == (7168, 163840)
     assert config["train"]["ttt_steps"] == max(bench.PRESETS["h200"]["steps_k"])

@@ -49,6 +49,8 @@ KNOWN_TARGETS = {
     "moonshotai/kimi-k2.5": {
         "hidden_size": 7168, "num_layers": 61, "vocab_size": 163840, "num_heads": 64,
         "num_kv_heads": 64, "intermediate_size": 18432, "dtype": "bfloat16",
+        "q_lora_rank": 1536, "kv_lora_rank": 512, "qk_nope_head_dim": 128,
+        "qk_rope_head_dim": 64, "v_head_dim": 128,  # its MLA attention
         "weights_bytes": 595 * 10**9, "note": "Kimi-K2.5 (1T MoE, INT4 weights)",
     },
 }
@@ -75,6 +77,7 @@ def target_dims(config: dict, measured: dict | None = None) -> dict | None:
                 "vocab_size": cfg["vocab_size"], "num_heads": cfg.get("num_attention_heads", 1),
                 "num_kv_heads": cfg.get("num_key_value_heads") or cfg.get("num_attention_heads", 1),
                 "intermediate_size": cfg.get("intermediate_size", 4 * cfg["hidden_size"]),
+                **{key: cfg[key] for key in MLA_KEYS if cfg.get(key)},
                 "dtype": cfg.get("torch_dtype") or cfg.get("dtype") or "bfloat16",
                 "note": f"read from {local}"}
     known = KNOWN_TARGETS.get(target["model"].lower())
@@ -127,6 +130,9 @@ def free_disk(config: dict) -> tuple[int | None, str]:
 # ----------------------------------------------------------------------------- sizing
 
 
+MLA_KEYS = ("q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")
+
+
 def draft_params(dims: dict, draft_vocab: int, architecture: dict | None = None) -> int:
     """Trainable parameters of the one-layer EAGLE-3 draft (embedding shared, not counted);
     ``architecture`` is ``train.draft`` (null entries keep the target's sizes)."""
@@ -136,6 +142,16 @@ def draft_params(dims: dict, draft_vocab: int, architecture: dict | None = None)
     head_dim = arch.get("head_dim", h // dims.get("num_heads", 1))
     kv = arch.get("num_key_value_heads", dims.get("num_kv_heads", heads))
     attention = 2 * h * heads * head_dim + 2 * (2 * h * kv * head_dim) + heads * head_dim * h
+    if arch.get("arch") == "deepseek_mla":  # low-rank q, one k/v latent, per-head expansion
+        mla = {key: arch.get(key, dims.get(key)) for key in MLA_KEYS}
+        if all(mla.values()):
+            qk = mla["qk_nope_head_dim"] + mla["qk_rope_head_dim"]
+            attention = (2 * h * (mla["q_lora_rank"] + mla["kv_lora_rank"]
+                                  + mla["qk_rope_head_dim"])
+                         + mla["q_lora_rank"] * heads * qk
+                         + mla["kv_lora_rank"] * heads * (mla["qk_nope_head_dim"]
+                                                          + mla["v_head_dim"])
+                         + heads * mla["v_head_dim"] * h)
     mlp = 3 * h * arch.get("intermediate_size", dims.get("intermediate_size", 4 * h))
     mask_hidden = 3 * h if arch.get("drafting") == "parallel" else 0  # P-EAGLE's mask state
     # fc, attention, mlp, lm_head, norms
@@ -349,8 +365,11 @@ def _train_rows(config: dict, measured: dict, dims: dict | None, kind: str,
 
 
 def drafting_name(architecture: dict | None) -> str:
-    """EAGLE-3 or P-EAGLE (train.draft.drafting): the same unroll trains both, at one cost."""
-    return "P-EAGLE" if (architecture or {}).get("drafting") == "parallel" else "EAGLE-3"
+    """EAGLE-3 or P-EAGLE (train.draft.drafting; the same unroll trains both, at one cost),
+    with MLA attention or not (train.draft.arch)."""
+    architecture = architecture or {}
+    name = "P-EAGLE" if architecture.get("drafting") == "parallel" else "EAGLE-3"
+    return name + (" MLA" if architecture.get("arch") == "deepseek_mla" else "")
 
 
 def lr_probe_share(train: dict) -> float:
