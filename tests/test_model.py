@@ -608,3 +608,14 @@ def test_an_mla_draft_takes_its_sizes_from_the_config_or_an_mla_target():
         DraftConfig.from_target(llama, 50, {"rope_scaling": {
             "rope_type": "yarn", "factor": 2, "original_max_position_embeddings": 64,
             "mscale": 0.7}})
+
+
+def test_an_mla_draft_beside_a_target_without_mla_is_refused_before_any_job(tmp_path):
+    """vLLM sizes the MLA draft's attention by the target's heads: beside the toy (a Llama)
+    it fails at the first request; the config is refused up front, naming the key."""
+    from draftline.core.config import load_config
+    from draftline.core.config_check import ConfigError
+
+    with pytest.raises(ConfigError, match="'train.draft.arch'"):
+        load_config(overrides={"train.draft.arch": "deepseek_mla",
+                               "train.draft.norm_before_fc": False})

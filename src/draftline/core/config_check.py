@@ -50,6 +50,7 @@ def check_semantics(config: dict[str, Any], base: Path | None = None) -> None:
     if target != "toy" and target.startswith(("/", ".")) and not (base / target).exists():
         raise ConfigError(f"config key 'target.model': model directory not found: {target}")
     check_local_target_head(base / target if target != "toy" else None)
+    _check_mla_draft_has_an_mla_target(config, base)
     if config["target"]["revision"] is not None:
         try:
             hub.hub_revision(target if target == "toy" else base / target,
@@ -165,6 +166,29 @@ def _check_online_producer(config: dict) -> None:
         raise ConfigError("config key 'server.launcher': the vllm producer of hidden.mode online "
                           "starts its server as a process (launcher docker does not mount its "
                           "spool folder yet); use launcher process or hidden.online.external_url")
+
+def _check_mla_draft_has_an_mla_target(config: dict, base: Path) -> None:
+    """An MLA draft beside a target without MLA does not serve: vLLM 0.32 builds the draft's
+    MLA attention metadata with the target's head size, which no MLA kernel takes (measured on
+    its CPU build: "Head dimension 32 is not supported by MLA" beside the toy). Known here for
+    the toy and a local target; a hub target is read when the stages load it."""
+    if config["train"]["draft"]["arch"] != "deepseek_mla":
+        return
+    target = config["target"]["model"]
+    if target == "toy":
+        has_mla = False
+    else:
+        config_json = base / target / "config.json"
+        if not config_json.is_file():
+            return
+        text = target_module.text_config(json.loads(config_json.read_text()))
+        has_mla = bool(text.get("kv_lora_rank"))
+    if not has_mla:
+        raise ConfigError(
+            f"config key 'train.draft.arch': deepseek_mla needs a target with MLA attention "
+            f"(target.model {target} has none); vLLM serves an MLA draft only beside one "
+            "(it sizes the draft's MLA attention by the target's heads): use arch llama")
+
 
 def check_local_target_head(target_dir: Path | None) -> None:
     """A local target whose final head training cannot reproduce is refused now, not at
