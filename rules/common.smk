@@ -145,7 +145,8 @@ _hub = _library_module("hub")
 
 def compare_draft_files():
     """The files of bench.compare_drafts (config and weights), so a changed draft makes the
-    benchmark stale; a hub id's are in its cached snapshot (none without huggingface_hub)."""
+    benchmark stale; a hub id's are in its cached snapshot (none without huggingface_hub).
+    """
     files = []
     for draft in config["bench"]["compare_drafts"]:
         try:
