@@ -136,3 +136,18 @@ def test_each_further_draft_is_served_from_its_own_folder(tmp_path, config, monk
     assert served == {"eagle3-k3": str(tmp_path / "draft"), "public-k3": out / ".drafts" / "public",
                       "baseline": str(tmp_path / "draft")}
     assert [r["config"] for r in result["further_drafts"]] == ["public-k3"]
+
+
+def test_the_summary_says_what_to_serve_at_each_concurrency():
+    """Whatever was benchmarked (the trained draft, a further one, the target alone), the
+    fastest configuration per concurrency is named with its margin over the next."""
+    from draftline.stages.bench import fastest_per_level
+
+    summary = summarise(compared_rows())
+    rows = {r["concurrency"]: r for r in fastest_per_level(summary)}
+    assert rows[1]["config"] == "eagle3-k3" and rows[1]["runner_up"] == "public-k3"
+    assert rows[1]["margin"] == pytest.approx(30 / 25)
+    assert rows[4]["config"] == "public-k3" and rows[4]["margin"] == pytest.approx(90 / 80)
+    text = summary_markdown({"summary": summary, "num_prompts": 4, "repetitions": 1,
+                             "train_serve_gap": [], "fastest": fastest_per_level(summary)})
+    assert "| 0 | 4 | public-k3 | 90.0 | eagle3-k3 | 1.125 |" in text

@@ -50,6 +50,8 @@ speed-up. A configuration that fails mid-run leaves the rows measured before it 
                           "warning", "note"}],
      "best": {"config", "num_speculative_tokens", "speedup_throughput"} (the trained
               draft's, greedy),
+     "fastest": [{"temperature", "concurrency", "config", "output_tok_s", "runner_up",
+                  "margin", "acceptance_varies_with_c"}],
      "sampling_recommendation": [{"num_speculative_tokens", "temperature", "levels",
                                   "probabilistic_over_greedy_tok_s", "acceptance_length":
                                   {"greedy", "probabilistic"}, "method" (null: marked c)}],
@@ -577,6 +579,43 @@ def best_config(summary: list[dict]) -> dict | None:
             "speedup_throughput": round(statistics.median(by_config[name]), 4)}
 
 
+def fastest_per_level(summary: list[dict]) -> list[dict]:
+    """Per (temperature, concurrency): the configuration with the highest median output tok/s
+    (the baseline included: no draft at all can win), and its margin over the next one."""
+    cells: dict[tuple, list[dict]] = {}
+    for s in summary:
+        cells.setdefault((s["temperature"], s["concurrency"]), []).append(s)
+    out = []
+    for (temperature, level), group in sorted(cells.items()):
+        ranked = sorted(group, key=lambda s: s["output_tok_s"]["median"], reverse=True)
+        best = ranked[0]
+        margin = (best["output_tok_s"]["median"] / ranked[1]["output_tok_s"]["median"]
+                  if len(ranked) > 1 else None)
+        out.append({"temperature": temperature, "concurrency": level, "config": best["config"],
+                    "output_tok_s": best["output_tok_s"]["median"],
+                    "runner_up": ranked[1]["config"] if len(ranked) > 1 else None,
+                    "margin": round(margin, 4) if margin else None,
+                    "acceptance_varies_with_c": bool(best.get("acceptance_varies_with_c"))})
+    return out
+
+
+def fastest_markdown(rows: list[dict]) -> list[str]:
+    if not rows:
+        return []
+    lines = ["", "## What to serve, per concurrency", "",
+             "The configuration with the highest median output tok/s at each temperature and "
+             "concurrency, and its margin over the next one (`~` under 5%: within this host's "
+             "noise).", "", "| T | C | fastest | tok/s | next | margin |",
+             "|---|---|---|---|---|---|"]
+    for r in rows:
+        close = " ~" if r["margin"] is not None and r["margin"] < 1.05 else ""
+        marked = " (acceptance marked c)" if r["acceptance_varies_with_c"] else ""
+        lines.append(f"| {r['temperature']:g} | {r['concurrency']} | {r['config']}{marked} | "
+                     f"{r['output_tok_s']:.1f} | {r['runner_up'] or '-'} | "
+                     f"{r['margin'] or '-'}{close} |")
+    return lines
+
+
 def sampling_recommendation(summary: list[dict], configs: list[dict]) -> list[dict]:
     """Per draft length and temperature > 0 where both were measured: greedy or probabilistic
     drafting, by the median over levels of the probabilistic / greedy tok/s ratio. None where
@@ -699,6 +738,7 @@ def summary_markdown(result: dict) -> str:
             f" | {s['speedup_throughput'] or '-'} | "
             f"{s['speedup_tpot'] or '-'} | {s.get('predicted_speedup') or '-'} |")
     lines += explain_speedup(result.get("step_costs"))
+    lines += fastest_markdown(result.get("fastest") or [])
     lines += bench_drafts.comparison_markdown(result.get("further_drafts") or [])
     lines += sampling_markdown(result.get("sampling_recommendation") or [])
     lines += explain_concurrency_dependence(result["summary"])
@@ -871,7 +911,8 @@ def measure_deployment_benchmark(response_files: list[str], draft_dir: str, eval
               "train_serve_gap": train_serve_gap(rows, configs, train_eval, log, summary),
               "best": best_config(summary),
               "further_drafts": bench_drafts.comparison(summary, configs),
-              "sampling_recommendation": sampling_recommendation(summary, configs)}
+              "sampling_recommendation": sampling_recommendation(summary, configs),
+              "fastest": fastest_per_level(summary)}
     write_json(out / BENCH_RESULTS, result, indent=2)
     write_text(out / BENCH_SUMMARY, summary_markdown(result))
     plot(result, *(out / name for name in BENCH_PLOTS))
