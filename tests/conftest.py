@@ -144,6 +144,28 @@ def vllm_server(toy_target, config, tmp_path_factory):
         yield server
 
 
+def wait_until_idle(endpoint, timeout_s: float = 120.0) -> None:
+    """Until the shared server runs and queues nothing: a test that measures what the server
+    ran must not count a previous test's last requests (their queue time would lower it)."""
+    import time
+
+    import httpx
+
+    from draftline.serving.loadgen import parse_metrics
+
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        text = httpx.get(f"{endpoint.root_url}/metrics", timeout=5.0,
+                         headers={"Authorization": f"Bearer {endpoint.api_key}"}).text
+        metrics = parse_metrics(text)
+        busy = (metrics.total("vllm:num_requests_running")
+                + metrics.total("vllm:num_requests_waiting"))
+        if busy == 0:
+            return
+        time.sleep(0.5)
+    raise TimeoutError(f"the shared server still had requests after {timeout_s:.0f} s")
+
+
 # ---------------------------------------------------------------------------- draft training inputs
 
 

@@ -490,10 +490,13 @@ def _shard_files(tmp_path, prompts, n):
 def test_summaries_report_what_the_server_ran(tmp_path, vllm_server, toy_target):
     """Two shards in one run: each summary and the stage summary say what the server's own
     metrics showed (running requests against C, generated tokens), not client slots."""
+    from conftest import wait_until_idle
+
     from draftline.stages.generation_report import build_generation_summary
 
     files = _shard_files(tmp_path, _lines(_prompts(tmp_path, 48)), 2)
     settings = GenerateSettings(concurrency=4, max_tokens=64)
+    wait_until_idle(vllm_server.endpoint)
     summaries = generate_shards(files, [vllm_server.endpoint], settings)
     for s in summaries:
         timing, server = s["timing"], s["server"]
@@ -541,11 +544,14 @@ def test_one_run_keeps_the_server_full_across_shard_boundaries(tmp_path, vllm_se
     jobs one after the other leave it empty there while the next job starts). How full the
     server is over the fill phase depends on what else runs on the host's 2 cores: the
     benchmark's business, not a bound here."""
+    from conftest import wait_until_idle
+
     from draftline.stages.generation_report import mean_running, request_seconds, stage_summary
 
     prompts = _lines(_prompts(tmp_path, 60))
     files = _shard_files(tmp_path, prompts, 3)
     settings = GenerateSettings(concurrency=4, max_tokens=128)  # answers end at EOS, unaligned
+    wait_until_idle(vllm_server.endpoint)
     summaries = generate_shards(files, [vllm_server.endpoint], settings)
     for i, f in enumerate(files):
         assert [r["id"] for r in _lines(f.responses)] == [p["id"] for p in prompts[i::3]]
