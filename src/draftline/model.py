@@ -1,8 +1,9 @@
 """The EAGLE-3 draft model, its training-time-test (TTT) unroll, loss and metrics.
 
-Kept whole (about 800 lines) on purpose, like nanoGPT's model.py. One file, top to bottom:
-config, norms and rotary, the attention with its TTT diagonal, the decoder layer, the draft,
-the frozen target head that makes the training targets, the loss.
+Kept whole (about 1,100 lines) on purpose, like nanoGPT's model.py. One file, top to bottom:
+config, norms and rotary (Llama's and DeepSeek's), the attention with its TTT diagonal
+(multi-head, and DeepSeek's latent attention), the decoder layer, the draft, the frozen target
+head that makes the training targets, the loss and the simulated acceptance.
 
 Layout and names follow vLLM's ``Eagle3LlamaForCausalLM`` (``llama_eagle3.py``) so that the
 state dict exports without renaming (``fc``, ``midlayer.*``, ``norm``, ``lm_head``):

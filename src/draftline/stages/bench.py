@@ -1,7 +1,7 @@
 """Deployment benchmark: the target alone vs the target with the trained EAGLE-3 draft.
 
-Kept whole (about 740 lines): measuring, summarising, step costs and the gap table share
-the one row schema written out below, and read best beside it.
+Kept whole (about 950 lines): measuring, summarising, step costs, the gap table and the
+recommendations share the one row schema written out below, and read best beside it.
 
 For each configuration (``eagle3-k{n}`` for every ``num_speculative_tokens``, ``{name}-k{n}``
 for every further draft of ``bench.compare_drafts`` (``draftline.stages.bench_drafts``), then
