@@ -7,6 +7,9 @@ rule bench:
         profile=profile_input(),
         target=target_input(),
         further_drafts=compare_draft_files(),
+        variant_configs=variant_files(LAYOUT.variant_checkpoint_config),
+        variant_weights=variant_files(LAYOUT.variant_checkpoint_weights),
+        variant_evals=variant_files(LAYOUT.variant_eval),
     output:
         results=LAYOUT.bench_results,
         summary=report(
@@ -32,6 +35,7 @@ rule bench:
         serving_container()
     params:
         bench=config["bench"],
+        variants=VARIANTS,
         generate=bench_generate_params(),
         eval_fraction=config["dataset"]["eval_fraction"],
         server=server_params(),

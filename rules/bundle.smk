@@ -23,6 +23,10 @@ rule bundle:
         coverage=rules.vocab_map.output.coverage,
         metrics=rules.train_draft.output.metrics,
         eval=rules.train_draft.output.eval,
+        variant_configs=variant_files(LAYOUT.variant_checkpoint_config),
+        variant_weights=variant_files(LAYOUT.variant_checkpoint_weights),
+        variant_evals=variant_files(LAYOUT.variant_eval),
+        variant_metrics=variant_files(LAYOUT.variant_metrics),
         prompts_summary=rules.prompt_shards.output.summary,
         generation=rules.generation_summary.output.json,
         profile=profile_outputs(),
@@ -44,6 +48,7 @@ rule bundle:
         "../envs/draftline.yaml"
     params:
         config=bundle_config(),
+        variants=VARIANTS,
         model=target_path,
         draft_ref=lambda wildcards, output: (
             config["bundle"]["hf_repo"] or os.path.dirname(output.manifest)

@@ -140,6 +140,30 @@ def target_input():
     return rules.toy_target.output.target if config["target"]["model"] == "toy" else []
 
 
+# Draft variants (train.variants): trained, exported, benchmarked and bundled beside the
+# main draft, each in results/variants/{variant}/.
+_variants = _library_module("variants")
+VARIANTS = _variants.variant_names(config["train"])
+
+
+wildcard_constraints:
+    variant="|".join(VARIANTS) or "no-variant",
+
+
+def main_train_params():
+    """train without its variants: adding a variant leaves the main draft's training valid."""
+    return _variants.main_train(config["train"])
+
+
+def variant_train_params(wildcards):
+    return _variants.variant_train(config["train"], wildcards.variant)
+
+
+def variant_files(path):
+    """``path`` (a Layout.variant_* method) of every variant."""
+    return [str(path(name)) for name in VARIANTS]
+
+
 _hub = _library_module("hub")
 
 

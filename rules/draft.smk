@@ -13,7 +13,7 @@ rule train_draft:
         "../envs/draftline.yaml"
     threads: workflow.cores
     params:
-        train=config["train"],
+        train=main_train_params(),
         online=online_hidden_params(),
         server=online_server_params(),
         sampling=online_sampling_params(),
@@ -45,3 +45,27 @@ rule export_draft:
         code=code_hash("export_draft.py"),
     script:
         "../scripts/export_draft.py"
+
+
+use rule train_draft as train_variant with:
+    output:
+        best=directory(LAYOUT.variant_best("{variant}")),
+        metrics=LAYOUT.variant_metrics("{variant}"),
+        eval=LAYOUT.variant_eval("{variant}"),
+    log:
+        "logs/train_variant/{variant}.log",
+    params:
+        train=variant_train_params,
+
+
+use rule export_draft as export_variant with:
+    input:
+        best=rules.train_variant.output.best,
+        eval=rules.train_variant.output.eval,
+        vocab_map=rules.vocab_map.output.vocab_map,
+        target=target_input(),
+    output:
+        config=LAYOUT.variant_checkpoint_config("{variant}"),
+        weights=LAYOUT.variant_checkpoint_weights("{variant}"),
+    log:
+        "logs/export_variant/{variant}.log",

@@ -18,4 +18,10 @@ with logged(snakemake.log[0]):
         state_dir=snakemake.params.state_dir,
         trust_remote_code=snakemake.params.server["trust_remote_code"],
         revision=snakemake.params.revision,
+        variant_dirs={
+            name: os.path.dirname(eval_json)
+            for name, eval_json in zip(
+                snakemake.params.variants, snakemake.input.variant_evals, strict=True
+            )
+        },
     )

@@ -18,6 +18,12 @@ with logged(snakemake.log[0]):
             profile_json=profile.get(".json"),
             profile_png=profile.get(".png"),
             bench_files=list(inp.bench),
+            variant_dirs={
+                name: Path(eval_json).parent
+                for name, eval_json in zip(
+                    snakemake.params.variants, inp.variant_evals, strict=True
+                )
+            },
         ),
         Path(snakemake.output.manifest).parent,
         snakemake.output.tar,

@@ -251,6 +251,15 @@ def test_training_change_reruns_training_bench_and_bundle_only(pipeline):
     assert jobs == {"train_draft", "export_draft", "bench", "bundle", "all"}
 
 
+def test_adding_a_draft_variant_leaves_the_main_draft_valid(pipeline):
+    """train.variants is not a param of the main training: a new variant trains and exports
+    itself, and the benchmark and the bundle take it in; nothing upstream reruns."""
+    workdir, base = pipeline
+    variant = {"name": "p-eagle", "draft": {"drafting": "parallel"}}
+    jobs = jobs_to_run(workdir, deep_update(base, {"train": {"variants": [variant]}}))
+    assert jobs == {"train_variant", "export_variant", "bench", "bundle", "all"}
+
+
 def test_temperature_change_reruns_generation_and_downstream(pipeline):
     workdir, base = pipeline
     jobs = jobs_to_run(workdir, deep_update(base, {"generate": {"temperature": 0.3}}))

@@ -13,8 +13,16 @@ from pathlib import Path
 
 import yaml
 
+from draftline.core import variants
 from draftline.core.config import ConfigError, load_config
-from draftline.core.layout import Layout, published_files, target_model
+from draftline.core.layout import (
+    CHECKPOINT,
+    DRAFT_BEST,
+    TRAIN_EVAL,
+    Layout,
+    published_files,
+    target_model,
+)
 
 
 def _parse_overrides(items: list[str]) -> dict:
@@ -109,16 +117,29 @@ def cmd_train(cfg: dict, lay: Layout, args) -> None:
         # the vllm producer: the run's shared server (stopped when idle or by server-stop-all)
         online = {"dataset_dir": lay.dataset, "hidden": hidden, "server": cfg["server"],
                   "server_state_dir": lay.servers}
-    train_draft(None if online else lay.hidden, lay.vocab_map, target_model(cfg), lay.draft,
-                cfg["train"], online=online)
+    train_cfg, out_dir = _draft_to_build(cfg, lay, args.variant)
+    train_draft(None if online else lay.hidden, lay.vocab_map, target_model(cfg), out_dir,
+                train_cfg, online=online)
+
+
+def _draft_to_build(cfg: dict, lay: Layout, variant: str | None) -> tuple[dict, Path]:
+    """The training config and folder of the main draft, or of ``variant``."""
+    if variant is None:
+        return variants.main_train(cfg["train"]), lay.draft
+    try:
+        return variants.variant_train(cfg["train"], variant), lay.variant(variant)
+    except KeyError as exc:
+        raise SystemExit(f"draftline: --variant {variant}: {exc.args[0]}") from exc
 
 
 def cmd_export(cfg: dict, lay: Layout, args) -> None:
     from draftline.stages.export import export_draft
 
     # the layers training read (from the stored index or produced online)
-    layer_ids = json.loads(lay.train_eval.read_text())["layer_ids"]
-    export_draft(lay.draft_best, target_model(cfg), lay.vocab_map, layer_ids, lay.checkpoint)
+    _, folder = _draft_to_build(cfg, lay, args.variant)
+    layer_ids = json.loads((folder / TRAIN_EVAL).read_text())["layer_ids"]
+    export_draft(folder / DRAFT_BEST, target_model(cfg), lay.vocab_map, layer_ids,
+                 folder / CHECKPOINT)
 
 
 def cmd_bench(cfg: dict, lay: Layout, args) -> None:
@@ -130,7 +151,9 @@ def cmd_bench(cfg: dict, lay: Layout, args) -> None:
               eval_fraction=cfg["dataset"]["eval_fraction"], server_cfg=cfg["server"],
               model=target_model(cfg), state_dir=lay.servers,
               trust_remote_code=cfg["target"]["trust_remote_code"],
-              revision=cfg["target"]["revision"])
+              revision=cfg["target"]["revision"],
+              variant_dirs={name: lay.variant(name)
+                            for name in variants.variant_names(cfg["train"])})
 
 
 def cmd_plan(cfg: dict, lay: Layout, args) -> None:
@@ -190,6 +213,9 @@ def build_parser() -> argparse.ArgumentParser:
                        help="override a config key, e.g. --set generate.temperature=0")
         if name == "generate":
             p.add_argument("--shard", type=int, default=None, help="only this shard")
+        if name in ("train", "export"):
+            p.add_argument("--variant", default=None, metavar="NAME",
+                           help="a draft variant of train.variants instead of the main draft")
     docs = sub.add_parser("config-docs", help="write config/README.md from the config schema")
     docs.add_argument("--check", action="store_true",
                       help="write nothing; fail when the file is not current")

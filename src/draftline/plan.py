@@ -21,6 +21,7 @@ import json
 import shutil
 from pathlib import Path
 
+from draftline.core import variants
 from draftline.core.layout import Layout
 from draftline.core.target import DTYPE_SIZES, NUM_AUX_LAYERS, text_config
 from draftline.stages.hidden.online import online_cfg
@@ -207,17 +208,18 @@ def plan(config: dict, measured: dict | None = None) -> list[dict]:
     modes = hidden_modes(config, rows)
     if modes and config["hidden"]["mode"] == "online":  # the extraction moves into training
         online = modes["online"]
-        hidden, train = rows[-4], rows[-3]
-        rows[-4] = _row("hidden", online["peak_disk_bytes"], 0.0,
-                        "hidden.mode online: no stored states; produced for the training job "
-                        f"(at most {_bytes(online['buffer_bytes'])} "
-                        + ("in the vllm producer's spool)" if online["peak_disk_bytes"]
-                           else "buffered)"))
-        train["time_s"] += online["produce_s"]
-        train["basis"] += (f"; + {online['extractions']:g} x "
-                           f"{online['produce_s'] / online['extractions']:,.0f} s producing "
-                           f"the states at {hidden['tok_s']:,.0f} tok/s (online: the first "
-                           "epoch, and later epochs beyond the epoch cache)")
+        hidden = next(r for r in rows if r["stage"] == "hidden")
+        rows[rows.index(hidden)] = _row(
+            "hidden", online["peak_disk_bytes"], 0.0,
+            "hidden.mode online: no stored states; produced for each training job "
+            f"(at most {_bytes(online['buffer_bytes'])} "
+            + ("in the vllm producer's spool)" if online["peak_disk_bytes"] else "buffered)"))
+        for train in (r for r in rows if r["stage"].startswith("train")):
+            train["time_s"] += online["produce_s"]
+            train["basis"] += (f"; + {online['extractions']:g} x "
+                               f"{online['produce_s'] / online['extractions']:,.0f} s producing "
+                               f"the states at {hidden['tok_s']:,.0f} tok/s (online: the first "
+                               "epoch, and later epochs beyond the epoch cache)")
     rows.append(_total_row(config, rows))
     if modes:
         rows[-1]["modes"] = modes
@@ -232,12 +234,14 @@ def hidden_modes(config: dict, rows: list[dict]) -> dict | None:
     for the share of states its epoch cache cannot hold (hf: ``epoch_cache_bytes`` in memory;
     vllm: no cache): ``1 + (epochs - 1) x (1 - cached share)`` extractions. It holds at most
     the buffer: in memory with the hf producer (inside the training job), on disk with the
-    vllm producer (the server's spool folder).
+    vllm producer (the server's spool folder). Online, each training (the main draft's and
+    every variant's) produces its own states.
     """
     hidden = next(r for r in rows if r["stage"] == "hidden")
-    train = next(r for r in rows if r["stage"] == "train")
-    if hidden["disk_bytes"] is None or train["time_s"] is None:
+    trains = [r for r in rows if r["stage"].startswith("train")]
+    if hidden["disk_bytes"] is None or trains[0]["time_s"] is None:
         return None
+    train_s = sum(r["time_s"] for r in trains)
     epochs = config["train"]["epochs"]
     online = online_cfg(config["hidden"])
     batch_bytes = config["train"]["batch_tokens"] * hidden["state_bytes_per_token"]
@@ -250,11 +254,11 @@ def hidden_modes(config: dict, rows: list[dict]) -> dict | None:
     produce_s = extractions * hidden["tokens"] / hidden["tok_s"]
     return {
         "offline": {"peak_disk_bytes": hidden["disk_bytes"],
-                    "time_s": hidden["time_s"] + train["time_s"], "extractions": 1},
+                    "time_s": hidden["time_s"] + train_s, "extractions": 1},
         "online": {"peak_disk_bytes": buffer if config["hidden"]["backend"] == "vllm" else 0,
                    "buffer_bytes": buffer, "produce_s": produce_s,
                    "backend": config["hidden"]["backend"],
-                   "time_s": train["time_s"] + produce_s, "extractions": extractions,
+                   "time_s": train_s + len(trains) * produce_s, "extractions": extractions,
                    "epochs": epochs, "cached_share": round(cached, 4)},
     }
 
@@ -335,9 +339,23 @@ def _hidden_row(config: dict, measured: dict, dims: dict | None, kind: str, toke
 
 def _train_rows(config: dict, measured: dict, dims: dict | None, kind: str,
                 out_tokens: int) -> list[dict]:
+    """The main draft's training, each variant's (train.variants: the same loop on the same
+    states, its own draft), the benchmark, and the bundle that holds every checkpoint."""
     if not dims:
         return [_row("train", None, None, "target dimensions unknown")]
-    train = config["train"]
+    trains = [_train_row("train", variants.main_train(config["train"]), config, measured,
+                         dims, kind, out_tokens)]
+    trains += [_train_row(f"train {name}", variants.variant_train(config["train"], name),
+                          config, measured, dims, kind, out_tokens)
+               for name in variants.variant_names(config["train"])]
+    checkpoints = sum(r["checkpoint_bytes"] for r in trains)
+    return [*trains, _bench_row(config, measured, kind),
+            _row("bundle", 2 * checkpoints, 2 * checkpoints / 200e6,
+                 f"{len(trains)} draft checkpoint(s) twice (folder + tar)")]
+
+
+def _train_row(stage: str, train: dict, config: dict, measured: dict, dims: dict, kind: str,
+               out_tokens: int) -> dict:
     params = draft_params(dims, draft_vocab_size(config, dims), train.get("draft"))
     checkpoint = params * 2  # bf16 export
     # fp32 weights and gradients plus the optimizer's moments (AdamW 2; Muon's matrices, nearly
@@ -351,24 +369,23 @@ def _train_rows(config: dict, measured: dict, dims: dict | None, kind: str,
     probe_note = (f"; lr auto: {len(train['lr_search']['candidates'])} probes of "
                   f"{train['lr_search']['probe_fraction']:.0%} of the steps (+{probes:.0%})"
                   if probes else "")
-    return [
-        _row("train", checkpoint + state, seconds,
-             f"{drafting_name(train.get('draft'))} draft {params / 1e6:,.1f} M trainable params "
-             "(+ shared embedding); "
-             f"{train['epochs']} epochs x {out_tokens:,} supervised tokens at {rate:,.0f} tok/s "
-             f"({rate_basis}, ttt_steps {train['ttt_steps']}){probe_note}",
-             draft_params=params),
-        _bench_row(config, measured, kind),
-        _row("bundle", 2 * checkpoint, 2 * checkpoint / 200e6,
-             "draft checkpoint twice (folder + tar)"),
-    ]
+    return _row(stage, checkpoint + state, seconds,
+                f"{drafting_name(train.get('draft'))} draft {params / 1e6:,.1f} M trainable "
+                f"params (+ shared embedding), {_bytes(state)} training state (fp32 weights, "
+                f"gradients, moments); {train['epochs']} epochs x {out_tokens:,} supervised "
+                f"tokens at {rate:,.0f} tok/s ({rate_basis}, ttt_steps "
+                f"{train['ttt_steps']}){probe_note}",
+                draft_params=params, checkpoint_bytes=checkpoint, state_bytes=state)
 
 
 def drafting_name(architecture: dict | None) -> str:
-    """EAGLE-3 or P-EAGLE (train.draft.drafting; the same unroll trains both, at one cost),
-    with MLA attention or not (train.draft.arch)."""
+    """The draft's family as the benchmark labels it (``bench_variants.family``): P-EAGLE
+    (train.draft.drafting parallel), EAGLE-3.1 (fc_norm or norm_output) or EAGLE-3, with MLA
+    attention or not (train.draft.arch). The same unroll trains each, at one cost."""
     architecture = architecture or {}
-    name = "P-EAGLE" if architecture.get("drafting") == "parallel" else "EAGLE-3"
+    name = ("P-EAGLE" if architecture.get("drafting") == "parallel" else
+            "EAGLE-3.1" if architecture.get("fc_norm") or architecture.get("norm_output") else
+            "EAGLE-3")
     return name + (" MLA" if architecture.get("arch") == "deepseek_mla" else "")
 
 
@@ -383,12 +400,12 @@ def lr_probe_share(train: dict) -> float:
 
 def _bench_row(config: dict, measured: dict, kind: str) -> dict:
     """The benchmark is closed-loop windows of fixed length: one per configuration (the target
-    alone, each draft length, drafting greedily and probabilistically, and each further
-    draft), level, temperature (a probabilistic one only above 0) and repetition, plus a
-    server start per configuration. Its levels are ``bench.levels`` or the defaults up to the
-    concurrency generation uses (the measured profile's choice under ``auto``; else the
-    profile's highest level, assumed)."""
-    from draftline.stages import bench_drafts
+    alone, each draft length, drafting greedily and probabilistically, each draft variant
+    and each further draft), level, temperature (a probabilistic one only above 0) and
+    repetition, plus a server start per configuration. Its levels are ``bench.levels`` or the
+    defaults up to the concurrency generation uses (the measured profile's choice under
+    ``auto``; else the profile's highest level, assumed)."""
+    from draftline.stages import bench_drafts, bench_variants
     from draftline.stages.bench import configurations, default_levels
 
     bench, generate = config["bench"], config["generate"]
@@ -396,6 +413,8 @@ def _bench_row(config: dict, measured: dict, kind: str) -> dict:
                              tuple(bench["draft_sample_methods"]))
     configs += bench_drafts.configurations(bench["compare_drafts"],
                                            bench["num_speculative_tokens"])
+    configs += bench_variants.configurations(variants.variant_names(config["train"]),
+                                             bench["num_speculative_tokens"])
     if bench["levels"]:
         levels, basis = list(bench["levels"]), "bench.levels"
     elif isinstance(generate["concurrency"], int):
@@ -455,11 +474,12 @@ def _duration(seconds: float | None) -> str:
 
 def format_plan(rows: list[dict]) -> str:
     """A fixed-width table: stage, disk, time, and what each figure is based on."""
-    lines = [f"{'stage':<9} {'disk':>10} {'time':>9}  basis", "-" * 100]
+    width = max(9, *(len(row["stage"]) for row in rows))  # variants: "train {name}"
+    lines = [f"{'stage':<{width}} {'disk':>10} {'time':>9}  basis", "-" * 100]
     for row in rows:
         if row["stage"] == "total":
             lines.append("-" * 100)
-        lines.append(f"{row['stage']:<9} {_bytes(row['disk_bytes']):>10} "
+        lines.append(f"{row['stage']:<{width}} {_bytes(row['disk_bytes']):>10} "
                      f"{_duration(row['time_s']):>9}  {row['basis']}")
     hidden = next((r for r in rows if r["stage"] == "hidden" and "bytes_per_token" in r), None)
     if hidden:

@@ -1,12 +1,12 @@
 """What a config's JSON schema cannot say: files that must exist, rules across keys.
 
 The one semantic check of a config, after the schema has filled the defaults:
-``draftline.core.config``
-runs it for the CLI and the tests, and ``rules/common.smk`` runs it at Snakefile parse time,
-before any job. Standard library only (with ``draftline.core.hub`` and ``draftline.core.target``,
-which
-are too): the workflow loads this file by its path, where the draftline package may not be
-installed (an orchestrator with Snakemake only), and then loads those two the same way.
+``draftline.core.config`` runs it for the CLI and the tests, and ``rules/common.smk`` runs it at
+Snakefile parse time, before any job. Standard library only, with its siblings ``hub``,
+``target`` and ``variants`` (which are too) and, for a variant's draft keys, jsonschema and
+PyYAML (Snakemake's own dependencies): the workflow loads this file by its path, where the
+draftline package may not be installed (an orchestrator with Snakemake only), and then loads
+its siblings the same way.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 if __package__ == "draftline.core":
-    from draftline.core import hub, secret_names
+    from draftline.core import hub, secret_names, variants
     from draftline.core import target as target_module
 else:  # loaded by its path (rules/common.smk): its siblings are loaded by theirs
 
@@ -30,6 +30,9 @@ else:  # loaded by its path (rules/common.smk): its siblings are loaded by their
 
     hub, target_module = _sibling("hub"), _sibling("target")
     secret_names = _sibling("secret_names")
+    variants = _sibling("variants")
+
+SCHEMA_PATH = Path(__file__).parents[1] / "schemas" / "config.schema.yaml"
 
 
 class ConfigError(ValueError):
@@ -50,7 +53,9 @@ def check_semantics(config: dict[str, Any], base: Path | None = None) -> None:
     if target != "toy" and target.startswith(("/", ".")) and not (base / target).exists():
         raise ConfigError(f"config key 'target.model': model directory not found: {target}")
     check_local_target_head(base / target if target != "toy" else None)
+    _check_variants(config)
     _check_mla_draft_has_an_mla_target(config, base)
+    _check_parallel_drafting_is_llama(config)
     if config["target"]["revision"] is not None:
         try:
             hub.hub_revision(target if target == "toy" else base / target,
@@ -172,7 +177,9 @@ def _check_mla_draft_has_an_mla_target(config: dict, base: Path) -> None:
     MLA attention metadata with the target's head size, which no MLA kernel takes (measured on
     its CPU build: "Head dimension 32 is not supported by MLA" beside the toy). Known here for
     the toy and a local target; a hub target is read when the stages load it."""
-    if config["train"]["draft"]["arch"] != "deepseek_mla":
+    mla_keys = [key for key, draft in variants.drafts(config["train"])
+                if draft["arch"] == "deepseek_mla"]
+    if not mla_keys:
         return
     target = config["target"]["model"]
     if target == "toy":
@@ -185,9 +192,60 @@ def _check_mla_draft_has_an_mla_target(config: dict, base: Path) -> None:
         has_mla = bool(text.get("kv_lora_rank"))
     if not has_mla:
         raise ConfigError(
-            f"config key 'train.draft.arch': deepseek_mla needs a target with MLA attention "
+            f"config key '{mla_keys[0]}.arch': deepseek_mla needs a target with MLA attention "
             f"(target.model {target} has none); vLLM serves an MLA draft only beside one "
             "(it sizes the draft's MLA attention by the target's heads): use arch llama")
+
+
+def _check_parallel_drafting_is_llama(config: dict) -> None:
+    """vLLM 0.32 drafts in parallel from the draft's mask_hidden state, which only its Llama
+    EAGLE-3 class (llama_eagle3.py) has: the proposer reads ``model.mask_hidden``, and
+    Eagle3DeepseekV3ForCausalLM (deepseek_eagle3.py) defines none."""
+    for key, draft in variants.drafts(config["train"]):
+        if draft["drafting"] == "parallel" and draft["arch"] == "deepseek_mla":
+            raise ConfigError(
+                f"config key '{key}.drafting': vLLM serves parallel drafting (P-EAGLE) only with "
+                "the Llama draft (Eagle3LlamaForCausalLM holds its mask_hidden state; the MLA "
+                "draft's class has none): use arch llama, or drafting autoregressive")
+
+
+def _check_variants(config: dict) -> None:
+    """train.variants: names no benchmark configuration or further draft takes, and draft
+    keys that train.draft has, with values its schema allows, that change something."""
+    train = config["train"]
+    names = variants.variant_names(train)
+    further = {d["name"] for d in config["bench"]["compare_drafts"]}
+    for i, name in enumerate(names):
+        key = f"train.variants[{i}]"
+        if name in names[:i]:
+            raise ConfigError(f"config key '{key}.name': the name {name!r} is used twice")
+        if name in variants.RESERVED_NAMES or name in further:
+            raise ConfigError(f"config key '{key}.name': {name!r} is taken (by the benchmark's "
+                              "own configurations or by bench.compare_drafts)")
+        changes = train["variants"][i]["draft"]
+        for draft_key in changes:
+            if draft_key not in train["draft"]:
+                raise ConfigError(f"config key '{key}.draft.{draft_key}': not a train.draft key "
+                                  f"(one of {', '.join(sorted(train['draft']))})")
+        if all(train["draft"][k] == v for k, v in changes.items()):
+            raise ConfigError(f"config key '{key}.draft': changes nothing in train.draft, so it "
+                              "would train the main draft again")
+        _check_draft_values(f"{key}.draft", changes)
+
+
+def _check_draft_values(key: str, changes: dict) -> None:
+    """A variant's draft keys against train.draft's schema (jsonschema and PyYAML come with
+    Snakemake, so the workflow has them at parse time as the CLI does)."""
+    import jsonschema
+    import yaml
+
+    schema = yaml.safe_load(SCHEMA_PATH.read_text())
+    draft_schema = schema["properties"]["train"]["properties"]["draft"]["properties"]
+    for name, value in changes.items():
+        error = jsonschema.exceptions.best_match(
+            jsonschema.Draft202012Validator(draft_schema[name]).iter_errors(value))
+        if error is not None:
+            raise ConfigError(f"config key '{key}.{name}': {error.message}")
 
 
 def check_local_target_head(target_dir: Path | None) -> None:

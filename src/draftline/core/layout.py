@@ -7,8 +7,8 @@ stage run by hand writes exactly where the workflow would.
 Standard library only: ``rules/common.smk`` loads this file by its path while parsing the
 workflow, where the draftline package and its dependencies need not be importable.
 
-Sharded artifacts take the shard index ``i``; pass the string ``"{i}"`` to get the Snakemake
-wildcard pattern.
+Sharded artifacts take the shard index ``i`` and a draft variant's its name; pass the string
+``"{i}"`` (``"{variant}"``) to get the Snakemake wildcard pattern.
 """
 
 from __future__ import annotations
@@ -27,6 +27,13 @@ VOCAB_COVERAGE = "coverage.json"
 HIDDEN_INDEX = "index.json"
 HIDDEN_STATS = "extract_stats.json"
 ONLINE_STATS = "hidden_stats.json"  # training's producer figures in online mode
+# A training's folder (the main draft's and each variant's)
+DRAFT_BEST = "best"
+TRAIN_METRICS = "metrics.jsonl"
+TRAIN_EVAL = "eval.json"
+CHECKPOINT = "checkpoint"
+CHECKPOINT_CONFIG = "config.json"
+CHECKPOINT_WEIGHTS = "model.safetensors"
 
 
 def shard_file(i: int | str) -> str:
@@ -145,15 +152,15 @@ class Layout:
 
     @property
     def draft_best(self) -> Path:
-        return self.draft / "best"
+        return self.draft / DRAFT_BEST
 
     @property
     def train_metrics(self) -> Path:
-        return self.draft / "metrics.jsonl"
+        return self.draft / TRAIN_METRICS
 
     @property
     def train_eval(self) -> Path:
-        return self.draft / "eval.json"
+        return self.draft / TRAIN_EVAL
 
     @property
     def online_stats(self) -> Path:
@@ -163,15 +170,42 @@ class Layout:
     @property
     def checkpoint(self) -> Path:
         """The exported vLLM checkpoint."""
-        return self.draft / "checkpoint"
+        return self.draft / CHECKPOINT
 
     @property
     def checkpoint_config(self) -> Path:
-        return self.checkpoint / "config.json"
+        return self.checkpoint / CHECKPOINT_CONFIG
 
     @property
     def checkpoint_weights(self) -> Path:
-        return self.checkpoint / "model.safetensors"
+        return self.checkpoint / CHECKPOINT_WEIGHTS
+
+    # ----------------------------------------------------------------------------- draft variants
+    @property
+    def variants(self) -> Path:
+        return self.root / "variants"
+
+    def variant(self, name: str) -> Path:
+        """A draft variant's training folder (train.variants), laid out as ``draft``."""
+        return self.variants / name
+
+    def variant_best(self, name: str) -> Path:
+        return self.variant(name) / DRAFT_BEST
+
+    def variant_metrics(self, name: str) -> Path:
+        return self.variant(name) / TRAIN_METRICS
+
+    def variant_eval(self, name: str) -> Path:
+        return self.variant(name) / TRAIN_EVAL
+
+    def variant_checkpoint(self, name: str) -> Path:
+        return self.variant(name) / CHECKPOINT
+
+    def variant_checkpoint_config(self, name: str) -> Path:
+        return self.variant_checkpoint(name) / CHECKPOINT_CONFIG
+
+    def variant_checkpoint_weights(self, name: str) -> Path:
+        return self.variant_checkpoint(name) / CHECKPOINT_WEIGHTS
 
     # ------------------------------------------------------------------------- deployment benchmark
     @property

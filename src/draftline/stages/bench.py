@@ -4,7 +4,8 @@ Kept whole (about 950 lines): measuring, summarising, step costs, the gap table 
 recommendations share the one row schema written out below, and read best beside it.
 
 For each configuration (``eagle3-k{n}`` for every ``num_speculative_tokens``, ``{name}-k{n}``
-for every further draft of ``bench.compare_drafts`` (``draftline.stages.bench_drafts``), then
+for every draft variant of ``train.variants`` (``draftline.stages.bench_variants``) and every
+further draft of ``bench.compare_drafts`` (``draftline.stages.bench_drafts``), then
 ``baseline``) a vLLM server is started (or an external endpoint used); the speculative ones go
 first, so a server that cannot start fails before baseline time is spent, and pairs known not
 to start (an MLA target with EAGLE-3 on vLLM's CPU build) are refused before anything runs.
@@ -26,7 +27,8 @@ speed-up. A configuration that fails mid-run leaves the rows measured before it 
 
     {"schema": "draftline.stages.bench/1",
      "configs": [{"name", "num_speculative_tokens" (null for baseline), "draft" (further
-                  drafts only: its bench.compare_drafts name)}],
+                  drafts only: its bench.compare_drafts name), "variant" (variants only: its
+                  train.variants name)}],
      "levels": [int], "temperatures": [float], "repetitions": int, "num_prompts": int,
      "warmup_s", "measure_s",
      "rows": [{"config", "temperature", "concurrency", "repetition", "output_tok_s",
@@ -56,7 +58,11 @@ speed-up. A configuration that fails mid-run leaves the rows measured before it 
                                   "probabilistic_over_greedy_tok_s", "acceptance_length":
                                   {"greedy", "probabilistic"}, "method" (null: marked c)}],
      "further_drafts": [{"draft", "config", "trained_config", "cells", "trained_faster_cells",
-                         "acceptance_ratio", "throughput_ratio"}]}
+                         "acceptance_ratio", "throughput_ratio"}],
+     "variants": [{"temperature", "concurrency", "drafts": {name ("eagle3": the main draft):
+                   {"family", "config", "num_speculative_tokens", "acceptance_length",
+                    "output_tok_s", "tpot_ms_p50"}}, "serve", "runner_up", "margin",
+                   "acceptance_varies_with_c"}] (empty without train.variants)}
 """
 
 from __future__ import annotations
@@ -67,7 +73,13 @@ import statistics
 from pathlib import Path
 
 from draftline.core.atomic import write_json, write_text
-from draftline.core.layout import BENCH_PLOTS, BENCH_RESULTS, BENCH_SUMMARY
+from draftline.core.layout import (
+    BENCH_PLOTS,
+    BENCH_RESULTS,
+    BENCH_SUMMARY,
+    CHECKPOINT,
+    TRAIN_EVAL,
+)
 from draftline.core.machine import serving_machine
 from draftline.core.records import Prompt
 from draftline.core.target import text_config
@@ -78,7 +90,7 @@ from draftline.serving.loadgen import (
     server_latency_means,
 )
 from draftline.serving.server import Endpoint, endpoints_for, served_version
-from draftline.stages import bench_drafts
+from draftline.stages import bench_drafts, bench_variants
 from draftline.stages.profile import resolve_concurrency
 
 SCHEMA = "draftline.stages.bench/1"
@@ -438,15 +450,19 @@ def simulated_acceptance(eval_json: dict, num_speculative_tokens: int,
 
 
 def train_serve_gap(rows: list[dict], configs: list[dict], eval_json: dict | None,
-                    log=print, summary: list[dict] | None = None) -> list[dict]:
+                    log=print, summary: list[dict] | None = None,
+                    variant_evals: dict[str, dict] | None = None) -> list[dict]:
     """Per speculative configuration and served temperature: serving acceptance, its counters
-    pooled over every level and repetition (``pooled_acceptance``), against the simulated one.
+    pooled over every level and repetition (``pooled_acceptance``), against the simulated one
+    (a variant's from its own training's evaluation, ``variant_evals``).
     A row says why it has no gap when there is none to trust: a temperature training did not
     simulate, or served acceptance the summary marks as depending on the concurrency."""
     gaps = []
     for cfg in configs:
         n = cfg["num_speculative_tokens"]
-        if n is None or eval_json is None or cfg.get("draft"):  # training evaluated its own
+        evaluated = ((variant_evals or {}).get(cfg["variant"]) if cfg.get("variant")
+                     else eval_json)
+        if n is None or evaluated is None or cfg.get("draft"):  # a further draft: not ours
             continue
         for temperature in sorted({r["temperature"] for r in rows if r["config"] == cfg["name"]}):
             served = [r for r in rows
@@ -454,7 +470,7 @@ def train_serve_gap(rows: list[dict], configs: list[dict], eval_json: dict | Non
             serve = pooled_acceptance(served)["acceptance_length"]
             if serve:
                 gaps.append(_gap_row(cfg["name"], temperature, serve,
-                                     simulated_acceptance(eval_json, n, temperature,
+                                     simulated_acceptance(evaluated, n, temperature,
                                                           cfg.get("draft_sample_method",
                                                                   "greedy")),
                                      _varies_with_c(summary, cfg["name"], temperature), log))
@@ -739,6 +755,7 @@ def summary_markdown(result: dict) -> str:
             f"{s['speedup_tpot'] or '-'} | {s.get('predicted_speedup') or '-'} |")
     lines += explain_speedup(result.get("step_costs"))
     lines += fastest_markdown(result.get("fastest") or [])
+    lines += bench_variants.comparison_markdown(result.get("variants") or [])
     lines += bench_drafts.comparison_markdown(result.get("further_drafts") or [])
     lines += sampling_markdown(result.get("sampling_recommendation") or [])
     lines += explain_concurrency_dependence(result["summary"])
@@ -859,8 +876,10 @@ def _partial_path(out: Path) -> Path:
 def measure_deployment_benchmark(response_files: list[str], draft_dir: str, eval_json: str | None,
               profile_json: str | None, out_dir: str, *, bench_cfg: dict, generate_cfg: dict,
               eval_fraction: float, server_cfg: dict, model: str, state_dir: str,
-              trust_remote_code: bool = False, log=print, revision: str | None = None) -> dict:
-    """Benchmark every configuration and write results.json, summary.md and the plots."""
+              trust_remote_code: bool = False, log=print, revision: str | None = None,
+              variant_dirs: dict[str, str] | None = None) -> dict:
+    """Benchmark every configuration and write results.json, summary.md and the plots.
+    ``variant_dirs``: each draft variant's training folder (its checkpoint/ and eval.json)."""
     from draftline.serving.server import has_gpu
 
     out = Path(out_dir)
@@ -870,8 +889,12 @@ def measure_deployment_benchmark(response_files: list[str], draft_dir: str, eval
                              tuple(bench_cfg.get("draft_sample_methods") or ("greedy",)))
     configs += bench_drafts.configurations(
         further, bench_cfg["num_speculative_tokens"])
+    variant_dirs = {name: Path(folder) for name, folder in (variant_dirs or {}).items()}
+    configs += bench_variants.configurations(list(variant_dirs),
+                                             bench_cfg["num_speculative_tokens"])
     draft_dirs = {d["name"]: bench_drafts.served_folder(d, i, out / ".drafts")
                   for i, d in enumerate(further)}  # refused here, before any server starts
+    draft_dirs.update({name: folder / CHECKPOINT for name, folder in variant_dirs.items()})
     draft_dirs[None] = draft_dir
     external_urls = bench_cfg.get("endpoints") or {}
     check_configurations(configs, model, external_urls, has_gpu())
@@ -888,7 +911,8 @@ def measure_deployment_benchmark(response_files: list[str], draft_dir: str, eval
         try:
             rows += _measure_one(cfg, external_urls.get(cfg["name"]), prompts, levels,
                                  temperatures, sampling, windows, bench_cfg, server_cfg, model,
-                                 draft_dirs[cfg.get("draft")], state_dir, trust_remote_code, log,
+                                 draft_dirs[cfg.get("draft") or cfg.get("variant")], state_dir,
+                                 trust_remote_code, log,
                                  revision=revision)
         except Exception as exc:
             partial = _partial_path(out)
@@ -900,6 +924,10 @@ def measure_deployment_benchmark(response_files: list[str], draft_dir: str, eval
                              f"rows measured before are kept in {partial}") from exc
     summary = summarise(rows)
     train_eval = json.loads(Path(eval_json).read_text()) if eval_json else None
+    variant_evals = {name: json.loads((folder / TRAIN_EVAL).read_text())
+                     for name, folder in variant_dirs.items()}
+    families = {name: bench_variants.family(draft_dirs[name]) for name in variant_dirs}
+    families[bench_variants.MAIN] = bench_variants.family(draft_dir)
     result = {"schema": SCHEMA, "configs": configs, "levels": levels,
               "temperatures": temperatures, "repetitions": bench_cfg["repetitions"],
               "num_prompts": len(prompts), "max_tokens": bench_cfg["max_tokens"], **windows,
@@ -908,9 +936,11 @@ def measure_deployment_benchmark(response_files: list[str], draft_dir: str, eval
                                          managed=not external_urls),
               "rows": rows, "summary": summary,
               "step_costs": step_costs(summary, configs),
-              "train_serve_gap": train_serve_gap(rows, configs, train_eval, log, summary),
+              "train_serve_gap": train_serve_gap(rows, configs, train_eval, log, summary,
+                                                 variant_evals),
               "best": best_config(summary),
               "further_drafts": bench_drafts.comparison(summary, configs),
+              "variants": bench_variants.comparison(summary, configs, families),
               "sampling_recommendation": sampling_recommendation(summary, configs),
               "fastest": fastest_per_level(summary)}
     write_json(out / BENCH_RESULTS, result, indent=2)

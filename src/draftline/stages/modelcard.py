@@ -285,6 +285,7 @@ def build_card(facts: dict[str, Any]) -> Card:
                   "cannot be used on its own."))
     _model_details(card, facts, draft_cfg)
     _serving(card, facts)
+    _variants(card, facts)
     _data(card, facts)
     _training(card, facts)
     _evaluation(card, facts)
@@ -374,6 +375,46 @@ def _serving(card: Card, facts: dict) -> None:
     if versions:
         card.add(Para(f"The deployment benchmark served this draft with vLLM "
                       f"{', '.join(versions)} (bench/results.json)."))
+
+
+def _variants(card: Card, facts: dict) -> None:
+    """The draft variants trained beside this draft (train.variants), bundled under
+    variants/{name}/, and which one the deployment benchmark found fastest per concurrency."""
+    variants = facts.get("variants") or []
+    if not variants:
+        return
+    from draftline.stages.bench_variants import MAIN, family_of
+
+    main_eval = facts.get("eval") or {}
+    rows = [[f"{MAIN} (this draft)", family_of(facts.get("draft_config") or {}), ".",
+             facts["draft_parameters"], main_eval.get("simulated_acceptance_length")]]
+    rows += [[v["name"], family_of(v["config"]), v["folder"], v["parameters"],
+              (v["eval"] or {}).get("simulated_acceptance_length")] for v in variants]
+    card.add(Heading(2, "Draft variants"),
+             Para("Further drafts trained in the same run, on the same states with the same "
+                  "settings but the draft keys each changes (train.variants); each is a "
+                  "checkpoint vLLM serves, in its own folder of this bundle."),
+             Table(["draft", "family", "folder", "trainable parameters",
+                    "simulated acceptance length"], rows))
+    chosen = (facts.get("bench_results") or {}).get("variants") or []
+    if chosen:
+        card.add(Para("What to serve, per concurrency: the fastest of these drafts (median "
+                      "output tok/s, each at its fastest draft length) in the deployment "
+                      "benchmark, and its margin over the next (the tables are in the "
+                      "benchmark below)."),
+                 Table(["T", "C", "serve", "k", "margin"],
+                       [[fmt(r["temperature"]), r["concurrency"], r["serve"],
+                         r["drafts"][r["serve"]]["num_speculative_tokens"], r["margin"]]
+                        for r in chosen]))
+    first = variants[0]
+    cfg = facts["config"]
+    card.add(Para(f"A variant is served as this draft is, from its folder (here "
+                  f"{first['name']}; from the Hub, download the bundle first):"),
+             Code("bash", vllm_command(
+                 facts["target"]["model"], f"{facts['draft_ref']}/{first['folder']}",
+                 facts["num_speculative_tokens"], cfg["server"],
+                 facts["target"].get("revision"), cfg["target"]["trust_remote_code"],
+                 bool(first["config"].get("parallel_drafting")))))
 
 
 def _sglang_blocks(args: tuple, draft_cfg: dict, from_hub: bool) -> list[Any]:

@@ -102,6 +102,18 @@ def collect_card_facts(root: Path, config: Mapping[str, Any], provenance: Mappin
         "machines": stage_machines(optional("data/generation_summary.json"), eval_json,
                                    bench_results),
         "draft_ref": draft_ref,
+        "variants": variant_facts(root, files),
         "files": files,
     }
+
+
+def variant_facts(root: Path, files: list[dict]) -> list[dict]:
+    """Each bundled draft variant (variants/{name}/): its config, parameters and evaluation."""
+    names = sorted({f["path"].split("/")[1] for f in files
+                    if f["path"].startswith("variants/") and f["path"].count("/") >= 2})
+    return [{"name": name, "folder": f"variants/{name}",
+             "config": _read_json(root / "variants" / name / "config.json"),
+             "parameters": safetensors_parameters(root / "variants" / name / "model.safetensors"),
+             "eval": _read_json(root / "variants" / name / "training" / "eval.json")}
+            for name in names]
 

@@ -2,11 +2,18 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from draftline.core.layout import Layout
+from draftline.core.layout import (
+    CHECKPOINT,
+    CHECKPOINT_CONFIG,
+    CHECKPOINT_WEIGHTS,
+    TRAIN_EVAL,
+    TRAIN_METRICS,
+    Layout,
+)
 from draftline.stages.bundle.archive import MANIFEST, README, BundleError
 
 
@@ -24,6 +31,7 @@ class BundleInputs:
     profile_json: Path | None = None
     profile_png: Path | None = None
     bench_files: Sequence[Path] = field(default_factory=list)  # results, summary, plots
+    variant_dirs: Mapping[str, Path] = field(default_factory=dict)  # train.variants' folders
 
     @classmethod
     def from_results(cls, root: str | Path) -> BundleInputs:
@@ -41,6 +49,8 @@ class BundleInputs:
             profile_json=_existing(lay.profile_json),
             profile_png=_existing(lay.profile_png),
             bench_files=[p for p in bench_files if p.exists()],
+            variant_dirs={p.name: p for p in sorted(lay.variants.glob("*"))
+                          if (p / CHECKPOINT / CHECKPOINT_CONFIG).is_file()},
         )
 
     def layout(self) -> dict[str, Path]:
@@ -64,6 +74,14 @@ class BundleInputs:
             _put(files, "profile/concurrency.png", self.profile_png)
         for src in self.bench_files:
             _put(files, f"bench/{Path(src).name}", src)
+        for name, folder in sorted(self.variant_dirs.items()):
+            # each variant as the main draft: a checkpoint vLLM serves, and its training record
+            _put(files, f"variants/{name}/{CHECKPOINT_CONFIG}",
+                 folder / CHECKPOINT / CHECKPOINT_CONFIG)
+            _put(files, f"variants/{name}/{CHECKPOINT_WEIGHTS}",
+                 folder / CHECKPOINT / CHECKPOINT_WEIGHTS)
+            _put(files, f"variants/{name}/training/{TRAIN_EVAL}", folder / TRAIN_EVAL)
+            _put(files, f"variants/{name}/training/{TRAIN_METRICS}", folder / TRAIN_METRICS)
         for name, src in files.items():
             if not Path(src).is_file():
                 raise BundleError(f"bundle input {src} (for {name}): file not found")
