@@ -32,6 +32,7 @@ against an fp32 truth, at the run's dimensions.
     python benchmarks/train_step.py --memory-only --dims kimi   # the analytic memory, no run
     python benchmarks/train_step.py --preset h200        # CUDA, Kimi-K2.5 draft dims (< 8 min)
     python benchmarks/train_step.py --teacher-heads full draft_rows --impls diagonal
+    python benchmarks/train_step.py --preset h200 --dims kimi-p-eagle   # a family per --dims
 
 Needs torch and draftline only (``PYTHONPATH=src`` from a checkout).
 """
@@ -119,7 +120,12 @@ KIMI_MLA = {**KIMI, "arch": "deepseek_mla", "q_lora_rank": 1536, "kv_lora_rank":
             "rope_scaling": {"rope_type": "yarn", "factor": 64,
                              "original_max_position_embeddings": 4096, "beta_fast": 32,
                              "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 1.0}}
-DIMS = {"toy": TOY, "kimi": KIMI, "kimi-mla": KIMI_MLA}
+# The other families at Kimi's dims (train.draft's flags; one training step each): EAGLE-3.1's
+# per-state norms before fc and its normed output, and P-EAGLE's mask slots.
+FAMILIES = {"eagle3.1": {"fc_norm": True, "norm_output": True},
+            "p-eagle": {"parallel_drafting": True}}
+DIMS = {"toy": TOY, "kimi": KIMI, "kimi-mla": KIMI_MLA,
+        **{f"kimi-{name}": {**KIMI, **flags} for name, flags in FAMILIES.items()}}
 # Training's settings that the step reads (the schema's defaults; Kimi's config keeps them).
 TRAIN = {"loss_decay": 0.8, "lr": 3e-4, "weight_decay": 0.0, "grad_clip": 0.5,
          "teacher_head": "full"}

@@ -61,6 +61,22 @@ def test_kimi_dims_are_the_production_config():
     assert config["train"]["ttt_steps"] == max(bench.PRESETS["h200"]["steps_k"])
 
 
+@pytest.mark.parametrize("family", sorted(bench.FAMILIES))
+def test_each_family_has_a_kimi_row_and_its_step_trains_what_makes_it_that_family(family):
+    """--dims kimi-{family} is Kimi's Llama draft with the family's flags only, and the step
+    (at toy dims, the same flags) gives a gradient to the parameters only that family has."""
+    dims = bench.DIMS[f"kimi-{family}"]
+    assert {k: v for k, v in dims.items() if bench.KIMI.get(k) != v} == bench.FAMILIES[family]
+    setup = bench.Setup({**bench.TOY, **bench.FAMILIES[family]}, "cpu", 1, 32)
+    loss, _ = setup.loss(3)  # training's run_micro_batch
+    loss.backward()
+    grads = {name: p.grad for name, p in setup.model.named_parameters() if p.requires_grad}
+    own = {"p-eagle": ["mask_hidden"], "eagle3.1": ["fc_norm"]}[family]
+    for prefix in own:
+        named = [g for name, g in grads.items() if name.startswith(prefix)]
+        assert named and all(g is not None and g.abs().sum() > 0 for g in named), prefix
+
+
 def saved_bytes(setup: bench.Setup, steps_k: int, emulate_cuda: bool) -> int:
     """What autograd saves in training's forward; ``emulate_cuda``: bf16 embedding, target
     head and inputs under bf16 autocast, as run_micro_batch does on CUDA."""
