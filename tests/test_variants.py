@@ -263,7 +263,10 @@ def test_the_bundle_holds_each_variant_and_the_card_names_it(tmp_path):
     bench = json.loads(lay.bench_results.read_text())
     bench["variants"] = [{"temperature": 0.0, "concurrency": 16, "serve": "p-eagle",
                           "runner_up": "eagle3", "margin": 1.15, "drafts": {
-                              "p-eagle": {"num_speculative_tokens": 5}}}]
+                              "p-eagle": {"num_speculative_tokens": 5}}},
+                         {"temperature": 0.0, "concurrency": 1, "serve": "eagle3",
+                          "runner_up": "p-eagle", "margin": 1.0013, "drafts": {
+                              "eagle3": {"num_speculative_tokens": 3}}}]
     lay.bench_results.write_text(json.dumps(bench))
     manifest = build(results)
     listed = {f["path"] for f in manifest["files"]}
@@ -274,6 +277,7 @@ def test_the_bundle_holds_each_variant_and_the_card_names_it(tmp_path):
     assert "## Draft variants" in card
     assert "| p-eagle | P-EAGLE | variants/p-eagle |" in card
     assert "| 0 | 16 | p-eagle | 5 | 1.15 |" in card
+    assert "| 0 | 1 | eagle3 | 3 | 1.0013 ~ |" in card  # a tie within noise says so
     assert '"parallel_drafting": true' in card and "/variants/p-eagle" in card
 
 

@@ -400,12 +400,13 @@ def _variants(card: Card, facts: dict) -> None:
     if chosen:
         card.add(Para("What to serve, per concurrency: the fastest of these drafts (median "
                       "output tok/s, each at its fastest draft length) in the deployment "
-                      "benchmark, and its margin over the next (the tables are in the "
-                      "benchmark below)."),
+                      "benchmark, and its margin over the next; `~` marks a margin under 5%, "
+                      "within the benchmark host's noise (the tables are in the benchmark "
+                      "below)."),
                  Table(["T", "C", "serve", "k", "margin"],
                        [[fmt(r["temperature"]), r["concurrency"], r["serve"],
-                         r["drafts"][r["serve"]]["num_speculative_tokens"], r["margin"]]
-                        for r in chosen]))
+                         r["drafts"][r["serve"]]["num_speculative_tokens"],
+                         _margin(r["margin"])] for r in chosen]))
     first = variants[0]
     cfg = facts["config"]
     card.add(Para(f"A variant is served as this draft is, from its folder (here "
@@ -415,6 +416,14 @@ def _variants(card: Card, facts: dict) -> None:
                  facts["num_speculative_tokens"], cfg["server"],
                  facts["target"].get("revision"), cfg["target"]["trust_remote_code"],
                  bool(first["config"].get("parallel_drafting")))))
+
+
+def _margin(margin: float | None) -> str:
+    from draftline.stages.bench_variants import NEAR_TIE
+
+    if margin is None:
+        return "-"
+    return f"{margin:g}" + (" ~" if margin < NEAR_TIE else "")
 
 
 def _sglang_blocks(args: tuple, draft_cfg: dict, from_hub: bool) -> list[Any]:
