@@ -154,6 +154,10 @@ def draft_params(dims: dict, draft_vocab: int, architecture: dict | None = None)
                                                           + mla["v_head_dim"])
                          + heads * mla["v_head_dim"] * h)
     mlp = 3 * h * arch.get("intermediate_size", dims.get("intermediate_size", 4 * h))
+    if arch.get("drafting") == "dflash":  # fc, its norm and the final one; no lm_head (shared)
+        gqa = h * heads * head_dim * 2 + 2 * h * kv * head_dim  # q, o; k, v (one input each)
+        layer = gqa + 2 * head_dim + mlp + 2 * h
+        return 3 * h * h + 2 * h + arch.get("num_layers", 1) * layer
     mask_hidden = 3 * h if arch.get("drafting") == "parallel" else 0  # P-EAGLE's mask state
     # fc, attention, mlp, lm_head, norms
     return 3 * h * h + attention + mlp + draft_vocab * h + 4 * h + mask_hidden
@@ -383,6 +387,9 @@ def drafting_name(architecture: dict | None) -> str:
     (train.draft.drafting parallel), EAGLE-3.1 (fc_norm or norm_output) or EAGLE-3, with MLA
     attention or not (train.draft.arch). The same unroll trains each, at one cost."""
     architecture = architecture or {}
+    if architecture.get("drafting") == "dflash":
+        return (f"DFlash ({architecture.get('num_layers', 1)} layer(s), block "
+                f"{architecture.get('block_size', 16)})")
     name = ("P-EAGLE" if architecture.get("drafting") == "parallel" else
             "EAGLE-3.1" if architecture.get("fc_norm") or architecture.get("norm_output") else
             "EAGLE-3")

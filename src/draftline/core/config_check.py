@@ -56,6 +56,7 @@ def check_semantics(config: dict[str, Any], base: Path | None = None) -> None:
     _check_variants(config)
     _check_mla_draft_has_an_mla_target(config, base)
     _check_parallel_drafting_is_llama(config)
+    _check_dflash(config)
     if config["target"]["revision"] is not None:
         try:
             hub.hub_revision(target if target == "toy" else base / target,
@@ -207,6 +208,31 @@ def _check_parallel_drafting_is_llama(config: dict) -> None:
                 f"config key '{key}.drafting': vLLM serves parallel drafting (P-EAGLE) only with "
                 "the Llama draft (Eagle3LlamaForCausalLM holds its mask_hidden state; the MLA "
                 "draft's class has none): use arch llama, or drafting autoregressive")
+
+
+def _check_dflash(config: dict) -> None:
+    """A DFlash draft is vLLM's Qwen3-layer DFlashQwen3ForCausalLM: no MLA; it names a layer by
+    its output (so no aux id 0, the embeddings); it was trained on blocks of block_size, so
+    it serves at most block_size - 1 drafts. Only DFlash has more than one layer."""
+    layer_ids = config["hidden"]["layer_ids"] or []
+    for key, draft in variants.drafts(config["train"]):
+        if draft["drafting"] != "dflash":
+            if draft["num_layers"] != 1:
+                raise ConfigError(f"config key '{key}.num_layers': vLLM's EAGLE-3 drafts have "
+                                  "one layer; more are for drafting dflash")
+            continue
+        if draft["arch"] != "llama":
+            raise ConfigError(f"config key '{key}.arch': a DFlash draft has vLLM's Qwen3 "
+                              "attention (DFlashQwen3ForCausalLM): use arch llama")
+        if 0 in layer_ids:
+            raise ConfigError(f"config key 'hidden.layer_ids': {layer_ids} include 0 (the "
+                              f"embeddings), which the DFlash draft of {key} cannot read")
+        longest = max(config["bench"]["num_speculative_tokens"])
+        if longest > draft["block_size"] - 1:
+            raise ConfigError(
+                f"config key 'bench.num_speculative_tokens': {longest} drafts, but the DFlash "
+                f"draft of {key} is trained on blocks of {draft['block_size']} "
+                f"(block_size), which fill at most {draft['block_size'] - 1}")
 
 
 def _check_variants(config: dict) -> None:

@@ -169,7 +169,8 @@ def speculative_config(draft_dir: str, n: int | None,
                        draft_sample_method: str = "greedy") -> dict | None:
     if n is None:
         return None
-    spec = {"method": "eagle3", "model": str(draft_dir), "num_speculative_tokens": n}
+    spec = {"method": speculative_method(draft_dir), "model": str(draft_dir),
+            "num_speculative_tokens": n}
     if draft_sample_method != "greedy":
         spec["draft_sample_method"] = draft_sample_method
     if parallel_drafting(draft_dir):
@@ -177,11 +178,22 @@ def speculative_config(draft_dir: str, n: int | None,
     return spec
 
 
+def _draft_config(draft_dir: str) -> dict:
+    path = Path(draft_dir) / "config.json"
+    return json.loads(path.read_text()) if path.is_file() else {}
+
+
 def parallel_drafting(draft_dir: str) -> bool:
     """A P-EAGLE draft (its config.json says so): vLLM drafts it only when the speculative
     config asks for parallel drafting."""
-    path = Path(draft_dir) / "config.json"
-    return path.is_file() and bool(json.loads(path.read_text()).get("parallel_drafting"))
+    return bool(_draft_config(draft_dir).get("parallel_drafting"))
+
+
+def speculative_method(draft_dir: str) -> str:
+    """vLLM's method for the draft: ``dflash`` for a DFlash checkpoint (vLLM then drafts in
+    parallel by itself), else ``eagle3``."""
+    return ("dflash" if "DFlashDraftModel" in (_draft_config(draft_dir).get("architectures")
+                                               or []) else "eagle3")
 
 
 # ----------------------------------------------------------------------------- measuring
@@ -847,11 +859,24 @@ def uses_mla(target_cfg: dict) -> bool:
 
 
 def check_configurations(configs: list[dict], model: str, external: dict,
-                         on_gpu: bool) -> None:
-    """Refuse, before anything is measured, pairs that are known not to start."""
+                         on_gpu: bool, draft_dirs: dict | None = None) -> None:
+    """Refuse, before anything is measured, pairs that are known not to start or not to
+    serve the draft that was trained."""
     target_cfg = target_architecture(model)
     managed_spec = [c["name"] for c in configs
                     if c["num_speculative_tokens"] is not None and c["name"] not in external]
+    for cfg in configs:
+        draft_dir = (draft_dirs or {}).get(cfg.get("draft") or cfg.get("variant"))
+        layers = _draft_config(draft_dir).get("num_hidden_layers", 1) if draft_dir else 1
+        if (cfg["name"] in managed_spec and not on_gpu and layers > 1
+                and speculative_method(draft_dir) == "dflash"):
+            raise BenchError(
+                f"bench: cannot serve {cfg['name']} faithfully on this host: a DFlash draft of "
+                f"{layers} layers ({draft_dir}) norms its context keys in one grouped RMSNorm, "
+                "and vLLM's CPU build applies the first layer's k_norm to every layer "
+                "(tests/test_dflash.py), so it would serve another model than the one trained. "
+                "Benchmark it on a GPU host, give it an external server (bench.endpoints), or "
+                "train it with train.draft.num_layers 1. Nothing was measured.")
     if managed_spec and target_cfg is not None and uses_mla(target_cfg) and not on_gpu:
         raise BenchError(
             f"bench: cannot run {', '.join(managed_spec)} on this host: the target "
@@ -897,7 +922,7 @@ def measure_deployment_benchmark(response_files: list[str], draft_dir: str, eval
     draft_dirs.update({name: folder / CHECKPOINT for name, folder in variant_dirs.items()})
     draft_dirs[None] = draft_dir
     external_urls = bench_cfg.get("endpoints") or {}
-    check_configurations(configs, model, external_urls, has_gpu())
+    check_configurations(configs, model, external_urls, has_gpu(), draft_dirs)
     prompts = eval_prompts([Path(p) for p in response_files], eval_fraction,
                            bench_cfg["num_prompts"])
     levels = concurrency_levels(bench_cfg, generate_cfg, profile_json)

