@@ -100,6 +100,8 @@ ROWS: dict[str, dict] = {
     "teacher draft rows": {"teacher_head": "draft_rows"},
     # the draft families vLLM serves: P-EAGLE drafts every token in one pass
     "p-eagle": {"draft.drafting": "parallel"},
+    # DFlash: one block of the bonus token and 3 masks (the benchmark's 3 drafts) in one pass
+    "dflash": {"draft.drafting": "dflash", "draft.block_size": 4},
     # the peer: its CLI's defaults (Muon, norms before fc and residual, norm_output, frozen
     # lm_head, decay 1.0, linear schedule, packing) at several rates, same tokens a step
     "peer lr=5e-3": {"trainer": PEER, "lr": 0.005, "optimizer": "muon"},

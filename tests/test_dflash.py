@@ -14,7 +14,7 @@ import torch
 from conftest import requires_vllm
 from safetensors.torch import load_file
 
-from draftline.dflash import DFlashDraft, block_loss, sample_anchors
+from draftline.dflash import block_loss, sample_anchors
 from draftline.model import metrics_from_counts
 from draftline.stages.export import export_draft
 from draftline.stages.train.checkpoint import DRAFT_CONFIG_FILE, save_weights
@@ -234,3 +234,35 @@ def test_vllm_cpu_norms_every_layers_context_keys_with_the_first_layers_weight()
     normed = keys * torch.rsqrt(keys.pow(2).mean(-1, keepdim=True) + 1e-6)
     torch.testing.assert_close(out, normed * weight[0])  # every layer: the first row
     assert (out[1] - normed[1] * weight[1]).abs().max() > 0.1
+
+
+def test_the_kimi_configs_dflash_variant_builds_the_draft_its_comment_costs():
+    """The commented DFlash variant of config/kimi-k2.5.yaml, uncommented: the config loads,
+    the draft's config builds from a Kimi-K2.5 text config, and its parameters are the plan's
+    947 M the comment quotes."""
+    import yaml
+
+    from draftline.core.config import load_config
+    from draftline.dflash import DFlashConfig
+    from draftline.plan import KNOWN_TARGETS, draft_params
+
+    text = (Path(__file__).parents[1] / "config" / "kimi-k2.5.yaml").read_text()
+    block = text[text.index("  # variants:"):].split("\n\n")[0]
+    lines = [line.replace("  # ", "  ", 1) for line in block.splitlines()
+             if line.startswith("  #   ") or line.startswith("  # variants:")]
+    variants = yaml.safe_load("\n".join(line[2:] for line in lines))["variants"]
+    config = load_config(Path(__file__).parents[1] / "config" / "kimi-k2.5.yaml",
+                         {"train.variants": variants})
+    from draftline.core.variants import variant_train
+
+    draft = variant_train(config["train"], "dflash")["draft"]
+    kimi = KNOWN_TARGETS["moonshotai/kimi-k2.5"]
+    target = {"hidden_size": 7168, "num_attention_heads": 64, "num_key_value_heads": 64,
+              "intermediate_size": 18432, "vocab_size": 163840, "rope_theta": 50000.0,
+              "max_position_embeddings": 262144, "rms_norm_eps": 1e-6, "pad_token_id": 163839,
+              "num_hidden_layers": 61, "kv_lora_rank": 512}
+    cfg = DFlashConfig.from_target(target, draft)
+    assert (cfg.num_layers, cfg.block_size, cfg.num_key_value_heads, cfg.head_dim) == (
+        2, 8, 8, 128)
+    assert round(draft_params(kimi, 32000, draft) / 1e6) == 947
+    assert "947 M trainable parameters" in text

@@ -207,7 +207,7 @@ def plan(config: dict, measured: dict | None = None) -> list[dict]:
              f"{tokens:,} tokens x {ARROW_BYTES_PER_TOKEN} B (input id + mask); {token_basis}"),
         _vocab_row(config, dims),
         _hidden_row(config, measured, dims, kind, tokens, token_basis),
-        *_train_rows(config, measured, dims, kind, out_tokens),
+        *_train_rows(config, measured, dims, kind, out_tokens, tokens / max(samples, 1)),
     ]
     modes = hidden_modes(config, rows)
     if modes and config["hidden"]["mode"] == "online":  # the extraction moves into training
@@ -342,15 +342,15 @@ def _hidden_row(config: dict, measured: dict, dims: dict | None, kind: str, toke
 
 
 def _train_rows(config: dict, measured: dict, dims: dict | None, kind: str,
-                out_tokens: int) -> list[dict]:
+                out_tokens: int, sample_tokens: float) -> list[dict]:
     """The main draft's training, each variant's (train.variants: the same loop on the same
     states, its own draft), the benchmark, and the bundle that holds every checkpoint."""
     if not dims:
         return [_row("train", None, None, "target dimensions unknown")]
     trains = [_train_row("train", variants.main_train(config["train"]), config, measured,
-                         dims, kind, out_tokens)]
+                         dims, kind, out_tokens, sample_tokens)]
     trains += [_train_row(f"train {name}", variants.variant_train(config["train"], name),
-                          config, measured, dims, kind, out_tokens)
+                          config, measured, dims, kind, out_tokens, sample_tokens)
                for name in variants.variant_names(config["train"])]
     checkpoints = sum(r["checkpoint_bytes"] for r in trains)
     return [*trains, _bench_row(config, measured, kind),
@@ -359,7 +359,7 @@ def _train_rows(config: dict, measured: dict, dims: dict | None, kind: str,
 
 
 def _train_row(stage: str, train: dict, config: dict, measured: dict, dims: dict, kind: str,
-               out_tokens: int) -> dict:
+               out_tokens: int, sample_tokens: float) -> dict:
     params = draft_params(dims, draft_vocab_size(config, dims), train.get("draft"))
     checkpoint = params * 2  # bf16 export
     # fp32 weights and gradients plus the optimizer's moments (AdamW 2; Muon's matrices, nearly
@@ -367,7 +367,8 @@ def _train_row(stage: str, train: dict, config: dict, measured: dict, dims: dict
     state = params * (12 if train["optimizer"] == "muon" else 16)
     rate = measured.get("train_tok_s")
     rate_basis = "measured" if rate else "assumed"
-    rate = rate or TRAIN_TOK_S[kind] * 3 / train["ttt_steps"]  # cost ~ linear in unroll steps
+    passes, passes_basis = draft_passes(train, sample_tokens)
+    rate = rate or TRAIN_TOK_S[kind] * 3 / passes  # cost ~ linear in the draft's passes
     probes = lr_probe_share(train)
     seconds = train["epochs"] * out_tokens / rate * (1 + probes)
     probe_note = (f"; lr auto: {len(train['lr_search']['candidates'])} probes of "
@@ -377,9 +378,22 @@ def _train_row(stage: str, train: dict, config: dict, measured: dict, dims: dict
                 f"{drafting_name(train.get('draft'))} draft {params / 1e6:,.1f} M trainable "
                 f"params (+ shared embedding), {_bytes(state)} training state (fp32 weights, "
                 f"gradients, moments); {train['epochs']} epochs x {out_tokens:,} supervised "
-                f"tokens at {rate:,.0f} tok/s ({rate_basis}, ttt_steps "
-                f"{train['ttt_steps']}){probe_note}",
+                f"tokens at {rate:,.0f} tok/s ({rate_basis}, {passes_basis}){probe_note}",
                 draft_params=params, checkpoint_bytes=checkpoint, state_bytes=state)
+
+
+def draft_passes(train: dict, sample_tokens: float) -> tuple[float, str]:
+    """How many one-layer passes over a sample's tokens a training step costs (assumed, for
+    the time estimate): an EAGLE-3 draft's unroll steps; a DFlash draft's layers, each over
+    the context and the blocks (anchors x block_size tokens a sample)."""
+    draft = train.get("draft") or {}
+    if draft.get("drafting") != "dflash":
+        return float(train["ttt_steps"]), f"ttt_steps {train['ttt_steps']}"
+    block_tokens = min(train["anchors"], sample_tokens) * draft["block_size"]
+    # each layer projects the whole context (keys, values) and runs the blocks through
+    passes = draft["num_layers"] * (1.0 + block_tokens / max(sample_tokens, 1.0))
+    return passes, (f"{draft['num_layers']} layer(s) over the context and {train['anchors']} "
+                    f"anchors x block {draft['block_size']} a sample: {passes:.1f} passes")
 
 
 def drafting_name(architecture: dict | None) -> str:
