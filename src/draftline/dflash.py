@@ -21,7 +21,11 @@ Layout and names follow vLLM's ``DFlashQwen3ForCausalLM`` (``qwen3_dflash.py``, 
     logits = lm_head(norm(x))                     the target's lm_head, its full vocabulary
 
 The context never passes through a layer's input norm or MLP: every layer projects the same
-``ctx`` with its own ``k_proj``/``v_proj``/``k_norm``. Slot j >= 1 of a block anchored at a
+``ctx`` with its own ``k_proj``/``v_proj``. Its layers share one ``k_norm`` (exported under
+every layer's name): vLLM norms all layers' context keys in one grouped RMSNorm whose CPU
+kernel reads only the first layer's weight (tests/test_dflash.py), so a draft with one k_norm
+is served the same by vLLM's CPU and GPU builds, and the toy's benchmark measures the draft
+that was trained. Slot j >= 1 of a block anchored at a
 predicts the token at a + j; vLLM serves ``num_speculative_tokens`` = B - 1 (the bonus token
 then B - 1 masks).
 
@@ -211,6 +215,8 @@ class DFlashDraft(nn.Module):
                             cfg.hidden_size, bias=False)
         self.hidden_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.layers = nn.ModuleList(DFlashLayer(cfg) for _ in range(cfg.num_layers))
+        for layer in self.layers[1:]:  # one k_norm for every layer (see the module docstring)
+            layer.self_attn.k_norm = self.layers[0].self_attn.k_norm
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
     def forward(self, aux: torch.Tensor, input_ids: torch.Tensor,
@@ -239,6 +245,7 @@ class DFlashDraft(nn.Module):
         return self.norm(x)
 
     def trainable_state_dict(self) -> dict[str, torch.Tensor]:
+        """Every layer's names, as vLLM loads them (the shared k_norm under each layer's)."""
         return {k: v for k, v in self.state_dict().items() if k not in self.FROZEN}
 
 

@@ -189,6 +189,18 @@ def parallel_drafting(draft_dir: str) -> bool:
     return bool(_draft_config(draft_dir).get("parallel_drafting"))
 
 
+def k_norms_differ(draft_dir: str) -> bool:
+    """Whether a DFlash checkpoint's layers have k_norm weights that differ."""
+    from safetensors import safe_open
+
+    path = Path(draft_dir) / "model.safetensors"
+    if not path.is_file():
+        return False
+    with safe_open(str(path), framework="pt") as f:
+        norms = [f.get_tensor(k) for k in sorted(f.keys()) if k.endswith("self_attn.k_norm.weight")]
+    return any(not bool((n == norms[0]).all()) for n in norms[1:])
+
+
 def speculative_method(draft_dir: str) -> str:
     """vLLM's method for the draft: ``dflash`` for a DFlash checkpoint (vLLM then drafts in
     parallel by itself), else ``eagle3``."""
@@ -867,16 +879,15 @@ def check_configurations(configs: list[dict], model: str, external: dict,
                     if c["num_speculative_tokens"] is not None and c["name"] not in external]
     for cfg in configs:
         draft_dir = (draft_dirs or {}).get(cfg.get("draft") or cfg.get("variant"))
-        layers = _draft_config(draft_dir).get("num_hidden_layers", 1) if draft_dir else 1
-        if (cfg["name"] in managed_spec and not on_gpu and layers > 1
-                and speculative_method(draft_dir) == "dflash"):
+        if (cfg["name"] in managed_spec and not on_gpu and draft_dir
+                and speculative_method(draft_dir) == "dflash" and k_norms_differ(draft_dir)):
             raise BenchError(
-                f"bench: cannot serve {cfg['name']} faithfully on this host: a DFlash draft of "
-                f"{layers} layers ({draft_dir}) norms its context keys in one grouped RMSNorm, "
-                "and vLLM's CPU build applies the first layer's k_norm to every layer "
-                "(tests/test_dflash.py), so it would serve another model than the one trained. "
-                "Benchmark it on a GPU host, give it an external server (bench.endpoints), or "
-                "train it with train.draft.num_layers 1. Nothing was measured.")
+                f"bench: cannot serve {cfg['name']} faithfully on this host: the DFlash draft "
+                f"{draft_dir} has a k_norm per layer, and vLLM's CPU build norms every layer's "
+                "context keys with the first layer's (tests/test_dflash.py), so it would serve "
+                "another model than the one trained (draftline's DFlash drafts share one "
+                "k_norm). Benchmark it on a GPU host or give it an external server "
+                "(bench.endpoints). Nothing was measured.")
     if managed_spec and target_cfg is not None and uses_mla(target_cfg) and not on_gpu:
         raise BenchError(
             f"bench: cannot run {', '.join(managed_spec)} on this host: the target "

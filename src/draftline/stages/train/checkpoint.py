@@ -63,8 +63,16 @@ def full_state(model, optimizer):
 
 
 def save_weights(weights: dict, directory: Path) -> None:
-    save_file({k: v.detach().contiguous().cpu() for k, v in weights.items()},
-              str(directory / WEIGHTS_FILE))
+    """One file of named tensors; a tensor shared by several names (a DFlash draft's k_norm)
+    is written under each of them."""
+    out, seen = {}, set()
+    for name, value in weights.items():
+        tensor = value.detach().contiguous().cpu()
+        if tensor.data_ptr() in seen:  # safetensors refuses two names over one storage
+            tensor = tensor.clone()
+        seen.add(tensor.data_ptr())
+        out[name] = tensor
+    save_file(out, str(directory / WEIGHTS_FILE))
 
 
 def link_tree(src: Path, dest: Path) -> None:
