@@ -274,6 +274,5 @@ def test_the_kimi_configs_dflash_variant_builds_the_draft_its_comment_costs():
               "num_hidden_layers": 61, "kv_lora_rank": 512}
     cfg = DFlashConfig.from_target(target, draft)
     assert (cfg.num_layers, cfg.block_size, cfg.num_key_value_heads, cfg.head_dim) == (
-        2, 8, 8, 128)
-    assert round(draft_params(kimi, 32000, draft) / 1e6) == 947
-    assert "947 M trainable parameters" in text
+        3, 8, 8, 128)
+    assert f"{draft_params(kimi, 32000, draft) / 1e6:,.0f} M trainable parameters" in text

@@ -65,6 +65,11 @@ from draftline.model import (
 
 # ----------------------------------------------------------------------------- config
 
+# train.draft.num_layers null: the toy's simulated acceptance with 1, 2 and 3 layers was 1.23,
+# 2.48 and 2.65 (one layer cannot carry the anchor token to the mask slots and attend to the
+# context too)
+DEFAULT_LAYERS = 3
+
 
 @dataclass(frozen=True)
 class DFlashConfig:
@@ -99,7 +104,7 @@ class DFlashConfig:
             intermediate_size=base.intermediate_size,
             num_attention_heads=base.num_attention_heads,
             num_key_value_heads=base.num_key_value_heads, head_dim=base.head_dim,
-            num_layers=int(architecture.get("num_layers") or 1),
+            num_layers=int(architecture.get("num_layers") or DEFAULT_LAYERS),
             block_size=int(architecture.get("block_size") or 16),
             mask_token_id=mask_token_of(text, target_config, architecture.get("mask_token_id")),
             rms_norm_eps=base.rms_norm_eps, rope_theta=base.rope_theta,

@@ -156,8 +156,8 @@ def draft_params(dims: dict, draft_vocab: int, architecture: dict | None = None)
     mlp = 3 * h * arch.get("intermediate_size", dims.get("intermediate_size", 4 * h))
     if arch.get("drafting") == "dflash":  # fc, its norm and the final one; no lm_head (shared)
         gqa = h * heads * head_dim * 2 + 2 * h * kv * head_dim  # q, o; k, v (one input each)
-        layer = gqa + 2 * head_dim + mlp + 2 * h
-        return 3 * h * h + 2 * h + arch.get("num_layers", 1) * layer
+        layers = dflash_layers(arch)
+        return 3 * h * h + 2 * h + layers * (gqa + head_dim + mlp + 2 * h) + head_dim
     mask_hidden = 3 * h if arch.get("drafting") == "parallel" else 0  # P-EAGLE's mask state
     # fc, attention, mlp, lm_head, norms
     return 3 * h * h + attention + mlp + draft_vocab * h + 4 * h + mask_hidden
@@ -382,6 +382,13 @@ def _train_row(stage: str, train: dict, config: dict, measured: dict, dims: dict
                 draft_params=params, checkpoint_bytes=checkpoint, state_bytes=state)
 
 
+def dflash_layers(draft: dict) -> int:
+    """A DFlash draft's layers: train.draft.num_layers, else draftline.dflash's default."""
+    from draftline.dflash import DEFAULT_LAYERS
+
+    return draft.get("num_layers") or DEFAULT_LAYERS
+
+
 def draft_passes(train: dict, sample_tokens: float) -> tuple[float, str]:
     """How many one-layer passes over a sample's tokens a training step costs (assumed, for
     the time estimate): an EAGLE-3 draft's unroll steps; a DFlash draft's layers, each over
@@ -391,8 +398,8 @@ def draft_passes(train: dict, sample_tokens: float) -> tuple[float, str]:
         return float(train["ttt_steps"]), f"ttt_steps {train['ttt_steps']}"
     block_tokens = min(train["anchors"], sample_tokens) * draft["block_size"]
     # each layer projects the whole context (keys, values) and runs the blocks through
-    passes = draft["num_layers"] * (1.0 + block_tokens / max(sample_tokens, 1.0))
-    return passes, (f"{draft['num_layers']} layer(s) over the context and {train['anchors']} "
+    passes = dflash_layers(draft) * (1.0 + block_tokens / max(sample_tokens, 1.0))
+    return passes, (f"{dflash_layers(draft)} layer(s) over the context and {train['anchors']} "
                     f"anchors x block {draft['block_size']} a sample: {passes:.1f} passes")
 
 
@@ -402,7 +409,7 @@ def drafting_name(architecture: dict | None) -> str:
     attention or not (train.draft.arch). The same unroll trains each, at one cost."""
     architecture = architecture or {}
     if architecture.get("drafting") == "dflash":
-        return (f"DFlash ({architecture.get('num_layers', 1)} layer(s), block "
+        return (f"DFlash ({dflash_layers(architecture)} layer(s), block "
                 f"{architecture.get('block_size', 16)})")
     name = ("P-EAGLE" if architecture.get("drafting") == "parallel" else
             "EAGLE-3.1" if architecture.get("fc_norm") or architecture.get("norm_output") else

@@ -217,7 +217,7 @@ def _check_dflash(config: dict) -> None:
     layer_ids = config["hidden"]["layer_ids"] or []
     for key, draft in variants.drafts(config["train"]):
         if draft["drafting"] != "dflash":
-            if draft["num_layers"] != 1:
+            if draft["num_layers"] not in (None, 1):
                 raise ConfigError(f"config key '{key}.num_layers': vLLM's EAGLE-3 drafts have "
                                   "one layer; more are for drafting dflash")
             continue
