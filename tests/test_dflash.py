@@ -276,3 +276,45 @@ def test_the_kimi_configs_dflash_variant_builds_the_draft_its_comment_costs():
     assert (cfg.num_layers, cfg.block_size, cfg.num_key_value_heads, cfg.head_dim) == (
         3, 8, 8, 128)
     assert f"{draft_params(kimi, 32000, draft) / 1e6:,.0f} M trainable parameters" in text
+
+
+# ----------------------------------------------------------------------------- training
+
+
+def test_a_dflash_draft_trains_resumes_and_learns(draft_inputs, tmp_path):
+    """The one training loop trains a DFlash draft: its blocks' loss falls, its evaluation
+    counts block slots, and a rerun resumes to the same weights."""
+    from draftline.stages.train import train_draft
+
+    cfg = {"epochs": 6, "batch_tokens": 256, "lr": 3e-3, "warmup_steps": 3, "eval_every": 8,
+           "checkpoint_every": 8, "anchors": 16, "draft": DFLASH}
+    record = train_draft(draft_inputs["hidden_dir"], draft_inputs["vocab_map"],
+                         draft_inputs["target_dir"], tmp_path / "run", cfg)
+    assert record["draft_config"]["drafting"] == "dflash"
+    assert len(record["accuracy"]) == DFLASH["block_size"] - 1
+    lines = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().split("\n")
+             if x]
+    losses = [r["loss"] for r in lines if "lr" in r]
+    assert sum(losses[-3:]) < sum(losses[:3])
+    again = train_draft(draft_inputs["hidden_dir"], draft_inputs["vocab_map"],
+                        draft_inputs["target_dir"], tmp_path / "run", cfg)  # resumes, done
+    assert again["simulated_acceptance_length"] == record["simulated_acceptance_length"]
+
+
+@pytest.mark.slow
+def test_a_dflash_draft_trains_under_fsdp_on_two_processes(draft_inputs, tmp_path):
+    """FSDP shards a DFlash draft as one unit (its layers share a k_norm): torchrun, 2 CPU
+    processes, the run completes and exports a checkpoint vLLM's format holds."""
+    from draftline.stages.train import train_draft
+
+    cfg = {"epochs": 1, "batch_tokens": 256, "max_steps": 4, "eval_every": 4, "anchors": 8,
+           "checkpoint_every": 4, "nproc_per_node": 2, "strategy": "fsdp", "draft": DFLASH}
+    record = train_draft(draft_inputs["hidden_dir"], draft_inputs["vocab_map"],
+                         draft_inputs["target_dir"], tmp_path / "run", cfg)
+    assert record["world_size"] == 2
+    checkpoint = export_draft(tmp_path / "run" / "best", draft_inputs["target_dir"],
+                              draft_inputs["vocab_map"], draft_inputs["layer_ids"],
+                              tmp_path / "checkpoint")
+    weights = load_file(str(checkpoint / "model.safetensors"))
+    torch.testing.assert_close(weights["layers.1.self_attn.k_norm.weight"],
+                               weights["layers.0.self_attn.k_norm.weight"])

@@ -111,7 +111,8 @@ def wrap_model(model, strategy: str, rt: Runtime):
         return DistributedDataParallel(model, device_ids=ids)
     policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) \
         if rt.device.type == "cuda" else MixedPrecisionPolicy()
-    fully_shard(model.midlayer, mp_policy=policy)
+    if hasattr(model, "midlayer"):  # a DFlash draft is one unit: its layers share a k_norm
+        fully_shard(model.midlayer, mp_policy=policy)
     fully_shard(model, mp_policy=policy)  # fc, norm, lm_head and the frozen embedding
     return model
 
