@@ -318,3 +318,30 @@ def test_a_dflash_draft_trains_under_fsdp_on_two_processes(draft_inputs, tmp_pat
     weights = load_file(str(checkpoint / "model.safetensors"))
     torch.testing.assert_close(weights["layers.1.self_attn.k_norm.weight"],
                                weights["layers.0.self_attn.k_norm.weight"])
+
+
+def test_evaluation_scores_every_anchor_in_passes_of_train_anchors(draft_inputs):
+    """Evaluation counts the same blocks whatever train.anchors bounds a pass to."""
+    from draftline.stages.train import Runtime
+    from draftline.stages.train.loop import dflash_micro_batch
+
+    model, head, _ = random_dflash(draft_inputs)
+    batch = next(iter_batches(draft_inputs))
+    rt = Runtime(rank=0, world=1, local_rank=0, device=torch.device("cpu"), owns_group=False)
+    cfg = {"loss_decay": 0.8}
+    with torch.no_grad():
+        _, whole = dflash_micro_batch(model, head, batch, {**cfg, "anchors": 10_000}, rt, None)
+        _, parts = dflash_micro_batch(model, head, batch, {**cfg, "anchors": 3}, rt, None)
+    torch.testing.assert_close(parts, whole)
+    assert whole[0].sum() > 3 * 3  # more blocks than one pass of 3 holds
+
+
+def iter_batches(inputs: dict):
+    """Micro-batches of the inputs' eval split, as training reads them."""
+    from draftline.core.config import resolve_section
+    from draftline.stages.hidden.store import HiddenStates
+    from draftline.stages.train import StoredBatches
+
+    cfg = resolve_section("train", {"batch_tokens": 256, "draft": DFLASH})
+    data = StoredBatches(HiddenStates(inputs["hidden_dir"]), cfg, 0, 1, 0)
+    return (batch for batch, _ in data.eval_batches())

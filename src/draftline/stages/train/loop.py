@@ -308,7 +308,9 @@ def forward_micro_batch(model, head, batch: dict, cfg: dict, rt: Runtime,
 def dflash_micro_batch(model, head, batch: dict, cfg: dict, rt: Runtime,
                        anchors_per_sample: int | None):
     """A DFlash draft's micro-batch: (loss, counts ``[6, B - 1]``) over up to
-    ``anchors_per_sample`` blocks of each sample (None: every anchor, as evaluation scores)."""
+    ``anchors_per_sample`` blocks of each sample, or (None, as evaluation scores) over every
+    anchor, ``train.anchors`` blocks a pass (the attention holds [anchors, block, context]
+    scores a pass)."""
     cuda = rt.device.type == "cuda"
     dtype = torch.bfloat16 if cuda else torch.float32
     aux = batch["aux"].to(rt.device, dtype, non_blocking=True)  # [Bs, S, n*Ht]
@@ -319,9 +321,14 @@ def dflash_micro_batch(model, head, batch: dict, cfg: dict, rt: Runtime,
     amp = torch.autocast("cuda", dtype=torch.bfloat16) if cuda else contextlib.nullcontext()
     with amp:
         _, _, target_argmax = head(final, with_argmax=True)  # [Bs, S]
-        states = model(aux, input_ids, anchors)  # [Bs, A, B, H]
-        return block_loss(states, head.lm_head, input_ids, loss_mask, anchors, valid,
-                          target_argmax, cfg["loss_decay"])
+        loss, counts = None, 0
+        for first in range(0, anchors.shape[1], cfg["anchors"]):
+            part = slice(first, first + cfg["anchors"])
+            states = model(aux, input_ids, anchors[:, part])  # [Bs, a, B, H]
+            loss, c = block_loss(states, head.lm_head, input_ids, loss_mask, anchors[:, part],
+                                 valid[:, part], target_argmax, cfg["loss_decay"])
+            counts = counts + c
+    return loss, counts
 
 
 def served_acceptance_counts(logits, target_logp_t, input_ids, loss_mask, draft_ids,
