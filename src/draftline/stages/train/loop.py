@@ -22,7 +22,7 @@ from draftline.core.config import resolve_section
 from draftline.core.layout import ONLINE_STATS
 from draftline.core.machine import torch_machine
 from draftline.core.target import read_teacher_config
-from draftline.dflash import block_loss, sample_anchors
+from draftline.dflash import DFlashDraft, block_loss, sample_anchors
 from draftline.model import (
     COUNT_KEYS,
     acceptance_length_from,
@@ -268,7 +268,7 @@ def online_machine(store, rt: Runtime) -> dict:
 def run_micro_batch(model, head, batch: dict, cfg: dict, rt: Runtime):
     """Forward one training micro-batch: (loss, counts ``[6, K]``), with the teacher
     ``train.teacher_head`` names (a DFlash draft: its blocks, ``train.anchors`` a sample)."""
-    if cfg["draft"]["drafting"] == "dflash":
+    if is_dflash(model):
         return dflash_micro_batch(model, head, batch, cfg, rt, cfg["anchors"])
     loss, counts, _ = forward_micro_batch(model, head, batch, cfg, rt,
                                           full_teacher=cfg["teacher_head"] == "full")
@@ -303,6 +303,11 @@ def forward_micro_batch(model, head, batch: dict, cfg: dict, rt: Runtime,
                                      loss_mask, head.draft_ids, t)
             for t in temperatures]) if temperatures else None
     return loss, counts, accepted
+
+
+def is_dflash(model) -> bool:
+    """A DFlash draft (or DDP around one; FSDP keeps the class)."""
+    return isinstance(getattr(model, "module", model), DFlashDraft)
 
 
 def dflash_micro_batch(model, head, batch: dict, cfg: dict, rt: Runtime,
@@ -345,7 +350,7 @@ def evaluate(model, head, data, cfg: dict, rt: Runtime) -> dict:
     ``train.eval_temperatures``, per temperature after 1..K drafts: greedy
     (``simulated_acceptance_length_at``) and probabilistic draft sampling
     (``simulated_acceptance_length_probabilistic_at``)."""
-    if cfg["draft"]["drafting"] == "dflash":
+    if is_dflash(model):
         return evaluate_dflash(model, head, data, cfg, rt)
     temperatures = tuple(cfg["eval_temperatures"])
     counts = torch.zeros(len(COUNT_KEYS), cfg["ttt_steps"], dtype=torch.float64)
@@ -371,7 +376,7 @@ def evaluate(model, head, data, cfg: dict, rt: Runtime) -> dict:
 def evaluate_dflash(model, head, data, cfg: dict, rt: Runtime) -> dict:
     """A DFlash draft's metrics over the whole eval split: every anchor of every sample, the
     temperature-0 figures (its served temperatures above 0 are not simulated)."""
-    counts = torch.zeros(len(COUNT_KEYS), cfg["draft"]["block_size"] - 1, dtype=torch.float64)
+    counts = torch.zeros(len(COUNT_KEYS), model.cfg.block_size - 1, dtype=torch.float64)
     model.eval()
     with torch.no_grad():
         for batch, keep in data.eval_batches():
