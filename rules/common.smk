@@ -3,6 +3,7 @@
 import importlib.util
 import json
 import os
+import re
 import secrets
 import signal
 import time
@@ -147,7 +148,7 @@ VARIANTS = _variants.variant_names(config["train"])
 
 
 wildcard_constraints:
-    variant="|".join(VARIANTS) or "no-variant",
+    variant="|".join(map(re.escape, VARIANTS)) or "no-variant",
 
 
 def main_train_params():
