@@ -75,17 +75,29 @@ REPO = Path(__file__).resolve().parents[1]
 # name -> overrides of the `train` section (dotted keys reach into train.draft). A row with
 # "trainer": "speculators" trains with benchmarks/peer_speculators.py (its lr and optimizer).
 PEER = "speculators"
+# the training settings before 2026-12-05 that the defaults replaced (their rows keep them)
+BEFORE_2026_12_05 = {"momentum": 0.95, "schedule": "cosine", "warmup_steps": 20,
+                     "teacher_temperature": 1.0}
 ROWS: dict[str, dict] = {
-    "default": {},  # Muon, lr auto, norm_before_fc, forward KL, loss decay 0.8
+    # Muon (momentum 0.8), lr auto, linear schedule, 5% warm-up, norm_before_fc, forward KL to
+    # the target at T 0.5, loss decay 0.8
+    "default": {},
     # the defaults before this benchmark (the toy config's AdamW at lr 2e-3, no norm before fc)
-    "previous default": {"optimizer": "adamw", "lr": 0.002, "draft.norm_before_fc": False},
+    "previous default": {**BEFORE_2026_12_05, "optimizer": "adamw", "lr": 0.002,
+                         "draft.norm_before_fc": False},
+    # the defaults of 2026-12-04 (Muon, lr auto, norm_before_fc)
+    "2026-12-04 default": BEFORE_2026_12_05,
+    # what changed on 2026-12-05, one at a time
+    "momentum 0.95": {"momentum": 0.95},
+    "teacher temperature 1": {"teacher_temperature": 1.0},
+    "cosine schedule": {"schedule": "cosine"},
+    "warm-up 20 steps": {"warmup_steps": 20},
     # optimizer and learning rate
     "adamw": {"optimizer": "adamw"},
     "lr=5e-3": {"lr": 0.005},
     "lr=1e-2": {"lr": 0.01},
     "lr=2e-2": {"lr": 0.02},
     "lr=4e-2": {"lr": 0.04},
-    "linear schedule": {"schedule": "linear"},
     # norm placements vLLM serves
     "no norm_before_fc": {"draft.norm_before_fc": False},
     "eagle3.1 norms": {"draft.norm_before_fc": False, "draft.fc_norm": True,

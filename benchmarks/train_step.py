@@ -128,7 +128,7 @@ DIMS = {"toy": TOY, "kimi": KIMI, "kimi-mla": KIMI_MLA,
         **{f"kimi-{name}": {**KIMI, **flags} for name, flags in FAMILIES.items()}}
 # Training's settings that the step reads (the schema's defaults; Kimi's config keeps them).
 TRAIN = {"loss_decay": 0.8, "lr": 3e-4, "weight_decay": 0.0, "grad_clip": 0.5,
-         "teacher_head": "full"}
+         "teacher_head": "full", "teacher_temperature": 0.5}
 TEACHER_HEADS = ("full", "draft_rows")  # train.teacher_head
 
 IMPLS = ("diagonal", "diagonal-eager", "dense", "dense-sdpa")
@@ -396,7 +396,8 @@ class Setup:
     def loss(self, steps_k: int):
         return run_micro_batch(self.model, self.head, self.batch,
                                {"ttt_steps": steps_k, "loss_decay": TRAIN["loss_decay"],
-                                "loss": "kl", "teacher_head": self.teacher_head}, self.rt)
+                                "loss": "kl", "teacher_head": self.teacher_head,
+                                "teacher_temperature": TRAIN["teacher_temperature"]}, self.rt)
 
     def step(self, steps_k: int) -> float:
         """One optimizer step of one micro-batch (grad_accum 1), as draftline.stages.train's

@@ -23,6 +23,7 @@ from draftline.model import (
     rotary_tables,
     sampled_acceptance_counts,
     shift_left,
+    teacher_at_temperature,
     ttt_attention,
     ttt_attention_reference,
     ttt_loss,
@@ -535,13 +536,10 @@ def test_yarn_rotary_equals_the_one_vllm_serves(scaling):
     assert (cos - plain_cos).abs().max() > 0.05  # the test tells YaRN from plain rotary
 
 
-def test_the_draft_rows_teacher_gives_the_full_heads_loss_and_gradients():
-    """train.teacher_head draft_rows computes only the draft vocabulary's lm_head rows. Its
-    targets equal the full head's, and a training step's loss and gradients equal the full
-    teacher's wherever the full teacher keeps every row (each target argmax in the draft
-    vocab); where it does not, draft_rows is the full head's loss with every row kept."""
-    import torch.nn.functional as F
-
+def teacher_case():
+    """A tiny target head (random lm_head and draft vocabulary), one batch, and ``step(lm_head,
+    **train)``: a fresh draft's training step under that teacher (train section keys
+    ``train``) -> (head, loss, gradients)."""
     from draftline.stages.train.distributed import Runtime
     from draftline.stages.train.loop import resolve_train_cfg, run_micro_batch
 
@@ -559,14 +557,29 @@ def test_the_draft_rows_teacher_gives_the_full_heads_loss_and_gradients():
     rt = Runtime(rank=0, world=1, local_rank=0, device=torch.device("cpu"), owns_group=False)
     norm = torch.rand(TINY.target_hidden_size, generator=gen) + 0.5
 
-    def step(lm_head: torch.Tensor, teacher: str):
+    def step(lm_head: torch.Tensor, **train):
         head = TargetHead(norm, lm_head, 1e-6, d2t, t2d)
         model = tiny_draft(seed=3).train()
-        cfg = resolve_train_cfg({"teacher_head": teacher, "ttt_steps": 3})
+        cfg = resolve_train_cfg({"ttt_steps": 3, **train})
         loss, _ = run_micro_batch(model, head, batch, cfg, rt)
         loss.backward()
         return head, loss.detach(), {n: p.grad for n, p in model.named_parameters()
                                      if p.grad is not None}
+
+    return batch, t2d, lm_head, step
+
+
+def test_the_draft_rows_teacher_gives_the_full_heads_loss_and_gradients():
+    """train.teacher_head draft_rows computes only the draft vocabulary's lm_head rows. Its
+    targets equal the full head's, and a training step's loss and gradients equal the full
+    teacher's wherever the full teacher keeps every row (each target argmax in the draft
+    vocab); where it does not, draft_rows is the full head's loss with every row kept."""
+    import torch.nn.functional as F
+
+    batch, t2d, lm_head, train_step = teacher_case()
+
+    def step(lm_head: torch.Tensor, teacher: str):
+        return train_step(lm_head, teacher_head=teacher)
 
     head, loss_masked, _ = step(lm_head, "full")
     full_logp, in_draft = head(batch["final"])
@@ -584,6 +597,26 @@ def test_the_draft_rows_teacher_gives_the_full_heads_loss_and_gradients():
     assert grads_rows.keys() == grads_full.keys() and len(grads_rows) > 5
     for name in grads_full:
         torch.testing.assert_close(grads_rows[name], grads_full[name], msg=name)
+
+
+def test_the_teacher_temperature_is_the_targets_logits_divided_by_it():
+    """train.teacher_temperature T: the loss matches softmax(target logits / T) over the draft
+    vocab. Checked without the code under test: T = 0.5 gives the loss and gradients of T = 1
+    under a head whose lm_head is doubled (its logits are the target's / 0.5), and T = 1 leaves
+    the targets alone."""
+    _, _, lm_head, step = teacher_case()
+    _, sharpened, grads = step(lm_head, teacher_temperature=0.5)
+    _, doubled, grads_doubled = step(2 * lm_head, teacher_temperature=1.0)
+    _, plain, _ = step(lm_head, teacher_temperature=1.0)
+    torch.testing.assert_close(sharpened, doubled)
+    for name in grads:
+        torch.testing.assert_close(grads[name], grads_doubled[name], msg=name)
+    assert abs(float(sharpened - plain)) > 1e-2  # the option is not ignored
+
+    logp = torch.log_softmax(torch.randn(4, 9), -1)
+    assert teacher_at_temperature(logp, 1.0) is logp
+    torch.testing.assert_close(teacher_at_temperature(logp[:, :5], 0.25),
+                               torch.log_softmax(logp[:, :5] * 4, -1))
 
 
 def test_an_mla_draft_takes_its_sizes_from_the_config_or_an_mla_target():

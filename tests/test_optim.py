@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import json
 import math
 
 import pytest
@@ -10,7 +11,7 @@ import torch
 from test_train import SMALL, final_weights, run
 
 from draftline.stages.train import build_draft, resolve_train_cfg
-from draftline.stages.train.optim import MuonWithAdamW, build_optimizer, lr_factor
+from draftline.stages.train.optim import MuonWithAdamW, build_optimizer, lr_factor, warmup_steps
 
 MATRICES = {"fc.weight", *(f"midlayer.self_attn.{p}_proj.weight" for p in "qkvo"),
             *(f"midlayer.mlp.{p}_proj.weight" for p in ("gate", "up", "down"))}
@@ -82,6 +83,40 @@ def test_muon_state_round_trips_through_its_state_dict(draft_inputs):
     # the momentum mattered: without the loaded state the step differs
     third = one_step(fresh, build_optimizer(fresh, cfg), seed=1)
     assert (third["fc.weight"] - first["fc.weight"]).abs().max() > 1e-3
+
+
+def test_muon_momentum_is_train_momentum(draft_inputs):
+    """train.momentum reaches Muon (not AdamW), and changes Muon's second step."""
+    updates = {}
+    for momentum in (0.8, 0.95):
+        model = draft(draft_inputs)
+        optimizer = build_optimizer(model, resolve_train_cfg({"momentum": momentum,
+                                                              "lr": 1e-2}))
+        assert optimizer.muon.param_groups[0]["momentum"] == momentum
+        assert "momentum" not in optimizer.adamw.param_groups[0]
+        one_step(model, optimizer, seed=0)
+        updates[momentum] = one_step(model, optimizer, seed=1)["fc.weight"]
+    assert (updates[0.8] - updates[0.95]).abs().max() > 1e-4
+    assert resolve_train_cfg({})["momentum"] == 0.8
+
+
+def test_default_warm_up_is_a_share_of_the_run(draft_inputs, tmp_path):
+    """train.warmup_steps null: 5% of the run's optimizer steps, at least one; a number is
+    taken as it is. The run's schedule uses it (the logged rate of step 1 is lr / warm-up)."""
+    assert resolve_train_cfg({})["warmup_steps"] is None
+    assert resolve_train_cfg({})["schedule"] == "linear"
+    default = {"warmup_steps": None}
+    assert [warmup_steps(default, n) for n in (10, 64, 178, 4000)] == [1, 3, 9, 200]
+    assert warmup_steps({"warmup_steps": 20}, 64) == 20
+    first_rate = {}
+    for warmup in (None, 4):
+        cfg = {**SMALL, "max_steps": 40, "eval_every": 40, "warmup_steps": warmup}
+        out = tmp_path / f"warmup-{warmup}"
+        run(draft_inputs, out, cfg)
+        records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+        first_rate[warmup] = next(r["lr"] for r in records if r["step"] == 1 and "epoch" in r)
+    assert first_rate[None] == pytest.approx(SMALL["lr"] * lr_factor(1, 2, 40, "linear"))
+    assert first_rate[4] == pytest.approx(SMALL["lr"] * lr_factor(1, 4, 40, "linear"))
 
 
 def test_schedules_warm_up_then_decay_to_zero():

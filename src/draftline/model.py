@@ -861,6 +861,16 @@ def on_greedy_path(input_ids: torch.Tensor, target_argmax: torch.Tensor) -> torc
     return path
 
 
+def teacher_at_temperature(target_logp: torch.Tensor, temperature: float) -> torch.Tensor:
+    """The training targets ``[..., D]`` (``TargetHead`` log-probs over the draft vocab) at
+    ``temperature`` (``train.teacher_temperature``): softmax(log p / T) over the draft vocab is
+    the target's softmax(logits / T) restricted to it. Below 1 the targets sharpen around the
+    target's likeliest tokens, whose order is all that a greedily drafted token depends on."""
+    if temperature == 1.0:
+        return target_logp
+    return torch.log_softmax(target_logp.float() / temperature, dim=-1).to(target_logp.dtype)
+
+
 # ----------------------------------------------------------------------------- loss, metrics
 
 class DraftKL(torch.autograd.Function):

@@ -30,6 +30,7 @@ from draftline.model import (
     on_greedy_path,
     probabilistic_acceptance_counts,
     sampled_acceptance_counts,
+    teacher_at_temperature,
     ttt_loss,
 )
 from draftline.stages.hidden.store import HiddenStates
@@ -56,7 +57,7 @@ from draftline.stages.train.distributed import (
 from draftline.stages.train.draft import build_draft, check_inputs
 from draftline.stages.train.lr_search import measured_lr
 from draftline.stages.train.metrics import RunLog, train_record
-from draftline.stages.train.optim import build_optimizer, lr_factor
+from draftline.stages.train.optim import build_optimizer, lr_factor, warmup_steps
 from draftline.stages.train.signals import StopRequest
 
 
@@ -155,8 +156,9 @@ def run(rt: Runtime, store, vocab_map: Path, target_dir: Path, out_dir: Path,
     total = sum(data.steps_per_epoch)
     if cfg["max_steps"]:
         total = min(total, cfg["max_steps"])
+    warmup = warmup_steps(cfg, total)
     scheduler = torch.optim.lr_scheduler.LambdaLR(
-        optimizer, lambda s: lr_factor(s, cfg["warmup_steps"], total, cfg["schedule"]))
+        optimizer, lambda s: lr_factor(s, warmup, total, cfg["schedule"]))
 
     # resume this run's latest checkpoint, or start afresh
     state_root = out_dir / STATE_DIR
@@ -295,9 +297,9 @@ def forward_micro_batch(model, head, batch: dict, cfg: dict, rt: Runtime,
             target_logp = head.draft_rows(final)  # [B, T, D]
             target_in_draft, greedy_path = torch.ones_like(loss_mask, dtype=torch.bool), None
         logits = model(aux, input_ids, cfg["ttt_steps"])  # K x [B, T, D]
-        loss, counts = ttt_loss(logits, target_logp, target_in_draft, loss_mask,
-                                cfg["loss_decay"], greedy_path=greedy_path,
-                                objective=cfg["loss"])
+        teacher = teacher_at_temperature(target_logp, cfg["teacher_temperature"])
+        loss, counts = ttt_loss(logits, teacher, target_in_draft, loss_mask, cfg["loss_decay"],
+                                greedy_path=greedy_path, objective=cfg["loss"])
         accepted = torch.stack([
             served_acceptance_counts(logits, head.logp_at_temperature(final, t), input_ids,
                                      loss_mask, head.draft_ids, t)

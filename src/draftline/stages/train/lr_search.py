@@ -30,6 +30,7 @@ import shutil
 from pathlib import Path
 
 from draftline.core.atomic import write_json
+from draftline.stages.train.optim import warmup_steps
 
 SEARCH_DIR, CHOICE_FILE = "lr-search", "choice.json"
 
@@ -43,7 +44,7 @@ def probe_steps(total: int, fraction: float, minimum: int) -> int:
 def probe_config(cfg: dict, lr: float, steps: int, total: int) -> dict:
     """The train section of one probe: the run's, at ``lr``, stopped after ``steps`` (the
     schedule decays to 0 there), its warm-up shortened in proportion, evaluated at the end."""
-    warmup = math.ceil(cfg["warmup_steps"] * steps / total) if cfg["warmup_steps"] else 0
+    warmup = math.ceil(warmup_steps(cfg, total) * steps / total)
     return {**cfg, "lr": lr, "max_steps": steps, "warmup_steps": warmup, "eval_every": steps,
             "checkpoint_every": steps}
 

@@ -1,12 +1,13 @@
-"""The optimizer and the learning-rate schedule (``train.optimizer``, ``lr``, ``schedule``,
-``lm_head``, ``warmup_steps``).
+"""The optimizer and the learning-rate schedule (``train.optimizer``, ``lr``, ``momentum``,
+``schedule``, ``lm_head``, ``warmup_steps``).
 
 ``adamw``: AdamW (betas 0.9/0.95) on every trained tensor. ``muon``: Muon
 (``torch.optim.Muon``) on the draft's hidden matrices (``fc`` and the layer's projections),
 AdamW on the rest: the norms (1-D) and ``lm_head`` (an output layer, whose rows are the
 target's own; orthogonalised updates suit hidden matrices, not a classifier over tokens).
 Muon's step is scaled to AdamW's update size (``adjust_lr_fn="match_rms_adamw"``: 0.2
-sqrt(max(rows, cols)) x lr), so one ``train.lr`` drives both.
+sqrt(max(rows, cols)) x lr), so one ``train.lr`` drives both; its momentum is
+``train.momentum``.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import torch
 from torch import nn
 
 BETAS = (0.9, 0.95)
+WARMUP_FRACTION = 0.05  # train.warmup_steps null: this share of the run's optimizer steps
 
 
 def muon_matrix(name: str, param: torch.Tensor) -> bool:
@@ -33,9 +35,9 @@ class MuonWithAdamW(torch.optim.Optimizer):
     """
 
     def __init__(self, matrices: list[nn.Parameter], others: list[nn.Parameter], lr: float,
-                 weight_decay: float):
+                 weight_decay: float, momentum: float = 0.95):
         self.muon = torch.optim.Muon(matrices, lr=lr, weight_decay=weight_decay,
-                                     adjust_lr_fn="match_rms_adamw")
+                                     momentum=momentum, adjust_lr_fn="match_rms_adamw")
         self.adamw = torch.optim.AdamW(others, lr=lr, weight_decay=weight_decay, betas=BETAS)
         super().__init__([*self.muon.param_groups, *self.adamw.param_groups], {})
         self._share()
@@ -70,7 +72,15 @@ def build_optimizer(model: nn.Module, cfg: dict) -> torch.optim.Optimizer:
                                  weight_decay=cfg["weight_decay"], betas=BETAS)
     matrices = [p for n, p in named if muon_matrix(n, p)]
     others = [p for n, p in named if not muon_matrix(n, p)]
-    return MuonWithAdamW(matrices, others, cfg["lr"], cfg["weight_decay"])
+    return MuonWithAdamW(matrices, others, cfg["lr"], cfg["weight_decay"], cfg["momentum"])
+
+
+def warmup_steps(cfg: dict, total: int) -> int:
+    """The warm-up of a run of ``total`` optimizer steps: ``train.warmup_steps``, or (null)
+    ``WARMUP_FRACTION`` of the run, at least one step."""
+    if cfg["warmup_steps"] is not None:
+        return cfg["warmup_steps"]
+    return max(1, round(WARMUP_FRACTION * total))
 
 
 def lr_factor(step: int, warmup: int, total: int, schedule: str = "cosine") -> float:
