@@ -10,8 +10,10 @@ Measures, on the same samples:
 * optionally (``--vllm``) tokens/s of the vllm backend after the engine has started, against
   the physical limit of the same engine: a plain prefill of the same prompts with the same
   engine arguments but no capture (no ``extract_hidden_states`` method, no connector;
-  ``max_tokens=1``), and their ratio (medians of ``--repeats`` runs, the two engines one
-  after the other).
+  ``max_tokens=1``), and their ratio: ``--repeats`` rounds, each timing both engines in fresh
+  processes in alternating order, the median of the rounds' ratios;
+* optionally (``--producer``) the same for the online vllm producer: a vLLM server with the
+  capture, whose spool files training reads, against the same server less the capture.
 
 Usage::
 
@@ -25,11 +27,13 @@ are the best of ``--repeats`` interleaved runs (the machine may be shared).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import random
 import statistics
 import tempfile
 import time
+from dataclasses import replace
 from pathlib import Path
 
 from draftline.stages.hidden import (
@@ -109,40 +113,70 @@ VLLM_SERVER_CFG = {"enforce_eager": True, "dtype": "bfloat16"}
 
 
 def bench_vllm(target: Path, samples: list[list[int]], batch_tokens: int, work: Path,
-               repeats: int) -> dict:
-    """The vllm backend's capture against a plain prefill by the same engine arguments."""
-    plain = bench_plain_prefill(target, samples, batch_tokens, work, repeats)
+               rounds: int, runs: int = 3) -> dict:
+    """The vllm backend's capture against a plain prefill by the same engine arguments.
+
+    Each round times both engines, each in a fresh process, in alternating order, so that
+    the shared host's load changes hit both alike; a round's ratio compares its two medians,
+    and the figure is the median of the rounds' ratios.
+    """
+    import multiprocessing
+    from concurrent.futures import ProcessPoolExecutor
+
+    spawn = multiprocessing.get_context("spawn")  # a fresh process: one vLLM engine each
+    timed: dict[str, list[dict]] = {"capture": [], "plain": []}
+    for round_ in range(rounds):
+        for kind in ("plain", "capture") if round_ % 2 == 0 else ("capture", "plain"):
+            with ProcessPoolExecutor(1, mp_context=spawn) as pool:
+                timed[kind].append(pool.submit(time_engine, kind, target, samples,
+                                               batch_tokens, work / kind, runs).result())
+    tokens = sum(map(len, samples))
+
+    def tok_s(kind: str) -> float:
+        return tokens / statistics.median(s for t in timed[kind] for s in t["runs_s"])
+
+    ratios = [statistics.median(p["runs_s"]) / statistics.median(c["runs_s"])
+              for c, p in zip(timed["capture"], timed["plain"], strict=True)]
+    return {"tok_s": tok_s("capture"), "plain_tok_s": tok_s("plain"),
+            "ratio_to_plain_prefill": statistics.median(ratios), "round_ratios": ratios,
+            "start_s": statistics.median(t["start_s"] for t in timed["capture"]),
+            "runs": runs, "rounds": rounds, "timed": timed}
+
+
+def time_engine(kind: str, target: Path, samples: list[list[int]], batch_tokens: int,
+                work: Path, runs: int) -> dict:
+    """Seconds of ``runs`` passes over ``samples`` after a warm-up, by the vllm backend
+    (``capture``) or by an engine with its arguments less the capture (``plain``: no
+    speculative or KV-transfer config, ``max_tokens=1``), the most the capture can reach."""
+    start = time.perf_counter()
+    run = start_capture(target, samples, batch_tokens, work) if kind == "capture" else \
+        start_plain(target, samples, batch_tokens, work)
+    started = time.perf_counter() - start
+    run(samples[:4])  # warm-up
+    seconds = []
+    for _ in range(runs):
+        start = time.perf_counter()
+        run(samples)
+        seconds.append(time.perf_counter() - start)
+    return {"start_s": started, "runs_s": seconds}
+
+
+def start_capture(target: Path, samples: list[list[int]], batch_tokens: int, work: Path):
     from draftline.stages.hidden.vllm_backend import VLLMBackend
 
     info = target_info(target)
     ids = capture_ids(resolve_layer_ids(None, info["num_layers"]), info["num_layers"])
-    start = time.perf_counter()
     backend = VLLMBackend(target, ids, max(map(len, samples)), work / "spool",
                           {"batch_tokens": batch_tokens}, VLLM_SERVER_CFG)
-    started = time.perf_counter() - start
-    backend.states(samples[:4])  # warm-up
-    runs = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        backend.states(samples)
-        runs.append(time.perf_counter() - start)
-    backend.close()
-    tokens = sum(map(len, samples))
-    seconds = statistics.median(runs)
-    return {"start_s": started, "seconds": seconds, "tok_s": tokens / seconds,
-            "runs_s": runs, "plain_prefill": plain,
-            "ratio_to_plain_prefill": (tokens / seconds) / plain["tok_s"]}
+    return backend.states
 
 
-def bench_plain_prefill(target: Path, samples: list[list[int]], batch_tokens: int, work: Path,
-                        repeats: int) -> dict:
-    """The same prompts prefilled by an engine with the capture engine's arguments less the
-    capture (its speculative and KV-transfer configs): the most the capture can reach."""
+def start_plain(target: Path, samples: list[list[int]], batch_tokens: int, work: Path):
     import os
 
     from draftline.stages.hidden.vllm_backend import engine_kwargs
 
-    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # as the backend runs it
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     from vllm import LLM, SamplingParams
     from vllm.platforms import current_platform
@@ -155,18 +189,82 @@ def bench_plain_prefill(target: Path, samples: list[list[int]], batch_tokens: in
     if current_platform.is_cpu():
         kwargs.setdefault("gpu_memory_utilization", 0.3)  # as the backend sets it there
     llm = LLM(**kwargs)
-    prompts = [{"prompt_token_ids": list(map(int, s))} for s in samples]
     params = SamplingParams(max_tokens=1)
-    llm.generate(prompts[:4], params, use_tqdm=False)  # warm-up
-    runs = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        llm.generate(prompts, params, use_tqdm=False)
-        runs.append(time.perf_counter() - start)
-    llm.llm_engine.engine_core.shutdown()
-    del llm
-    seconds = statistics.median(runs)
-    return {"seconds": seconds, "tok_s": sum(map(len, samples)) / seconds, "runs_s": runs}
+
+    def prefill(batch: list[list[int]]) -> None:
+        llm.generate([{"prompt_token_ids": list(map(int, s))} for s in batch], params,
+                     use_tqdm=False)
+
+    return prefill
+
+
+def bench_producer(target: Path, samples: list[list[int]], batch_tokens: int, work: Path,
+                   rounds: int, runs: int = 3) -> dict:
+    """The online vllm producer (a server filling the spool; training reads it) against the
+    same server less the capture prefilling the same prompts, sent the same way: 16 at a time,
+    ``max_tokens=1``. Rounds as in ``bench_vllm``."""
+    timed: dict[str, list[dict]] = {"capture": [], "plain": []}
+    for round_ in range(rounds):
+        for kind in ("plain", "capture") if round_ % 2 == 0 else ("capture", "plain"):
+            with served(kind, target, samples, batch_tokens, work / f"{kind}-{round_}") as run:
+                run(samples[:4])  # warm-up
+                seconds = []
+                for _ in range(runs):
+                    start = time.perf_counter()
+                    run(samples)
+                    seconds.append(time.perf_counter() - start)
+            timed[kind].append({"runs_s": seconds})
+    tokens = sum(map(len, samples))
+    ratios = [statistics.median(p["runs_s"]) / statistics.median(c["runs_s"])
+              for c, p in zip(timed["capture"], timed["plain"], strict=True)]
+    return {"tok_s": tokens / statistics.median(s for t in timed["capture"] for s in t["runs_s"]),
+            "plain_tok_s": tokens / statistics.median(s for t in timed["plain"]
+                                                      for s in t["runs_s"]),
+            "ratio_to_plain_prefill": statistics.median(ratios), "round_ratios": ratios,
+            "runs": runs, "rounds": rounds, "timed": timed}
+
+
+PRODUCER_SERVER_CFG = {"enforce_eager": True, "dtype": "bfloat16", "cpu_kvcache_space_gib": 1}
+
+
+@contextlib.contextmanager
+def served(kind: str, target: Path, samples: list[list[int]], batch_tokens: int, work: Path):
+    """A function that gets ``samples`` through a producer (``capture``) or through the plain
+    server of the same spec (``plain``), while the server runs."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    import httpx
+
+    from draftline.serving.server import ManagedServer
+    from draftline.stages.hidden.vllm_producer import VLLMProducer, producer_server_spec
+
+    info = target_info(target)
+    ids = capture_ids(resolve_layer_ids(None, info["num_layers"]), info["num_layers"])
+    hidden_cfg, max_len = {"batch_tokens": batch_tokens}, max(map(len, samples))
+    if kind == "capture":
+        producer = VLLMProducer(target, ids, max_len, hidden_cfg, PRODUCER_SERVER_CFG, None)
+        try:
+            yield lambda batch: producer.read(producer.produce(batch))
+        finally:
+            producer.close()
+        return
+    spec = producer_server_spec(target, ids, work / "unused", max_len, hidden_cfg,
+                                PRODUCER_SERVER_CFG)
+    args = list(spec.extra_args)
+    at = args.index("--kv-transfer-config")
+    spec = replace(spec, speculative_config=None, extra_args=tuple(args[:at] + args[at + 2:]))
+    with ManagedServer(spec, work / "server.log") as server, \
+            httpx.Client(timeout=600.0, headers={
+                "Authorization": f"Bearer {server.endpoint.api_key}"}) as client, \
+            ThreadPoolExecutor(max_workers=16) as pool:  # as many as the producer sends
+        url, model = server.endpoint.root_url, server.endpoint.model
+
+        def prefill(ids: list[int]) -> None:
+            reply = client.post(f"{url}/v1/completions", json={
+                "model": model, "prompt": ids, "max_tokens": 1, "temperature": 0.0})
+            reply.raise_for_status()
+
+        yield lambda batch: list(pool.map(prefill, batch))
 
 
 def bench_bytes(target: Path, samples: list[list[int]], batch_tokens: int, work: Path) -> dict:
@@ -182,7 +280,7 @@ def bench_bytes(target: Path, samples: list[list[int]], batch_tokens: int, work:
             "ratio_to_states": written / minimum, "ratio_to_with_ids": written / with_ids}
 
 
-def print_table(hf: dict, size: dict, vllm: dict | None) -> None:
+def print_table(hf: dict, size: dict, vllm: dict | None, producer: dict | None) -> None:
     rows = [
         ("hf, token-budget batches", f"{hf['batched_tok_s']:,.0f} tok/s",
          f"{hf['batched_s']:.2f} s for {hf['tokens']:,} tokens "
@@ -191,13 +289,23 @@ def print_table(hf: dict, size: dict, vllm: dict | None) -> None:
         ("speed-up (ratio)", f"{hf['batched_tok_s'] / hf['single_tok_s']:.2f}x", "best of runs"),
     ]
     if vllm:
+        ratios = " / ".join(f"{r:.2f}" for r in vllm["round_ratios"])
         rows += [("vllm backend (capture)", f"{vllm['tok_s']:,.0f} tok/s",
                   f"engine start {vllm['start_s']:.0f} s, not counted; median of "
-                  f"{len(vllm['runs_s'])}"),
-                 ("vllm plain prefill", f"{vllm['plain_prefill']['tok_s']:,.0f} tok/s",
+                  f"{vllm['rounds']} x {vllm['runs']} runs"),
+                 ("vllm plain prefill", f"{vllm['plain_tok_s']:,.0f} tok/s",
                   "same engine arguments, no capture, max_tokens=1"),
                  ("capture / plain prefill", f"{vllm['ratio_to_plain_prefill']:.2f}x",
-                  "1.0 = capture costs nothing")]
+                  f"median of rounds {ratios}; 1.0 = capture costs nothing")]
+    if producer:
+        ratios = " / ".join(f"{r:.2f}" for r in producer["round_ratios"])
+        rows += [("online producer (server)", f"{producer['tok_s']:,.0f} tok/s",
+                  f"spool files read back; median of {producer['rounds']} x "
+                  f"{producer['runs']} runs"),
+                 ("server plain prefill", f"{producer['plain_tok_s']:,.0f} tok/s",
+                  "same server less the capture, 16 requests at a time"),
+                 ("producer / plain prefill", f"{producer['ratio_to_plain_prefill']:.2f}x",
+                  f"median of rounds {ratios}")]
     rows += [
         ("bytes/token written", f"{size['bytes_per_token']:,.1f} B",
          f"{size['files']} part files, H = {size['hidden_size']}"),
@@ -225,6 +333,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--batch-tokens", type=int, default=4096)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--vllm", action="store_true", help="also time the vllm backend")
+    parser.add_argument("--producer", action="store_true",
+                        help="also time the online vllm producer (starts vLLM servers)")
     parser.add_argument("--json", type=Path, default=None, help="also write the numbers here")
     args = parser.parse_args(argv)
 
@@ -238,9 +348,12 @@ def main(argv: list[str] | None = None) -> int:
         size = bench_bytes(target, samples, args.batch_tokens, work)
         vllm = (bench_vllm(target, samples, args.batch_tokens, work, args.repeats)
                 if args.vllm else None)
-    print_table(hf, size, vllm)
+        producer = (bench_producer(target, samples, args.batch_tokens, work, args.repeats)
+                    if args.producer else None)
+    print_table(hf, size, vllm, producer)
     if args.json:
-        args.json.write_text(json.dumps({"hf": hf, "bytes": size, "vllm": vllm}, indent=1))
+        args.json.write_text(json.dumps({"hf": hf, "bytes": size, "vllm": vllm,
+                                         "producer": producer}, indent=1))
     return 0
 
 

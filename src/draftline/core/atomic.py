@@ -116,22 +116,29 @@ def fsync_dir(directory: Path) -> None:
 
 
 @contextlib.contextmanager
-def atomic_path(path: str | Path) -> Iterator[Path]:
-    """Yield a temp path to write (by any library); on success it becomes ``path``."""
+def atomic_path(path: str | Path, durable: bool = True) -> Iterator[Path]:
+    """Yield a temp path to write (by any library); on success it becomes ``path``.
+
+    ``durable=False`` keeps the rename's all-or-nothing but skips the fsyncs: for files that
+    are read back at once and whose folder is wiped at start (a spool), a crash may lose them
+    but never shows one half written.
+    """
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = temp_name(path)
     try:
         with disk_full_names(path):
             yield tmp
-            _fsync_file(tmp)
+            if durable:
+                _fsync_file(tmp)
             os.chmod(tmp, 0o666 & ~UMASK)  # an ordinary output file, not a private temp
             os.replace(tmp, path)
     except BaseException:
         with contextlib.suppress(FileNotFoundError):
             tmp.unlink()
         raise
-    fsync_dir(path.parent)
+    if durable:
+        fsync_dir(path.parent)
 
 
 @contextlib.contextmanager

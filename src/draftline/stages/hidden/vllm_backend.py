@@ -3,8 +3,9 @@
 The target runs in vLLM's offline engine (``vllm.LLM``) with the ``extract_hidden_states``
 speculative method and ``DraftlineHiddenStatesConnector`` (``vllm_connector.py``). Each sample
 is one request: its token ids as the prompt, ``max_tokens=1``. The prefill computes the states
-of every prompt token; the connector writes them to a spool file per request; this module reads
-them back, checks the token ids, and hands them to the part writer.
+of every prompt token; the connector hands them over per request (in memory when its worker runs
+in this process, else as a spool file); this module checks the token ids and hands them to the
+part writer.
 
 Why the offline engine and not the HTTP server: no port or process to manage, no tokenizer
 (prompts are token ids, ``skip_tokenizer_init``), and the same engine, scheduler, kernels and
@@ -30,7 +31,13 @@ import uuid
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
-from draftline.stages.hidden.vllm_connector import NAME_KEY, error_file, spool_file
+from draftline.stages.hidden.vllm_connector import (
+    NAME_KEY,
+    SpoolError,
+    close_inbox,
+    open_inbox,
+    read_states,
+)
 
 log = logging.getLogger(__name__)
 
@@ -136,6 +143,7 @@ class VLLMBackend:
         self.spool_dir = Path(spool_dir)
         shutil.rmtree(self.spool_dir, ignore_errors=True)  # leftovers of a killed run
         self.spool_dir.mkdir(parents=True)
+        self.inbox = open_inbox(self.spool_dir)  # used if the engine's worker runs here
         self.wait_timeout_s = wait_timeout_s
         kwargs = engine_kwargs(target_dir, capture_ids, self.spool_dir, max_len,
                                hidden_cfg, server_cfg or {})
@@ -173,45 +181,34 @@ class VLLMBackend:
         params = [SamplingParams(max_tokens=1, extra_args={"kv_transfer_params": {NAME_KEY: n}})
                   for n in names]
         self.llm.generate(prompts, params, use_tqdm=False)
-        self._wait_for_files(names)
-        out = [self._read(name, ids) for name, ids in zip(names, samples, strict=True)]
+        states = self._collect(dict(zip(names, samples, strict=True)))
         if on_batch:
             on_batch(sum(len(ids) for ids in samples))
-        return out
+        return [states[name] for name in names]
 
-    def _wait_for_files(self, names: list[str]) -> None:
+    def _collect(self, pending: dict[str, Sequence[int]]) -> dict:
+        """The states of each named request, as the connector hands them over."""
         deadline = time.monotonic() + self.wait_timeout_s
-        missing = list(names)
-        while missing:
-            for name in missing:
-                if error_file(self.spool_dir, name).exists():
-                    reason = error_file(self.spool_dir, name).read_text().strip()
-                    raise RuntimeError(f"vLLM connector failed for request {name}: {reason}")
-            missing = [n for n in missing if not spool_file(self.spool_dir, n).exists()]
-            if not missing:
-                return
+        states = {}
+        while True:
+            for name, ids in list(pending.items()):
+                try:
+                    got = read_states(self.spool_dir, name, ids, len(self.capture_ids),
+                                      self.inbox)
+                except SpoolError as exc:
+                    raise RuntimeError(f"vLLM backend: {exc}") from exc
+                if got is not None:
+                    states[name] = got
+                    del pending[name]
+            if not pending:
+                return states
             if time.monotonic() > deadline:
-                raise TimeoutError(f"vLLM wrote no hidden states for {len(missing)} requests "
-                                   f"within {self.wait_timeout_s:.0f} s (e.g. {missing[0]})")
+                raise TimeoutError(f"vLLM handed over no hidden states for {len(pending)} "
+                                   f"requests within {self.wait_timeout_s:.0f} s "
+                                   f"(e.g. {next(iter(pending))})")
             if self._inprocess:
                 self.llm.llm_engine.step()  # runs the connector for the last finished requests
-            time.sleep(0.01)
-
-    def _read(self, name: str, ids: Sequence[int]):
-        import torch
-        from safetensors.torch import load_file
-
-        path = spool_file(self.spool_dir, name)
-        data = load_file(str(path))
-        path.unlink()
-        states, token_ids = data["hidden_states"], data["token_ids"]  # [T, n, H], [T]
-        expected = torch.as_tensor(list(ids), dtype=torch.long)
-        if not torch.equal(token_ids, expected):
-            raise RuntimeError(f"vLLM returned states of other tokens for request {name}")
-        if tuple(states.shape[:2]) != (len(ids), len(self.capture_ids)):
-            raise RuntimeError(f"request {name}: states of shape {tuple(states.shape)}, "
-                               f"expected [{len(ids)}, {len(self.capture_ids)}, H]")
-        return states
+            time.sleep(0.005)
 
     def close(self) -> None:
         if getattr(self, "llm", None) is None:
@@ -225,4 +222,5 @@ class VLLMBackend:
         import torch
 
         torch.set_num_threads(self._torch_threads)  # the engine set it to the cores it bound
+        close_inbox(self.spool_dir)
         shutil.rmtree(self.spool_dir, ignore_errors=True)

@@ -19,25 +19,36 @@ vLLM loads it from its module path::
 
 Per request it writes ``{spool_dir}/{name}.safetensors`` with ``hidden_states`` ``[T, n_ids,
 H]`` (ids in ascending order, as vLLM captures them) and ``token_ids`` ``[T]`` (the prompt),
-atomically: the file exists only once complete. ``name`` comes from the request's
-``kv_transfer_params["draftline_name"]`` (else the request id). A failed write leaves
-``{name}.error`` with the reason, so the reader fails fast instead of waiting. A request that
-ends before its whole prompt was computed (aborted, or failed) writes nothing: its blocks hold
-part of the states, and a retry under the same name must not find them.
+atomically: the file exists only once complete. It is not fsynced: a spool file is read back
+at once and the spool is wiped at start, so a crash may lose one but never shows it half
+written. ``name`` comes from the request's ``kv_transfer_params["draftline_name"]`` (else the
+request id). A failed write leaves ``{name}.error`` with the reason, so the reader fails fast
+instead of waiting. A request that ends before its whole prompt was computed (aborted, or
+failed) writes nothing: its blocks hold part of the states, and a retry under the same name
+must not find them.
 
-Only tensor-parallel rank 0 writes (the states are replicated across ranks).
+When the worker runs in the process that reads the states (the offline backend's in-process
+engine at tensor-parallel size 1), files are not needed: the reader opens an ``Inbox`` for the
+spool folder before it builds the engine, and the connector puts each request's tensors there
+instead of serialising them (on a 2-core host the writer threads took 40% of the capture's
+time). A worker in another process (a server, tensor-parallel workers) writes files.
+
+Only tensor-parallel rank 0 writes (the states are replicated across ranks). ``read_states``,
+below, is the one reader of what the connector hands over.
 """
 
 from __future__ import annotations
 
+import os
 import re
+import threading
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
-from safetensors.torch import save_file
+from safetensors.torch import load_file, save_file
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
@@ -81,6 +92,92 @@ def error_file(spool_dir: str | Path, name: str) -> Path:
     return Path(spool_dir) / f"{name}.error"
 
 
+class SpoolError(RuntimeError):
+    """The connector failed for a request, or handed over states that do not fit it."""
+
+
+class Inbox:
+    """States handed over in process: the connector puts, the reader takes.
+
+    An item is the request's tensors, or the text of the error that replaced them.
+    """
+
+    def __init__(self) -> None:
+        self.pid = os.getpid()  # a forked worker inherits the registry but not the reader
+        self._items: dict[str, dict | str] = {}
+        self._lock = threading.Lock()
+
+    def put(self, name: str, item: dict | str) -> None:
+        with self._lock:
+            self._items[name] = item
+
+    def take(self, name: str) -> dict | str | None:
+        with self._lock:
+            return self._items.pop(name, None)
+
+    def __len__(self) -> int:
+        with self._lock:
+            return len(self._items)
+
+
+_INBOXES: dict[str, Inbox] = {}
+
+
+def _inbox_key(spool_dir: str | Path) -> str:
+    return str(Path(spool_dir).resolve())
+
+
+def open_inbox(spool_dir: str | Path) -> Inbox:
+    """Receive in this process the states a connector with this ``spool_dir`` would spool."""
+    inbox = _INBOXES[_inbox_key(spool_dir)] = Inbox()
+    return inbox
+
+
+def close_inbox(spool_dir: str | Path) -> None:
+    _INBOXES.pop(_inbox_key(spool_dir), None)
+
+
+def inbox_in_this_process(spool_dir: str | Path) -> Inbox | None:
+    inbox = _INBOXES.get(_inbox_key(spool_dir))
+    return inbox if inbox is not None and inbox.pid == os.getpid() else None
+
+
+def read_states(spool_dir: str | Path, name: str, token_ids: list[int], num_ids: int,
+                inbox: Inbox | None = None):
+    """The states ``[T, num_ids, H]`` handed over for request ``name``, checked against the
+    prompt ``token_ids`` it was sent; None while they have not arrived.
+
+    Looks in ``inbox`` first, then for the spool file (deleted once read). Raises
+    ``SpoolError`` when the connector failed for the request or its states do not fit it.
+    """
+    item = inbox.take(name) if inbox is not None else None
+    path = spool_file(spool_dir, name)
+    source = f"request {name} (handed over in memory)"
+    if isinstance(item, str):
+        raise SpoolError(f"the hidden-state connector failed for request {name}: {item}")
+    if item is None:
+        if error_file(spool_dir, name).exists():
+            reason = error_file(spool_dir, name).read_text().strip()
+            raise SpoolError(f"the hidden-state connector failed for request {name}: {reason}")
+        if not path.exists():
+            return None
+        try:
+            item = load_file(str(path))
+        except Exception as exc:
+            raise SpoolError(f"spool file {path} is unreadable: {exc}") from exc
+        finally:
+            path.unlink(missing_ok=True)
+        source = f"spool file {path}"
+    states, got_ids = item["hidden_states"], item["token_ids"]  # [T, n, H], [T]
+    if not torch.equal(got_ids, torch.as_tensor(list(token_ids), dtype=torch.long)):
+        raise SpoolError(f"{source}: the states of other tokens than the sample sent "
+                         f"({got_ids.numel()} vs {len(token_ids)} tokens)")
+    if states.dim() != 3 or tuple(states.shape[:2]) != (len(token_ids), num_ids):
+        raise SpoolError(f"{source}: states of shape {tuple(states.shape)}, expected "
+                         f" [{len(token_ids)}, {num_ids}, H]")
+    return states
+
+
 def prompt_states_complete(request: Request) -> bool:
     """Whether the request ended normally with every prompt token's states computed."""
     from vllm.v1.request import RequestStatus
@@ -111,12 +208,14 @@ def gather_token_states(cache: torch.Tensor, block_ids: list[int], num_tokens: i
                         block_size: int) -> torch.Tensor:
     """States of the first ``num_tokens`` slots of ``block_ids``: ``[num_tokens, n_ids, H]``.
 
-    ``cache`` is the cache-only layer's view ``[num_blocks, n_ids, block_size, H]``.
+    ``cache`` is the cache-only layer's view ``[num_blocks, n_ids, block_size, H]``. Whole blocks
+    are copied (one index a block, not two a slot: a quarter faster on a CPU) and cut to the prompt.
     """
-    blocks = torch.as_tensor(block_ids, dtype=torch.long)
-    slots = (blocks[:, None] * block_size + torch.arange(block_size)[None, :]).reshape(-1)
-    slots = slots[:num_tokens].to(cache.device)
-    return cache[slots // block_size, :, slots % block_size]  # advanced indexing copies
+    used = torch.as_tensor(block_ids[:-(-num_tokens // block_size)], dtype=torch.long)
+    blocks = cache[used.to(cache.device)]  # [blocks, n_ids, block_size, H]: a copy
+    n_ids, hidden = cache.shape[1], cache.shape[3]
+    # contiguous, as safetensors wants: one block's reshape can be a strided view
+    return blocks.transpose(1, 2).reshape(-1, n_ids, hidden)[:num_tokens].contiguous()
 
 
 class DraftlineHiddenStatesConnector(KVConnectorBase_V1, SupportsHMA):
@@ -144,7 +243,10 @@ class DraftlineHiddenStatesConnector(KVConnectorBase_V1, SupportsHMA):
         self._copied: set[str] = set()
         self._finished: set[str] = set()
         self._executor: ThreadPoolExecutor | None = None
+        self._inbox: Inbox | None = None
         if role == KVConnectorRole.WORKER:
+            self._inbox = inbox_in_this_process(self.spool_dir)
+        if role == KVConnectorRole.WORKER and self._inbox is None:
             self._executor = ThreadPoolExecutor(
                 max_workers=int(extra.get("writer_threads", 2)), thread_name_prefix="hs-write")
 
@@ -224,13 +326,17 @@ class DraftlineHiddenStatesConnector(KVConnectorBase_V1, SupportsHMA):
         return (done or None), None
 
     def _copy_and_queue(self, write: PendingWrite) -> None:
-        assert self._cache is not None and self._executor is not None
+        assert self._cache is not None
         try:
             states = gather_token_states(self._cache, write.block_ids, len(write.token_ids),
                                          self.block_size).to("cpu")  # [T, n_ids, H]
             tensors = {"hidden_states": states,
                        "token_ids": torch.tensor(write.token_ids, dtype=torch.long)}
-            self._executor.submit(self._write_file, tensors, write.name)
+            if self._inbox is not None:
+                self._inbox.put(write.name, tensors)
+            else:
+                assert self._executor is not None
+                self._executor.submit(self._write_file, tensors, write.name)
         except Exception as exc:  # surface to the reader instead of hanging it
             logger.exception("hidden states of request %s not copied", write.req_id)
             self._write_error(write.name, f"copy failed: {exc!r}")
@@ -239,13 +345,16 @@ class DraftlineHiddenStatesConnector(KVConnectorBase_V1, SupportsHMA):
     def _write_file(self, tensors: dict, name: str) -> None:
         path = spool_file(self.spool_dir, name)
         try:
-            with atomic_path(path) as tmp:
+            with atomic_path(path, durable=False) as tmp:
                 save_file(tensors, str(tmp))
         except Exception as exc:
             logger.exception("hidden states file %s not written", path)
             self._write_error(name, f"write failed: {exc!r}")
 
     def _write_error(self, name: str, message: str) -> None:
+        if self._inbox is not None:
+            self._inbox.put(name, message)
+            return
         # whole or not at all: the reader takes the file's existence as the error's arrival
         write_text(error_file(self.spool_dir, name), message + "\n")
 

@@ -43,7 +43,13 @@ import httpx
 from draftline.core.config import resolve_section
 from draftline.stages.hidden.store import DTYPE_SIZES
 from draftline.stages.hidden.vllm_backend import kv_transfer_config, speculative_config
-from draftline.stages.hidden.vllm_connector import NAME_KEY, error_file, spool_file
+from draftline.stages.hidden.vllm_connector import (
+    NAME_KEY,
+    SpoolError,
+    error_file,
+    read_states,
+    spool_file,
+)
 
 log = logging.getLogger(__name__)
 
@@ -74,6 +80,22 @@ def producer_server_args(capture_ids: list[int], spool_dir: Path, max_len: int,
              str(max(int(hidden_cfg.get("batch_tokens", 8192)), max_model_len,
                      int(server_cfg.get("max_num_seqs") or 256)))]
     return speculative_config(capture_ids), extra
+
+
+def producer_server_spec(target_dir: Path, capture_ids: list[int], spool_dir: Path,
+                         max_len: int, hidden_cfg: dict, server_cfg: dict,
+                         trust_remote_code: bool = False):
+    """The ``ServerSpec`` of a managed producer server."""
+    from draftline.serving.spec import spec_from_config
+
+    spec_cfg, extra = producer_server_args(capture_ids, spool_dir, max_len, hidden_cfg,
+                                           server_cfg)
+    full = resolve_section("server", server_cfg)
+    full = {**full, "extra_args": extra, "reasoning_parser": None,
+            "max_model_len": max(int(full["max_model_len"]), max_len + 1)}
+    # the run's key, like the shared servers: a private server is no more open than those
+    return replace(spec_from_config(full, str(target_dir), trust_remote_code, spec_cfg),
+                   use_run_key=True)
 
 
 @dataclass
@@ -121,12 +143,7 @@ class VLLMProducer:
 
     def _start_managed(self, target_dir: Path, max_len: int, hidden_cfg: dict,
                        server_cfg: dict, state_dir: Path | None, trust_remote_code: bool):
-        from draftline.serving.server import (
-            ManagedServer,
-            shared_server,
-            shared_server_log,
-            spec_from_config,
-        )
+        from draftline.serving.server import ManagedServer, shared_server, shared_server_log
 
         if state_dir is None:  # no run to share a server with: a private one
             self.spool_dir = self._owned_spool = Path(tempfile.mkdtemp(prefix="draftline-spool-"))
@@ -136,14 +153,8 @@ class VLLMProducer:
                 # the run's only trainer: files a killed trainer left go (training processes
                 # of one run share the server and the spool, each reading its own names)
                 shutil.rmtree(self.spool_dir, ignore_errors=True)
-        spec_cfg, extra = producer_server_args(self.capture_ids, self.spool_dir, max_len,
-                                               hidden_cfg, server_cfg)
-        full = resolve_section("server", server_cfg)
-        full = {**full, "extra_args": extra, "reasoning_parser": None,
-                "max_model_len": max(int(full["max_model_len"]), max_len + 1)}
-        # the run's key, like the shared servers: a private server is no more open than those
-        spec = replace(spec_from_config(full, str(target_dir), trust_remote_code, spec_cfg),
-                       use_run_key=True)
+        spec = producer_server_spec(target_dir, self.capture_ids, self.spool_dir, max_len,
+                                    hidden_cfg, server_cfg, trust_remote_code)
         if state_dir is None:
             self.log_path = self.spool_dir.with_name(self.spool_dir.name + ".server.log")
             server = self._stack.enter_context(ManagedServer(spec, self.log_path))
@@ -151,7 +162,9 @@ class VLLMProducer:
         else:
             self.log_path = shared_server_log(spec, Path(state_dir))
             endpoint = self._stack.enter_context(
-                shared_server(spec, Path(state_dir), full["idle_timeout_s"], log=log.info))
+                shared_server(spec, Path(state_dir),
+                              resolve_section("server", server_cfg)["idle_timeout_s"],
+                              log=log.info))
         self.url, self.model = endpoint.root_url, endpoint.model
         self._auth = {"Authorization": f"Bearer {endpoint.api_key}"}
         self.describe = f"vLLM server {self.url} (log {self.log_path})"
@@ -244,25 +257,13 @@ class VLLMProducer:
                 for name, ids in zip(batch.names, batch.token_ids, strict=True)]
 
     def _read_one(self, name: str, ids: list[int]):
-        import torch
-        from safetensors.torch import load_file
-
-        path = spool_file(self.spool_dir, name)
         try:
-            data = load_file(str(path))
-            states, token_ids = data["hidden_states"], data["token_ids"]  # [T, n, H], [T]
-        except Exception as exc:
-            raise ProducerServerError(f"spool file {path} of {self.describe} is unreadable: "
-                                      f"{exc}") from exc
-        finally:
-            path.unlink(missing_ok=True)
-        if not torch.equal(token_ids, torch.as_tensor(ids, dtype=torch.long)):
-            raise ProducerServerError(f"spool file {path}: the states of other tokens than the "
-                                      f"sample sent ({token_ids.numel()} vs {len(ids)} tokens)")
-        if states.dim() != 3 or tuple(states.shape[:2]) != (len(ids), len(self.capture_ids)):
-            raise ProducerServerError(f"spool file {path}: states of shape "
-                                      f"{tuple(states.shape)}, expected [{len(ids)}, "
-                                      f"{len(self.capture_ids)}, H]")
+            states = read_states(self.spool_dir, name, ids, len(self.capture_ids))
+        except SpoolError as exc:
+            raise ProducerServerError(f"{self.describe}: {exc}") from exc
+        if states is None:
+            raise ProducerServerError(f"{self.describe}: spool file "
+                                      f"{spool_file(self.spool_dir, name)} is gone")
         return states
 
     def spool_bytes(self) -> int:
