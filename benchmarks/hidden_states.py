@@ -189,7 +189,7 @@ def start_plain(target: Path, samples: list[list[int]], batch_tokens: int, work:
     if current_platform.is_cpu():
         kwargs.setdefault("gpu_memory_utilization", 0.3)  # as the backend sets it there
     llm = LLM(**kwargs)
-    params = SamplingParams(max_tokens=1)
+    params = SamplingParams(max_tokens=1, temperature=0.0)  # as the backend samples
 
     def prefill(batch: list[list[int]]) -> None:
         llm.generate([{"prompt_token_ids": list(map(int, s))} for s in batch], params,

@@ -130,21 +130,28 @@ def inbox_is_used(spool_dir: str) -> bool:
     return inbox_in_this_process(spool_dir) is not None
 
 
-@pytest.mark.parametrize("num_tokens", [10, 3], ids=["three blocks", "one block"])
+@pytest.mark.parametrize("requests", [[([7, 2, 5, 0], 10)], [([3], 3)],
+                                      [([7, 2, 5, 0], 10), ([3], 3), ([1, 6], 8)]],
+                         ids=["three blocks", "one block", "three requests"])
 @pytest.mark.parametrize("layout", ["blocks, ids, slots, H", "blocks, slots, ids, H"])
-def test_token_states_are_gathered_from_their_blocks_in_prompt_order(layout, num_tokens):
+def test_token_states_are_gathered_from_their_blocks_in_prompt_order(layout, requests, tmp_path):
     """Token t of a prompt sits in slot t % block_size of its (t // block_size)-th block, in
-    either physical layout vLLM may allocate (the view is [blocks, ids, slots, H] in both)."""
+    either physical layout vLLM may allocate (the view is [blocks, ids, slots, H] in both);
+    the requests that finish in one step are gathered together."""
     blocks, n_ids, block_size, hidden = 9, 2, 4, 3
     if layout == "blocks, ids, slots, H":
         cache = torch.randn(blocks, n_ids, block_size, hidden)
     else:
         cache = torch.randn(blocks, block_size, n_ids, hidden).transpose(1, 2)
-    block_ids = [7, 2, 5, 0]  # the last block is never reached
-    expected = torch.stack([cache[block_ids[t // block_size], :, t % block_size]
-                            for t in range(num_tokens)])
-    got = gather_token_states(cache, block_ids, num_tokens, block_size)
-    assert got.shape == (num_tokens, n_ids, hidden) and got.is_contiguous()  # for safetensors
-    assert torch.equal(got, expected)
+    expected = [torch.stack([cache[block_ids[t // block_size], :, t % block_size]
+                             for t in range(num_tokens)]) for block_ids, num_tokens in requests]
+    got = gather_token_states(cache, requests, block_size)
+    assert [g.shape for g in got] == [(n, n_ids, hidden) for _, n in requests]
+    assert all(g.is_contiguous() for g in got)  # as safetensors wants
+    assert all(torch.equal(g, e) for g, e in zip(got, expected, strict=True))
+    worker_side(tmp_path)._write_file({"hidden_states": got[-1],  # a slice of the step's copy
+                                       "token_ids": torch.arange(requests[-1][1])}, "s-1")
+    assert torch.equal(read_states(tmp_path, "s-1", list(range(requests[-1][1])), n_ids),
+                       expected[-1])
     cache.zero_()
-    assert got.abs().sum() > 0  # a copy, not a view of the cache the blocks return to
+    assert all(g.abs().sum() > 0 for g in got)  # copies, not views of the cache's blocks

@@ -178,7 +178,9 @@ class VLLMBackend:
         run = uuid.uuid4().hex[:8]
         names = [f"{run}-{i}" for i in range(len(samples))]
         prompts = [{"prompt_token_ids": list(map(int, ids))} for ids in samples]
-        params = [SamplingParams(max_tokens=1, extra_args={"kv_transfer_params": {NAME_KEY: n}})
+        # the one sampled token is dropped: greedy spares the step vLLM's random sampling
+        params = [SamplingParams(max_tokens=1, temperature=0.0,
+                                 extra_args={"kv_transfer_params": {NAME_KEY: n}})
                   for n in names]
         self.llm.generate(prompts, params, use_tqdm=False)
         states = self._collect(dict(zip(names, samples, strict=True)))

@@ -39,6 +39,7 @@ below, is the one reader of what the connector hands over.
 
 from __future__ import annotations
 
+import itertools
 import os
 import re
 import threading
@@ -204,18 +205,24 @@ def hidden_state_group_id(kv_cache_config: KVCacheConfig | None) -> int:
     raise ValueError(f"cannot identify the hidden-state KV cache group among {len(groups)}")
 
 
-def gather_token_states(cache: torch.Tensor, block_ids: list[int], num_tokens: int,
-                        block_size: int) -> torch.Tensor:
-    """States of the first ``num_tokens`` slots of ``block_ids``: ``[num_tokens, n_ids, H]``.
+def gather_token_states(cache: torch.Tensor, requests: list[tuple[list[int], int]],
+                        block_size: int) -> list[torch.Tensor]:
+    """The states of each request's first ``num_tokens`` slots of its ``block_ids`` (one
+    ``(block_ids, num_tokens)`` pair a request), on the CPU: ``[num_tokens, n_ids, H]`` each.
 
-    ``cache`` is the cache-only layer's view ``[num_blocks, n_ids, block_size, H]``. Whole blocks
-    are copied (one index a block, not two a slot: a quarter faster on a CPU) and cut to the prompt.
+    ``cache`` is the cache-only layer's view ``[num_blocks, n_ids, block_size, H]``. The used
+    blocks of every request are copied at once (one index a block, not two a slot, and one
+    device-to-host copy a step) and each request gets its rows of the copy.
     """
-    used = torch.as_tensor(block_ids[:-(-num_tokens // block_size)], dtype=torch.long)
-    blocks = cache[used.to(cache.device)]  # [blocks, n_ids, block_size, H]: a copy
-    n_ids, hidden = cache.shape[1], cache.shape[3]
+    counts = [-(-num_tokens // block_size) for _, num_tokens in requests]  # blocks used
+    used = torch.as_tensor([b for (ids, _), n in zip(requests, counts, strict=True)
+                            for b in ids[:n]], dtype=torch.long)
+    blocks = cache[used.to(cache.device)]  # [sum(counts), n_ids, block_size, H]: a copy
+    rows = blocks.transpose(1, 2).reshape(-1, cache.shape[1], cache.shape[3]).to("cpu")
+    starts = [0, *itertools.accumulate(n * block_size for n in counts)]
     # contiguous, as safetensors wants: one block's reshape can be a strided view
-    return blocks.transpose(1, 2).reshape(-1, n_ids, hidden)[:num_tokens].contiguous()
+    return [rows[start:start + num_tokens].contiguous()
+            for start, (_, num_tokens) in zip(starts, requests, strict=False)]
 
 
 class DraftlineHiddenStatesConnector(KVConnectorBase_V1, SupportsHMA):
@@ -316,31 +323,37 @@ class DraftlineHiddenStatesConnector(KVConnectorBase_V1, SupportsHMA):
     def get_finished(self, finished_req_ids: set[str]):
         """Copy the states of newly finished requests, queue their files, free their blocks."""
         meta = self._get_connector_metadata() if self.has_connector_metadata() else None
-        if isinstance(meta, HiddenStatesMetadata) and self._is_writer:
-            for write in meta.writes:
-                self._copy_and_queue(write)
+        if isinstance(meta, HiddenStatesMetadata) and self._is_writer and meta.writes:
+            self._copy_and_queue(meta.writes)
         self._finished.update(finished_req_ids)
         done = self._copied & self._finished
         self._copied -= done
         self._finished -= done
         return (done or None), None
 
-    def _copy_and_queue(self, write: PendingWrite) -> None:
+    def _copy_and_queue(self, writes: list[PendingWrite]) -> None:
         assert self._cache is not None
         try:
-            states = gather_token_states(self._cache, write.block_ids, len(write.token_ids),
-                                         self.block_size).to("cpu")  # [T, n_ids, H]
-            tensors = {"hidden_states": states,
-                       "token_ids": torch.tensor(write.token_ids, dtype=torch.long)}
-            if self._inbox is not None:
-                self._inbox.put(write.name, tensors)
-            else:
-                assert self._executor is not None
-                self._executor.submit(self._write_file, tensors, write.name)
-        except Exception as exc:  # surface to the reader instead of hanging it
-            logger.exception("hidden states of request %s not copied", write.req_id)
-            self._write_error(write.name, f"copy failed: {exc!r}")
-        self._copied.add(write.req_id)
+            states = gather_token_states(
+                self._cache, [(w.block_ids, len(w.token_ids)) for w in writes], self.block_size)
+        except Exception as exc:  # surface to the readers instead of hanging them
+            logger.exception("hidden states of %d requests not copied", len(writes))
+            states = [None] * len(writes)
+            for write in writes:
+                self._write_error(write.name, f"copy failed: {exc!r}")
+        for write, request_states in zip(writes, states, strict=True):
+            if request_states is not None:
+                self._queue(write.name, {
+                    "hidden_states": request_states,  # [T, n_ids, H]
+                    "token_ids": torch.tensor(write.token_ids, dtype=torch.long)})
+            self._copied.add(write.req_id)
+
+    def _queue(self, name: str, tensors: dict) -> None:
+        if self._inbox is not None:
+            self._inbox.put(name, tensors)
+        else:
+            assert self._executor is not None
+            self._executor.submit(self._write_file, tensors, name)
 
     def _write_file(self, tensors: dict, name: str) -> None:
         path = spool_file(self.spool_dir, name)
