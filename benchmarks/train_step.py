@@ -18,7 +18,8 @@ in the same run on the same weights:
 * ``dense-sdpa``     - the same mask through torch's scaled_dot_product_attention (on CUDA its
   memory-efficient kernel, which never holds the [T, T*(k+1)] probabilities).
 
-Columns: step time, tokens/s, peak memory (CUDA: max allocated, everything included; CPU: the
+Rows also say whether the draft's norms and MLPs ran eager or compiled (``--pointwise``,
+``train.compile``). Columns: step time, tokens/s, peak memory (CUDA: max allocated, everything included; CPU: the
 increase of peak RSS over the process before its first step, each configuration in its own
 process), the analytic peak estimate (``memory_model``), model FLOPs per token
 (``flops_per_token``: the same useful work for every implementation) and MFU against the
@@ -33,6 +34,7 @@ against an fp32 truth, at the run's dimensions.
     python benchmarks/train_step.py --preset h200        # CUDA, Kimi-K2.5 draft dims (< 8 min)
     python benchmarks/train_step.py --teacher-heads full draft_rows --impls diagonal
     python benchmarks/train_step.py --preset h200 --dims kimi-p-eagle   # a family per --dims
+    python benchmarks/train_step.py --impls diagonal --pointwise eager compiled  # train.compile
 
 Needs torch and draftline only (``PYTHONPATH=src`` from a checkout).
 """
@@ -128,8 +130,9 @@ DIMS = {"toy": TOY, "kimi": KIMI, "kimi-mla": KIMI_MLA,
         **{f"kimi-{name}": {**KIMI, **flags} for name, flags in FAMILIES.items()}}
 # Training's settings that the step reads (the schema's defaults; Kimi's config keeps them).
 TRAIN = {"loss_decay": 0.8, "lr": 3e-4, "weight_decay": 0.0, "grad_clip": 0.5,
-         "teacher_head": "full", "teacher_temperature": 0.5}
+         "teacher_head": "full", "teacher_temperature": 0.5, "compile": False}
 TEACHER_HEADS = ("full", "draft_rows")  # train.teacher_head
+POINTWISE = ("eager", "compiled")  # train.compile false / true
 
 IMPLS = ("diagonal", "diagonal-eager", "dense", "dense-sdpa")
 PRESETS = {
@@ -354,7 +357,7 @@ class Setup:
     them."""
 
     def __init__(self, dims: dict, device: str, batch: int, tokens: int, seed: int = 0,
-                 teacher_head: str = TRAIN["teacher_head"]):
+                 teacher_head: str = TRAIN["teacher_head"], compile: bool = TRAIN["compile"]):
         torch.manual_seed(seed)
         self.teacher_head = teacher_head
         self.device = torch.device(device)
@@ -374,12 +377,20 @@ class Setup:
                                      cfg.rms_norm_eps, d2t, t2d)
         with torch.no_grad():  # the target's lm_head rows of the draft tokens, as training
             self.model.lm_head.weight.copy_(self.head.lm_head[self.head.draft_ids].float())
+        self.compiled = False
+        if compile:
+            self.compile()
         self.params = [p for p in self.model.parameters() if p.requires_grad]
         self.optimizer = torch.optim.AdamW(self.params, lr=TRAIN["lr"],
                                            weight_decay=TRAIN["weight_decay"],
                                            betas=(0.9, 0.95))
         self.rt = Runtime(rank=0, world=1, local_rank=0, device=self.device, owns_group=False)
         self.set_batch(batch, tokens)
+
+    def compile(self) -> None:
+        """``train.compile``: the norms and MLPs compiled, from the next step on (one way)."""
+        m.compile_pointwise(self.model)
+        self.compiled = True
 
     def set_batch(self, batch: int, tokens: int) -> None:
         self.batch = None  # free the old one first
@@ -430,7 +441,7 @@ def measure(setup: Setup, impl: str, steps_k: int, repeats: int) -> dict:
     rows, tokens = setup.batch["input_ids"].shape
     cuda = setup.device.type == "cuda"
     row = {"impl": impl, "K": steps_k, "tokens": tokens, "batch": rows,
-           "teacher": setup.teacher_head}
+           "teacher": setup.teacher_head, "pointwise": POINTWISE[setup.compiled]}
     try:
         with attention_impl(impl):
             if cuda:
@@ -553,32 +564,36 @@ def step_gradients_diff(setup: Setup, steps_k: int) -> dict:
 
 
 def table(rows: list[dict], cfg: m.DraftConfig, peak_flops: float, device_type: str) -> str:
-    """One row per (T, K, teacher head, attention); speeds against the dense mask with the
-    full teacher, measured in the same run (MFU on each row's own FLOPs)."""
-    by = {(r.get("teacher", "full"), r["impl"], r["K"], r["tokens"]): r for r in rows}
+    """One row per (T, K, teacher head, attention, norms and MLPs eager or compiled); speeds
+    against the dense mask with the full teacher, eager, measured in the same run (MFU on each
+    row's own FLOPs)."""
+    by = {(r.get("teacher", "full"), r["impl"], r.get("pointwise", "eager"), r["K"],
+           r["tokens"]): r for r in rows}
     memory = "peak allocated (MiB)" if device_type == "cuda" else "peak RSS increase (MiB)"
-    lines = [f"| T | K | teacher | attention | step (ms) | tokens/s | {memory} | model estimate "
-             "(MiB) | GFLOP/token | MFU | speed vs dense, full teacher |",
-             "|---|---|---|---|---|---|---|---|---|---|---|"]
+    lines = [f"| T | K | teacher | attention | norms, MLP | step (ms) | tokens/s | {memory} | "
+             "model estimate (MiB) | GFLOP/token | MFU | speed vs dense, full teacher, eager |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for tokens in sorted({r["tokens"] for r in rows}):
         for k in sorted({r["K"] for r in rows}):
-            dense = by.get(("full", "dense", k, tokens))
-            for teacher, impl in ((t, i) for t in TEACHER_HEADS for i in IMPLS):
-                r = by.get((teacher, impl, k, tokens))
+            dense = by.get(("full", "dense", "eager", k, tokens))
+            for teacher, impl, mode in ((t, i, p) for t in TEACHER_HEADS for i in IMPLS
+                                        for p in POINTWISE):
+                r = by.get((teacher, impl, mode, k, tokens))
                 if r is None:
                     continue
                 flops = flops_per_token(cfg, tokens, k, teacher)["total"]
                 estimate = memory_model(cfg, r["batch"], tokens, k, device_type,
                                         teacher)["peak"] / 2**20
                 if r["oom"]:
-                    lines.append(f"| {tokens} | {k} | {teacher} | {impl} | out of memory | | | "
-                                 f"{estimate:,.0f} | {flops / 1e9:.4g} | | |")
+                    lines.append(f"| {tokens} | {k} | {teacher} | {impl} | {mode} | out of "
+                                 f"memory | | | {estimate:,.0f} | {flops / 1e9:.4g} | | |")
                     continue
                 speed = (f"{r['tokens_per_s'] / dense['tokens_per_s']:.2f}x"
                          if dense and not dense["oom"] else "-")
                 mfu = flops * r["tokens_per_s"] / peak_flops
                 lines.append(
-                    f"| {tokens} | {k} | {teacher} | {impl} | {r['s_per_step'] * 1e3:,.1f} | "
+                    f"| {tokens} | {k} | {teacher} | {impl} | {mode} | "
+                    f"{r['s_per_step'] * 1e3:,.1f} | "
                     f"{r['tokens_per_s']:,.0f} | {r['peak_memory_mib']:,.0f} | "
                     f"{estimate:,.0f} | {flops / 1e9:.4g} | {100 * mfu:.1f}% | {speed} |")
     return "\n".join(lines)
@@ -658,6 +673,9 @@ def parse_args(argv):
     parser.add_argument("--teacher-heads", nargs="+", choices=TEACHER_HEADS,
                         default=[TRAIN["teacher_head"]],
                         help="train.teacher_head values measured (each beside every attention)")
+    parser.add_argument("--pointwise", nargs="+", choices=POINTWISE, default=["eager"],
+                        help="norms and MLPs eager and/or compiled (train.compile); compiled "
+                             "rows are measured after the eager ones")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--threads", type=int, default=None,
                         help="torch threads (default: torch's; 1 is steadier on a busy CPU)")
@@ -667,7 +685,7 @@ def parse_args(argv):
     parser.add_argument("--memory-only", action="store_true",
                         help="print the FLOPs and the analytic memory, run nothing")
     parser.add_argument("--json", help="also write the rows and checks to this file")
-    parser.add_argument("--one", nargs=4, metavar=("IMPL", "K", "T", "TEACHER"),
+    parser.add_argument("--one", nargs=5, metavar=("IMPL", "K", "T", "TEACHER", "POINTWISE"),
                         help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.preset:
@@ -678,9 +696,9 @@ def parse_args(argv):
     return args
 
 
-def child_row(args, impl: str, k: int, tokens: int, teacher: str) -> dict:
+def child_row(args, impl: str, k: int, tokens: int, teacher: str, mode: str) -> dict:
     """CPU: one configuration in a fresh process, so that its peak RSS is its own."""
-    cmd = [sys.executable, __file__, "--one", impl, str(k), str(tokens), teacher,
+    cmd = [sys.executable, __file__, "--one", impl, str(k), str(tokens), teacher, mode,
            "--dims", args.dims,
            "--batch", str(args.batch), "--repeats", str(args.repeats)]
     if args.threads:
@@ -696,7 +714,8 @@ def main(argv: list[str] | None = None) -> int:
     cfg = m.DraftConfig(**DIMS[args.dims])
     if args.one:  # child process: one configuration, JSON on stdout
         impl, k, tokens = args.one[0], int(args.one[1]), int(args.one[2])
-        setup = Setup(DIMS[args.dims], "cpu", args.batch, tokens, teacher_head=args.one[3])
+        setup = Setup(DIMS[args.dims], "cpu", args.batch, tokens, teacher_head=args.one[3],
+                      compile=args.one[4] == "compiled")
         print(json.dumps(measure(setup, impl, k, args.repeats)))
         return 0
     print(flops_table(cfg, args.tokens, args.steps_k))
@@ -734,20 +753,23 @@ def main(argv: list[str] | None = None) -> int:
                                         for t in args.tokens for k in args.steps_k}},
                       f, indent=1)
 
-    for tokens in args.tokens:
-        setup.set_batch(args.batch, tokens)
-        for k in args.steps_k:
-            for teacher, impl in ((t, i) for t in args.teacher_heads for i in args.impls):
-                setup.teacher_head = teacher  # one model: the head is a setting of the step
-                if device.type == "cpu" and not args.in_process:
-                    row = child_row(args, impl, k, tokens, teacher)
-                else:
-                    row = measure(setup, impl, k, args.repeats)
-                rows.append(row)
-                write_json()
-                rate = "OOM" if row["oom"] else f"{row['tokens_per_s']:,.0f} tok/s"
-                print(f"  {teacher:10s} {impl:14s} T={tokens} K={k}: {rate}", file=sys.stderr,
-                      flush=True)
+    for mode in sorted(args.pointwise, key=POINTWISE.index):  # compiling is one way
+        if mode == "compiled" and not setup.compiled:
+            setup.compile()
+        for tokens in args.tokens:
+            setup.set_batch(args.batch, tokens)
+            for k in args.steps_k:
+                for teacher, impl in ((t, i) for t in args.teacher_heads for i in args.impls):
+                    setup.teacher_head = teacher  # one model: the head is a setting of the step
+                    if device.type == "cpu" and not args.in_process:
+                        row = child_row(args, impl, k, tokens, teacher, mode)
+                    else:
+                        row = measure(setup, impl, k, args.repeats)
+                    rows.append(row)
+                    write_json()
+                    rate = "OOM" if row["oom"] else f"{row['tokens_per_s']:,.0f} tok/s"
+                    print(f"  {teacher:10s} {impl:14s} {mode:8s} T={tokens} K={k}: {rate}",
+                          file=sys.stderr, flush=True)
     name = torch.cuda.get_device_name() if device.type == "cuda" else "CPU"
     print(f"\ndraft train step, {args.dims} dims, {name}, {args.batch} row(s), "
           f"{torch.get_num_threads()} threads, load average {os.getloadavg()[0]:.1f}, "

@@ -652,3 +652,37 @@ def test_an_mla_draft_beside_a_target_without_mla_is_refused_before_any_job(tmp_
     with pytest.raises(ConfigError, match="'train.draft.arch'"):
         load_config(overrides={"train.draft.arch": "deepseek_mla",
                                "train.draft.norm_before_fc": False})
+
+
+def test_compiled_norms_and_mlps_give_the_eager_loss_and_gradients():
+    """``train.compile`` fuses each norm's and MLP's pointwise chain; the training loss and every
+    gradient stay the eager ones, at a second sample length too (dynamic shapes)."""
+    from draftline.model import compile_pointwise
+    from draftline.stages.train.distributed import Runtime
+    from draftline.stages.train.loop import resolve_train_cfg, run_micro_batch
+
+    batch, t2d, lm_head, _ = teacher_case()
+    d2t = torch.nonzero(t2d).squeeze(1) - torch.arange(int(t2d.sum()))
+    head = TargetHead(torch.ones(TINY.target_hidden_size), lm_head, 1e-6, d2t, t2d)
+    rt = Runtime(rank=0, world=1, local_rank=0, device=torch.device("cpu"), owns_group=False)
+    cfg = resolve_train_cfg({"ttt_steps": 3})
+
+    def loss_and_grads(model, length: int):
+        model.zero_grad(set_to_none=True)
+        loss, _ = run_micro_batch(model, head, {k: v[:, :length] for k, v in batch.items()},
+                                  cfg, rt)
+        loss.backward()
+        return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()
+                               if p.grad is not None}
+
+    eager, compiled = tiny_draft(seed=3).train(), tiny_draft(seed=3).train()
+    # 4 norms (input, hidden, post-attention, final; no fc norms by default) and the MLP
+    assert compile_pointwise(compiled) == 5
+    assert compiled.midlayer.mlp._compiled_call_impl is not None
+    for length in (16, 11):
+        want_loss, want = loss_and_grads(eager, length)
+        got_loss, got = loss_and_grads(compiled, length)
+        assert torch.allclose(got_loss, want_loss, rtol=1e-5, atol=1e-6)
+        assert sorted(got) == sorted(want)
+        for name in want:
+            assert torch.allclose(got[name], want[name], rtol=1e-4, atol=1e-6), name

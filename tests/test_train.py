@@ -120,6 +120,26 @@ def test_training_learns_and_writes_its_outputs(draft_inputs, tmp_path):
     assert changed["steps"] == 8 and len(records(out, "train")) == 8
 
 
+def test_train_compile_trains_the_eager_weights_with_compiled_norms_and_mlps(
+        draft_inputs, tmp_path, monkeypatch):
+    """train.compile reaches the training loop, and its steps keep the eager floats."""
+    from draftline.stages.train import loop
+
+    compiled, compile_pointwise = [], loop.compile_pointwise
+    monkeypatch.setattr(loop, "compile_pointwise",
+                        lambda model: compiled.append(compile_pointwise(model)))
+    cfg = {**SMALL, "max_steps": 3, "eval_every": 3, "checkpoint_every": 3,
+           "optimizer": "adamw"}
+    run(draft_inputs, tmp_path / "eager", cfg)
+    assert compiled == []
+    run(draft_inputs, tmp_path / "compiled", {**cfg, "compile": True})
+    assert compiled == [6]  # five norms (the default draft norms the aux states too), the MLP
+    want, got = final_weights(tmp_path / "eager"), final_weights(tmp_path / "compiled")
+    assert sorted(got) == sorted(want)
+    for name in want:  # AdamW: Muon's bf16 Newton-Schulz would round float noise up
+        assert torch.allclose(got[name], want[name], rtol=0, atol=1e-6), name
+
+
 def train_process(inputs: dict, out: Path, cfg: dict) -> subprocess.Popen:
     cmd = [sys.executable, "-m", "draftline.stages.train",
            "--hidden-dir", str(inputs["hidden_dir"]),

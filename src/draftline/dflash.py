@@ -56,6 +56,7 @@ from draftline.core.target import NUM_AUX_LAYERS
 from draftline.model import (
     COUNT_KEYS,
     DraftConfig,
+    DraftMLP,
     RMSNorm,
     apply_rotary,
     mask_token_of,
@@ -178,24 +179,13 @@ class DFlashAttention(nn.Module):
         return self.o_proj(out.transpose(-3, -2).flatten(-2))  # [Bs, A, B, H]
 
 
-class DFlashMLP(nn.Module):
-    def __init__(self, cfg: DFlashConfig):
-        super().__init__()
-        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
-        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
-
-
 class DFlashLayer(nn.Module):
     def __init__(self, cfg: DFlashConfig):
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.self_attn = DFlashAttention(cfg)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp = DFlashMLP(cfg)
+        self.mlp = DraftMLP(cfg)
 
     def forward(self, x, cos, sin, ctx, ctx_cos, ctx_sin, visible):
         ctx_k, ctx_v = self.self_attn.context_kv(ctx, ctx_cos, ctx_sin)

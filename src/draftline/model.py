@@ -626,6 +626,21 @@ class DraftMLP(nn.Module):
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
+# Modules whose forward is a chain of pointwise ops around at most a few matmuls: compiled, each
+# chain is one kernel, and the fp32 copies a norm saves for backward are not kept.
+POINTWISE_MODULES = (RMSNorm, DraftMLP)
+
+
+def compile_pointwise(model: nn.Module) -> int:
+    """``torch.compile`` each norm and MLP of ``model`` in place (``train.compile``): dynamic
+    shapes, so a new sample length does not recompile; parameter names and state dicts are
+    unchanged. Returns how many modules were compiled."""
+    modules = [mod for mod in model.modules() if isinstance(mod, POINTWISE_MODULES)]
+    for mod in modules:
+        mod.compile(dynamic=True)
+    return len(modules)
+
+
 class DraftDecoderLayer(nn.Module):
     """vLLM's EAGLE-3 first layer: attention over [embedding, state], residual = the state."""
 

@@ -26,6 +26,7 @@ from draftline.dflash import DFlashDraft, block_loss, sample_anchors
 from draftline.model import (
     COUNT_KEYS,
     acceptance_length_from,
+    compile_pointwise,
     metrics_from_counts,
     on_greedy_path,
     probabilistic_acceptance_counts,
@@ -145,6 +146,8 @@ def run(rt: Runtime, store, vocab_map: Path, target_dir: Path, out_dir: Path,
                                          cfg["draft"])
     if hasattr(model, "lm_head"):  # a DFlash draft drafts through the target's own head
         model.lm_head.weight.requires_grad_(cfg["lm_head"] == "trained")
+    if cfg["compile"]:
+        compile_pointwise(model)
     wrapped = wrap_model(model, cfg["strategy"], rt)
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = build_optimizer(model, cfg)  # after wrapping: FSDP replaces the parameters
