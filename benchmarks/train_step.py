@@ -19,14 +19,14 @@ in the same run on the same weights:
   memory-efficient kernel, which never holds the [T, T*(k+1)] probabilities).
 
 Rows also say whether the draft's norms and MLPs ran eager or compiled (``--pointwise``,
-``train.compile``). Columns: step time, tokens/s, peak memory (CUDA: max allocated, everything included; CPU: the
-increase of peak RSS over the process before its first step, each configuration in its own
-process), the analytic peak estimate (``memory_model``), model FLOPs per token
-(``flops_per_token``: the same useful work for every implementation) and MFU against the
-matrix-product peak measured at the start of the run (bf16 on CUDA, fp32 on CPU: the dtype
-training computes in there). Before the table: which attention path ran, and the largest
-differences of outputs and gradients between the fused path and the eager reference, both
-against an fp32 truth, at the run's dimensions.
+``train.compile``). Columns: step time, tokens/s, peak memory (CUDA: max allocated,
+everything included; CPU: the increase of peak RSS over the process before its first step,
+each configuration in its own process), the analytic peak estimate (``memory_model``), model
+FLOPs per token (``flops_per_token``: the same useful work for every implementation) and MFU
+against the matrix-product peak measured at the start of the run (bf16 on CUDA, fp32 on CPU:
+the dtype training computes in there). Before the table: which attention path ran, and the
+largest differences of outputs and gradients between the fused path and the eager reference,
+both against an fp32 truth, at the run's dimensions.
 
     python benchmarks/train_step.py                      # CPU, toy dims, K = 1, 3, 7, 2,048 tok
     python benchmarks/train_step.py --steps-k 7 --tokens 4096 --repeats 3 --threads 1
