@@ -136,13 +136,14 @@ def test_cpu_path_runs_at_toy_dims_and_reports_the_table(tmp_path, capsys):
     printed = capsys.readouterr().out
     header = next(line for line in printed.splitlines() if line.startswith("| T | K | teacher"))
     assert [c.strip() for c in header.strip("|").split("|")] == [
-        "T", "K", "teacher", "attention", "step (ms)", "tokens/s", "peak RSS increase (MiB)",
-        "model estimate (MiB)", "GFLOP/token", "MFU", "speed vs dense, full teacher"]
+        "T", "K", "teacher", "attention", "norms, MLP", "step (ms)", "tokens/s",
+        "peak RSS increase (MiB)", "model estimate (MiB)", "GFLOP/token", "MFU",
+        "speed vs dense, full teacher, eager"]
     report = json.loads(out.read_text())
-    assert {(r["teacher"], r["impl"], r["K"]) for r in report["rows"]} == {
-        (t, impl, k) for t in ("full", "draft_rows") for impl in ("diagonal", "dense")
+    assert {(r["teacher"], r["impl"], r["K"], r["pointwise"]) for r in report["rows"]} == {
+        (t, impl, k, "eager") for t in ("full", "draft_rows") for impl in ("diagonal", "dense")
         for k in (1, 3)}
-    assert "| 48 | 3 | draft_rows | diagonal |" in printed
+    assert "| 48 | 3 | draft_rows | diagonal | eager |" in printed
     for row in report["rows"]:
         assert not row["oom"] and row["tokens_per_s"] > 0 and row["tokens"] == 48
         mfu = report["flops_per_token"][f"48,{row['K']}"]["total"] * row["tokens_per_s"] \
@@ -176,8 +177,10 @@ def test_cpu_child_reports_its_own_peak_memory_not_its_parents():
     parent here holds 512 MiB (as the CPU path's parent does after its fused-vs-eager check)."""
     ballast = torch.ones(512 * 2**20 // 4)  # noqa: F841 - touched, so resident
     args = bench.parse_args(["--dims", "toy", "--repeats", "1", "--threads", "1"])
-    row = bench.child_row(args, "diagonal", 2, 64, "full")
+    row = bench.child_row(args, "diagonal", 2, 64, "full", "eager")
     assert 1 < row["peak_memory_mib"] < 256
+    assert bench.child_row(args, "diagonal", 2, 64, "full", "compiled")["pointwise"] == \
+        "compiled"  # train.compile reaches the child's step
 
 
 def test_script_runs_where_only_torch_is_installed():
