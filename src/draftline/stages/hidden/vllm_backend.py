@@ -208,9 +208,11 @@ class VLLMBackend:
                 raise TimeoutError(f"vLLM handed over no hidden states for {len(pending)} "
                                    f"requests within {self.wait_timeout_s:.0f} s "
                                    f"(e.g. {next(iter(pending))})")
-            if self._inprocess:
-                self.llm.llm_engine.step()  # runs the connector for the last finished requests
-            time.sleep(0.005)
+            if self._inprocess:  # the step runs the connector for the last finished requests
+                self.llm.llm_engine.step()
+                time.sleep(0.001)
+            else:
+                time.sleep(0.01)
 
     def close(self) -> None:
         if getattr(self, "llm", None) is None:

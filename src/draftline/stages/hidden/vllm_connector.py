@@ -211,16 +211,18 @@ def gather_token_states(cache: torch.Tensor, requests: list[tuple[list[int], int
     ``(block_ids, num_tokens)`` pair a request), on the CPU: ``[num_tokens, n_ids, H]`` each.
 
     ``cache`` is the cache-only layer's view ``[num_blocks, n_ids, block_size, H]``. The used
-    blocks of every request are copied at once (one index a block, not two a slot, and one
-    device-to-host copy a step) and each request gets its rows of the copy.
+    blocks of every request are copied at once, straight into token order (one index a block,
+    not two a slot; one copy, not a copy and a transpose; one device-to-host copy a step), and
+    each request gets its rows of the copy.
     """
     counts = [-(-num_tokens // block_size) for _, num_tokens in requests]  # blocks used
     used = torch.as_tensor([b for (ids, _), n in zip(requests, counts, strict=True)
                             for b in ids[:n]], dtype=torch.long)
-    blocks = cache[used.to(cache.device)]  # [sum(counts), n_ids, block_size, H]: a copy
-    rows = blocks.transpose(1, 2).reshape(-1, cache.shape[1], cache.shape[3]).to("cpu")
+    blocks = torch.index_select(cache.transpose(1, 2), 0, used.to(cache.device))
+    # [sum(counts), block_size, n_ids, H] -> one row a slot
+    rows = blocks.reshape(-1, cache.shape[1], cache.shape[3]).to("cpu")
     starts = [0, *itertools.accumulate(n * block_size for n in counts)]
-    # contiguous, as safetensors wants: one block's reshape can be a strided view
+    # contiguous, as safetensors wants (a no-op on rows of a contiguous copy)
     return [rows[start:start + num_tokens].contiguous()
             for start, (_, num_tokens) in zip(starts, requests, strict=False)]
 
