@@ -175,7 +175,7 @@ def read_states(spool_dir: str | Path, name: str, token_ids: list[int], num_ids:
                          f"({got_ids.numel()} vs {len(token_ids)} tokens)")
     if states.dim() != 3 or tuple(states.shape[:2]) != (len(token_ids), num_ids):
         raise SpoolError(f"{source}: states of shape {tuple(states.shape)}, expected "
-                         f" [{len(token_ids)}, {num_ids}, H]")
+                         f"[{len(token_ids)}, {num_ids}, H]")
     return states
 
 
