@@ -71,9 +71,8 @@ def worker_side(tmp_path, inbox=None):
     return connector
 
 
-def handed_over(ids):
-    return {"hidden_states": torch.arange(len(ids) * 2 * 3, dtype=torch.float32).view(-1, 2, 3),
-            "token_ids": torch.tensor(ids)}
+def states_of(ids):
+    return torch.arange(len(ids) * 2 * 3, dtype=torch.float32).view(-1, 2, 3)  # [T, 2 ids, 3]
 
 
 def test_spool_files_are_renamed_into_place_without_fsync(tmp_path, monkeypatch):
@@ -83,12 +82,15 @@ def test_spool_files_are_renamed_into_place_without_fsync(tmp_path, monkeypatch)
 
     synced = []
     monkeypatch.setattr(atomic.os, "fsync", lambda fd: synced.append(fd))
-    worker_side(tmp_path)._write_file(handed_over([5, 6, 7]), "s-0001")
+    worker_side(tmp_path)._write_file(states_of([5, 6, 7]), [5, 6, 7], "s-0001")
     assert synced == []
     assert sorted(p.name for p in tmp_path.iterdir()) == ["s-0001.safetensors"]
     states = read_states(tmp_path, "s-0001", [5, 6, 7], num_ids=2)
-    assert torch.equal(states, handed_over([5, 6, 7])["hidden_states"])
+    assert torch.equal(states, states_of([5, 6, 7]))
     assert list(tmp_path.iterdir()) == []  # a file read is a file gone
+    worker_side(tmp_path)._write_file(states_of([5, 6, 9]), [5, 6, 9], "s-0002")
+    with pytest.raises(SpoolError, match="spool file .*s-0002.* other tokens"):
+        read_states(tmp_path, "s-0002", [5, 6, 7], num_ids=2)
 
 
 def test_states_handed_over_in_process_are_checked_like_files(tmp_path):
@@ -97,11 +99,11 @@ def test_states_handed_over_in_process_are_checked_like_files(tmp_path):
         assert inbox_in_this_process(tmp_path) is inbox
         connector = worker_side(tmp_path, inbox)
         assert read_states(tmp_path, "s-0001", [5, 6, 7], 2, inbox) is None  # not yet
-        inbox.put("s-0001", handed_over([5, 6, 7]))
-        inbox.put("s-0002", handed_over([5, 6, 9]))
+        connector._queue("s-0001", states_of([5, 6, 7]), [5, 6, 7])
+        connector._queue("s-0002", states_of([5, 6, 9]), [5, 6, 9])
         connector._write_error("s-0003", "copy failed: boom")
         states = read_states(tmp_path, "s-0001", [5, 6, 7], 2, inbox)
-        assert torch.equal(states, handed_over([5, 6, 7])["hidden_states"])
+        assert torch.equal(states, states_of([5, 6, 7]))
         with pytest.raises(SpoolError, match="request s-0002 .*in memory.*other tokens"):
             read_states(tmp_path, "s-0002", [5, 6, 7], 2, inbox)
         with pytest.raises(SpoolError, match="failed for request s-0003: copy failed: boom"):
@@ -149,8 +151,8 @@ def test_token_states_are_gathered_from_their_blocks_in_prompt_order(layout, req
     assert [g.shape for g in got] == [(n, n_ids, hidden) for _, n in requests]
     assert all(g.is_contiguous() for g in got)  # as safetensors wants
     assert all(torch.equal(g, e) for g, e in zip(got, expected, strict=True))
-    worker_side(tmp_path)._write_file({"hidden_states": got[-1],  # a slice of the step's copy
-                                       "token_ids": torch.arange(requests[-1][1])}, "s-1")
+    # a slice of the step's copy
+    worker_side(tmp_path)._write_file(got[-1], list(range(requests[-1][1])), "s-1")
     assert torch.equal(read_states(tmp_path, "s-1", list(range(requests[-1][1])), n_ids),
                        expected[-1])
     cache.zero_()

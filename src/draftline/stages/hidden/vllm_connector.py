@@ -100,7 +100,8 @@ class SpoolError(RuntimeError):
 class Inbox:
     """States handed over in process: the connector puts, the reader takes.
 
-    An item is the request's tensors, or the text of the error that replaced them.
+    An item is the request's states and prompt ids (``{"hidden_states": [T, n_ids, H] tensor,
+    "token_ids": list}``), or the text of the error that replaced them.
     """
 
     def __init__(self) -> None:
@@ -170,9 +171,12 @@ def read_states(spool_dir: str | Path, name: str, token_ids: list[int], num_ids:
             path.unlink(missing_ok=True)
         source = f"spool file {path}"
     states, got_ids = item["hidden_states"], item["token_ids"]  # [T, n, H], [T]
-    if not torch.equal(got_ids, torch.as_tensor(list(token_ids), dtype=torch.long)):
+    if isinstance(got_ids, torch.Tensor):  # a file's; the inbox hands over the list itself
+        got_ids = got_ids.tolist()
+    sent = token_ids if isinstance(token_ids, list) else [int(t) for t in token_ids]
+    if got_ids != sent:
         raise SpoolError(f"{source}: the states of other tokens than the sample sent "
-                         f"({got_ids.numel()} vs {len(token_ids)} tokens)")
+                         f"({len(got_ids)} vs {len(sent)} tokens)")
     if states.dim() != 3 or tuple(states.shape[:2]) != (len(token_ids), num_ids):
         raise SpoolError(f"{source}: states of shape {tuple(states.shape)}, expected "
                          f"[{len(token_ids)}, {num_ids}, H]")
@@ -282,7 +286,8 @@ class DraftlineHiddenStatesConnector(KVConnectorBase_V1, SupportsHMA):
             raise ValueError(f"request {request.request_id}: unsafe {NAME_KEY} {name!r}")
         self._pending.append(PendingWrite(request.request_id, name,
                                           list(request.prompt_token_ids), list(block_ids)))
-        return True, {"hidden_states_path": str(spool_file(self.spool_dir, name))}
+        # spool_file's path as a string join: a Path a request cost as much as the rest here
+        return True, {"hidden_states_path": f"{self.spool_dir}{os.sep}{name}.safetensors"}
 
     def request_finished_all_groups(self, request: Request, block_ids: tuple[list[int], ...]):
         if not 0 <= self.group_id < len(block_ids):
@@ -345,21 +350,21 @@ class DraftlineHiddenStatesConnector(KVConnectorBase_V1, SupportsHMA):
                 self._write_error(write.name, f"copy failed: {exc!r}")
         for write, request_states in zip(writes, states, strict=True):
             if request_states is not None:
-                self._queue(write.name, {
-                    "hidden_states": request_states,  # [T, n_ids, H]
-                    "token_ids": torch.tensor(write.token_ids, dtype=torch.long)})
+                self._queue(write.name, request_states, write.token_ids)
             self._copied.add(write.req_id)
 
-    def _queue(self, name: str, tensors: dict) -> None:
+    def _queue(self, name: str, states: torch.Tensor, token_ids: list[int]) -> None:
         if self._inbox is not None:
-            self._inbox.put(name, tensors)
+            self._inbox.put(name, {"hidden_states": states, "token_ids": token_ids})
         else:
             assert self._executor is not None
-            self._executor.submit(self._write_file, tensors, name)
+            self._executor.submit(self._write_file, states, token_ids, name)
 
-    def _write_file(self, tensors: dict, name: str) -> None:
+    def _write_file(self, states: torch.Tensor, token_ids: list[int], name: str) -> None:
         path = spool_file(self.spool_dir, name)
         try:
+            tensors = {"hidden_states": states,  # [T, n_ids, H]
+                       "token_ids": torch.tensor(token_ids, dtype=torch.long)}
             with atomic_path(path, durable=False) as tmp:
                 save_file(tensors, str(tmp))
         except Exception as exc:
