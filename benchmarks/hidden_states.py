@@ -174,10 +174,12 @@ def start_capture(target: Path, samples: list[list[int]], batch_tokens: int, wor
 def start_plain(target: Path, samples: list[list[int]], batch_tokens: int, work: Path):
     import os
 
+    from draftline.core.heap import reuse_freed_heap
     from draftline.stages.hidden.vllm_backend import engine_kwargs
 
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # as the backend runs it
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    reuse_freed_heap()  # as the backend's process keeps its memory
     from vllm import LLM, SamplingParams
     from vllm.platforms import current_platform
 

@@ -313,3 +313,18 @@ def test_request_names_stay_unique_when_two_threads_produce(tmp_path, monkeypatc
         thread.join()
     assert len(names) == 2 * 20 * 2
     assert len(set(names)) == len(names)
+
+
+def test_the_producer_server_keeps_the_memory_of_the_states_it_frees(toy_target, tmp_path):
+    """Its connector frees each request's states once handed over: the server process gets
+    the heap thresholds the in-process backend applies to itself; server.env still decides."""
+    from draftline.core.heap import HEAP_REUSE_ENV
+    from draftline.stages.hidden.vllm_producer import producer_server_spec
+
+    def env(server_env: dict) -> dict:
+        return dict(producer_server_spec(toy_target, LAYER_IDS, tmp_path, 64, {},
+                                         {"env": server_env}).env)
+
+    assert env({}) == HEAP_REUSE_ENV
+    assert env({"MALLOC_TRIM_THRESHOLD_": "0", "OMP_NUM_THREADS": "2"}) == {
+        **HEAP_REUSE_ENV, "MALLOC_TRIM_THRESHOLD_": "0", "OMP_NUM_THREADS": "2"}

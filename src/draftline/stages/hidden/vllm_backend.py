@@ -31,6 +31,7 @@ import uuid
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
+from draftline.core.heap import HEAP_REUSE_ENV, reuse_freed_heap
 from draftline.stages.hidden.vllm_connector import (
     NAME_KEY,
     SpoolError,
@@ -135,6 +136,11 @@ class VLLMBackend:
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
         # server.env applies to every vLLM of the run (e.g. NCCL settings for TP over PCIe)
         os.environ.update((server_cfg or {}).get("env") or {})
+        # the states are freed a pass at a time: keep that memory here, and in the
+        # tensor-parallel workers (fresh processes read the variables)
+        reuse_freed_heap()
+        for name, value in HEAP_REUSE_ENV.items():
+            os.environ.setdefault(name, value)
         from vllm import LLM
 
         if sorted(set(capture_ids)) != list(capture_ids):

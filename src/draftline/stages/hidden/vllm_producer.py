@@ -41,6 +41,7 @@ from pathlib import Path
 import httpx
 
 from draftline.core.config import resolve_section
+from draftline.core.heap import HEAP_REUSE_ENV
 from draftline.stages.hidden.store import DTYPE_SIZES
 from draftline.stages.hidden.vllm_backend import kv_transfer_config, speculative_config
 from draftline.stages.hidden.vllm_connector import (
@@ -92,7 +93,9 @@ def producer_server_spec(target_dir: Path, capture_ids: list[int], spool_dir: Pa
                                            server_cfg)
     full = resolve_section("server", server_cfg)
     full = {**full, "extra_args": extra, "reasoning_parser": None,
-            "max_model_len": max(int(full["max_model_len"]), max_len + 1)}
+            "max_model_len": max(int(full["max_model_len"]), max_len + 1),
+            # its connector frees the states a request at a time (server.env may say otherwise)
+            "env": {**HEAP_REUSE_ENV, **(full.get("env") or {})}}
     # the run's key, like the shared servers: a private server is no more open than those
     return replace(spec_from_config(full, str(target_dir), trust_remote_code, spec_cfg),
                    use_run_key=True)
