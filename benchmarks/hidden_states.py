@@ -7,11 +7,13 @@ Measures, on the same samples:
 * the padding the batching adds (padded tokens / real tokens);
 * bytes written per token by a full ``extract`` against the theoretical minimum
   (``4 * H * dtype_size`` of states; plus 9 bytes of token id and loss mask);
-* optionally (``--vllm``) tokens/s of the vllm backend after the engine has started, against
-  the physical limit of the same engine: a plain prefill of the same prompts with the same
-  engine arguments but no capture (no ``extract_hidden_states`` method, no connector;
-  ``max_tokens=1``), and their ratio: ``--repeats`` rounds, each timing both engines in fresh
-  processes in alternating order, the median of the rounds' ratios;
+* optionally (``--vllm``) tokens/s of the vllm backend after the engine has started, for each
+  of its captures (``--captures``: direct, from the model runner; connector, through the
+  ``extract_hidden_states`` method), against the physical limit of the same engine: a plain
+  prefill of the same prompts with the same engine arguments but no capture (no method, no
+  connector, no aux states; ``max_tokens=1``), and their ratio: ``--repeats`` rounds, each
+  timing both engines in fresh processes in alternating order, the median of the rounds'
+  ratios;
 * optionally (``--producer``) the same for the online vllm producer: a vLLM server with the
   capture, whose spool files training reads, against the same server less the capture.
 
@@ -113,8 +115,9 @@ VLLM_SERVER_CFG = {"enforce_eager": True, "dtype": "bfloat16"}
 
 
 def bench_vllm(target: Path, samples: list[list[int]], batch_tokens: int, work: Path,
-               rounds: int, runs: int = 3) -> dict:
-    """The vllm backend's capture against a plain prefill by the same engine arguments.
+               rounds: int, capture: str, runs: int = 3) -> dict:
+    """The vllm backend's ``capture`` (direct or connector) against a plain prefill by the
+    same engine arguments.
 
     Each round times both engines, each in a fresh process, in alternating order, so that
     the shared host's load changes hit both alike; a round's ratio compares its two medians,
@@ -129,7 +132,8 @@ def bench_vllm(target: Path, samples: list[list[int]], batch_tokens: int, work: 
         for kind in ("plain", "capture") if round_ % 2 == 0 else ("capture", "plain"):
             with ProcessPoolExecutor(1, mp_context=spawn) as pool:
                 timed[kind].append(pool.submit(time_engine, kind, target, samples,
-                                               batch_tokens, work / kind, runs).result())
+                                               batch_tokens, work / kind, runs,
+                                               capture).result())
     tokens = sum(map(len, samples))
 
     def tok_s(kind: str) -> float:
@@ -144,13 +148,13 @@ def bench_vllm(target: Path, samples: list[list[int]], batch_tokens: int, work: 
 
 
 def time_engine(kind: str, target: Path, samples: list[list[int]], batch_tokens: int,
-                work: Path, runs: int) -> dict:
+                work: Path, runs: int, capture: str = "auto") -> dict:
     """Seconds of ``runs`` passes over ``samples`` after a warm-up, by the vllm backend
     (``capture``) or by an engine with its arguments less the capture (``plain``: no
     speculative or KV-transfer config, ``max_tokens=1``), the most the capture can reach."""
     start = time.perf_counter()
-    run = start_capture(target, samples, batch_tokens, work) if kind == "capture" else \
-        start_plain(target, samples, batch_tokens, work)
+    run = start_capture(target, samples, batch_tokens, work, capture) if kind == "capture" \
+        else start_plain(target, samples, batch_tokens, work)
     started = time.perf_counter() - start
     run(samples[:4])  # warm-up
     seconds = []
@@ -161,13 +165,14 @@ def time_engine(kind: str, target: Path, samples: list[list[int]], batch_tokens:
     return {"start_s": started, "runs_s": seconds}
 
 
-def start_capture(target: Path, samples: list[list[int]], batch_tokens: int, work: Path):
+def start_capture(target: Path, samples: list[list[int]], batch_tokens: int, work: Path,
+                  capture: str = "auto"):
     from draftline.stages.hidden.vllm_backend import VLLMBackend
 
     info = target_info(target)
     ids = capture_ids(resolve_layer_ids(None, info["num_layers"]), info["num_layers"])
     backend = VLLMBackend(target, ids, max(map(len, samples)), work / "spool",
-                          {"batch_tokens": batch_tokens}, VLLM_SERVER_CFG)
+                          {"batch_tokens": batch_tokens}, VLLM_SERVER_CFG, capture=capture)
     return backend.states
 
 
@@ -282,7 +287,7 @@ def bench_bytes(target: Path, samples: list[list[int]], batch_tokens: int, work:
             "ratio_to_states": written / minimum, "ratio_to_with_ids": written / with_ids}
 
 
-def print_table(hf: dict, size: dict, vllm: dict | None, producer: dict | None) -> None:
+def print_table(hf: dict, size: dict, vllm: dict[str, dict], producer: dict | None) -> None:
     rows = [
         ("hf, token-budget batches", f"{hf['batched_tok_s']:,.0f} tok/s",
          f"{hf['batched_s']:.2f} s for {hf['tokens']:,} tokens "
@@ -290,14 +295,14 @@ def print_table(hf: dict, size: dict, vllm: dict | None, producer: dict | None) 
         ("hf, batch-size-1 loop", f"{hf['single_tok_s']:,.0f} tok/s", f"{hf['single_s']:.2f} s"),
         ("speed-up (ratio)", f"{hf['batched_tok_s'] / hf['single_tok_s']:.2f}x", "best of runs"),
     ]
-    if vllm:
-        ratios = " / ".join(f"{r:.2f}" for r in vllm["round_ratios"])
-        rows += [("vllm backend (capture)", f"{vllm['tok_s']:,.0f} tok/s",
-                  f"engine start {vllm['start_s']:.0f} s, not counted; median of "
-                  f"{vllm['rounds']} x {vllm['runs']} runs"),
-                 ("vllm plain prefill", f"{vllm['plain_tok_s']:,.0f} tok/s",
-                  "same engine arguments, no capture, max_tokens=1"),
-                 ("capture / plain prefill", f"{vllm['ratio_to_plain_prefill']:.2f}x",
+    for capture, got in vllm.items():
+        ratios = " / ".join(f"{r:.2f}" for r in got["round_ratios"])
+        rows += [(f"vllm backend, {capture}", f"{got['tok_s']:,.0f} tok/s",
+                  f"engine start {got['start_s']:.0f} s, not counted; median of "
+                  f"{got['rounds']} x {got['runs']} runs"),
+                 ("  plain prefill", f"{got['plain_tok_s']:,.0f} tok/s",
+                  "same engine arguments, no capture, max_tokens=1; its own rounds"),
+                 ("  capture / plain prefill", f"{got['ratio_to_plain_prefill']:.2f}x",
                   f"median of rounds {ratios}; 1.0 = capture costs nothing")]
     if producer:
         ratios = " / ".join(f"{r:.2f}" for r in producer["round_ratios"])
@@ -335,6 +340,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--batch-tokens", type=int, default=4096)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--vllm", action="store_true", help="also time the vllm backend")
+    parser.add_argument("--captures", nargs="+", choices=("direct", "connector"),
+                        default=["direct", "connector"],
+                        help="the vllm backend's captures to time (--vllm)")
     parser.add_argument("--producer", action="store_true",
                         help="also time the online vllm producer (starts vLLM servers)")
     parser.add_argument("--json", type=Path, default=None, help="also write the numbers here")
@@ -348,8 +356,9 @@ def main(argv: list[str] | None = None) -> int:
         samples = random_samples(args.samples, args.min_len, args.max_len, vocab, seed=0)
         hf = bench_hf(target, samples, args.batch_tokens, args.repeats)
         size = bench_bytes(target, samples, args.batch_tokens, work)
-        vllm = (bench_vllm(target, samples, args.batch_tokens, work, args.repeats)
-                if args.vllm else None)
+        vllm = {capture: bench_vllm(target, samples, args.batch_tokens, work, args.repeats,
+                                    capture)
+                for capture in (args.captures if args.vllm else ())}
         producer = (bench_producer(target, samples, args.batch_tokens, work, args.repeats)
                     if args.producer else None)
     print_table(hf, size, vllm, producer)

@@ -611,11 +611,43 @@ def test_vllm_states_equal_direct_forward_pass(vllm_run, vllm_dataset, toy_targe
 @pytest.mark.vllm
 @pytest.mark.slow
 def test_an_in_process_engine_hands_the_states_over_without_files(vllm_run):
-    """The engine's worker runs in the extracting process, so the connector puts each request's
-    states in the reader's inbox and serialises nothing (on a 2-core host the spool writes took
-    40% of the capture's time); those states are the ones checked against the reference."""
+    """The engine's one worker runs in the extracting process in eager mode, so the states come
+    straight from its model runner into the reader's inbox and nothing is serialised; those
+    states are the ones checked against the reference."""
     assert len(read_index(vllm_run)["files"]) == 4  # the run extracted every sample
+    assert json.loads((vllm_run / "extract_stats.json").read_text())["capture"] == "direct"
     assert SPOOL_FILES_WRITTEN[vllm_run] == []
+
+
+@requires_vllm
+@pytest.mark.vllm
+@pytest.mark.slow
+def test_the_direct_capture_gives_the_connectors_states(toy_target, tmp_path, monkeypatch):
+    """The model runner's aux states (direct) and the states the extract_hidden_states method
+    stored in its cache blocks (connector) are the same tensors, bit for bit, prompts prefilled
+    in chunks of 256 tokens included; in this process neither writes a spool file."""
+    import random
+
+    import torch
+
+    from draftline.stages.hidden import vllm_connector
+    from draftline.stages.hidden.vllm_backend import VLLMBackend
+
+    monkeypatch.setattr(vllm_connector, "save_file", None)  # a spool file would fail
+    rng = random.Random(0)
+    samples = [[rng.randrange(2, 2048) for _ in range(n)] for n in (300, 17, 256, 511, 64, 2)]
+    states = {}
+    for capture in ("direct", "connector"):
+        backend = VLLMBackend(toy_target, [2, 4, 8], 511, tmp_path / capture,
+                              {"batch_tokens": 256}, VLLM_SERVER_CFG, capture=capture)
+        try:
+            assert backend.capture == capture
+            states[capture] = backend.states(samples)
+        finally:
+            backend.close()
+    assert [s.shape[:2] for s in states["direct"]] == [(len(ids), 3) for ids in samples]
+    assert all(torch.equal(d, c) for d, c in zip(states["direct"], states["connector"],
+                                                 strict=True))
 
 
 _PAGE_FAULTS_A_PASS = """

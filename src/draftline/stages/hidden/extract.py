@@ -312,12 +312,14 @@ def extract_hidden_states(dataset_dir: str | Path, target_dir: str | Path, out_d
 
     todo_tokens = sum(splits[p.split].lengths[r] for p, _ in todo for r in p.rows)
     started = time.monotonic()
+    capture = None  # how the vllm backend took the states: direct or connector
     if todo:
         max_len = max(max(s.lengths, default=1) for s in splits.values())
         if cfg["backend"] == "vllm" and server_state_dir:
             release_other_servers(Path(server_state_dir), log=log.info)
         backend = _make_backend(cfg["backend"], target_dir, captured, info, cfg, server_cfg,
                                 out_dir, max_len)
+        capture = getattr(backend, "capture", None)
         ctx = {"dtype": info["dtype"], "layer_ids": layer_ids, "captured": captured,
                "num_layers": num_layers, "hidden_size": hidden}
         try:
@@ -343,7 +345,7 @@ def extract_hidden_states(dataset_dir: str | Path, target_dir: str | Path, out_d
         "computed_tokens": todo_tokens, "computed_files": len(todo),
         "reused_files": len(parts) - len(todo), "elapsed_s": round(elapsed, 3),
         "tokens_per_s": round(todo_tokens / elapsed, 1) if todo and elapsed > 0 else None,
-        "capacity": capacity, "backend": cfg["backend"], "gate": gate,
+        "capacity": capacity, "backend": cfg["backend"], "capture": capture, "gate": gate,
     })
     if index["rejected"]:
         log.warning("hidden states: %d samples rejected (non-finite states), listed in %s",

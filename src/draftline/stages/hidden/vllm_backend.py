@@ -1,11 +1,18 @@
 """Hidden states from the target served by vLLM (the production path for a 1T-parameter target).
 
-The target runs in vLLM's offline engine (``vllm.LLM``) with the ``extract_hidden_states``
-speculative method and ``DraftlineHiddenStatesConnector`` (``vllm_connector.py``). Each sample
-is one request: its token ids as the prompt, ``max_tokens=1``. The prefill computes the states
-of every prompt token; the connector hands them over per request (in memory when its worker runs
-in this process, else as a spool file); this module checks the token ids and hands them to the
-part writer.
+The target runs in vLLM's offline engine (``vllm.LLM``). Each sample is one request: its token
+ids as the prompt, ``max_tokens=1``. The prefill computes the states of every prompt token, and
+one of two captures hands them over per request:
+
+- the connector (``vllm_connector.py``): vLLM's ``extract_hidden_states`` speculative method
+  with ``DraftlineHiddenStatesConnector``, in memory when the worker runs in this process, else
+  as a spool file. Any layout: tensor parallelism, CUDA graphs, a separate engine process;
+- the direct capture (``vllm_direct.py``): the model runner's own aux states, when the engine's
+  one worker runs in this process in eager mode (tensor- and pipeline-parallel size 1). It
+  skips the method's copies and bookkeeping (``benchmarks/hidden_states.py``).
+
+Both give the same states (``tests/test_hidden.py``); this module checks the token ids and
+hands the states to the part writer.
 
 Why the offline engine and not the HTTP server: no port or process to manage, no tokenizer
 (prompts are token ids, ``skip_tokenizer_init``), and the same engine, scheduler, kernels and
@@ -63,6 +70,18 @@ def kv_transfer_config(spool_dir: Path) -> dict:
         "kv_role": "kv_producer",
         "kv_connector_extra_config": {"spool_dir": str(spool_dir)},
     }
+
+
+def why_not_direct(kwargs: dict) -> str | None:
+    """Why the engine ``kwargs`` describe cannot use the direct capture; None if it can."""
+    if os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING") != "0":
+        return "the engine core runs in a process of its own"
+    for key in ("tensor_parallel_size", "pipeline_parallel_size", "data_parallel_size"):
+        if int(kwargs.get(key) or 1) != 1:
+            return f"{key} {kwargs[key]}: the worker runs in a process of its own"
+    if not kwargs.get("enforce_eager"):
+        return "the model is compiled (server.enforce_eager false): traced without aux states"
+    return None
 
 
 def _on_cpu() -> bool:
@@ -128,7 +147,7 @@ class VLLMBackend:
 
     def __init__(self, target_dir: Path, capture_ids: Sequence[int], max_len: int,
                  spool_dir: Path, hidden_cfg: dict, server_cfg: dict | None,
-                 wait_timeout_s: float = 600.0):
+                 wait_timeout_s: float = 600.0, capture: str = "auto"):
         # in-process engine core; vLLM reads the variable only while it builds the engine, and
         # it must not reach a vLLM server this process starts later (its API server would run
         # the engine in its own event loop: bursty streams, a running gauge stuck at 0)
@@ -141,7 +160,6 @@ class VLLMBackend:
         reuse_freed_heap()
         for name, value in HEAP_REUSE_ENV.items():
             os.environ.setdefault(name, value)
-        from vllm import LLM
 
         if sorted(set(capture_ids)) != list(capture_ids):
             raise ValueError(f"capture ids must be ascending and distinct, got {capture_ids}")
@@ -166,7 +184,8 @@ class VLLMBackend:
 
         set_num_threads, self._torch_threads = torch.set_num_threads, torch.get_num_threads()
         try:
-            self.llm = LLM(**kwargs)
+            self.direct = self._choose_capture(capture, kwargs)
+            self.llm = self._start(kwargs, capture)
         finally:
             if unset:
                 os.environ.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)
@@ -175,6 +194,43 @@ class VLLMBackend:
             # compare floats with one-thread subprocesses) must still set its own thread count
             torch.set_num_threads = set_num_threads
         self._inprocess = type(self.llm.llm_engine.engine_core).__name__ == "InprocClient"
+
+    @property
+    def capture(self) -> str:
+        """How the states are taken: ``direct`` (the model runner's) or ``connector``."""
+        return "direct" if self.direct else "connector"
+
+    def _choose_capture(self, capture: str, kwargs: dict) -> bool:
+        """Whether to capture directly (``capture``: auto, direct or connector)."""
+        if capture not in ("auto", "direct", "connector"):
+            raise ValueError(f"capture must be auto, direct or connector, not {capture!r}")
+        reason = why_not_direct(kwargs)
+        if capture == "direct" and reason:
+            raise ValueError(f"the direct capture cannot run here: {reason}")
+        if capture == "auto" and reason:
+            log.info("hidden states through the connector: %s", reason)
+        return capture != "connector" and reason is None
+
+    def _start(self, kwargs: dict, capture: str):
+        """The engine, with the direct capture installed or the connector configured."""
+        from vllm import LLM
+
+        if not self.direct:
+            return LLM(**kwargs)
+        from draftline.stages.hidden.vllm_direct import install
+
+        llm = LLM(**{k: v for k, v in kwargs.items()
+                     if k not in ("speculative_config", "kv_transfer_config")})
+        try:
+            llm.collective_rpc(install, args=(str(self.spool_dir), self.capture_ids))
+            return llm
+        except Exception as exc:
+            llm.llm_engine.engine_core.shutdown()
+            if capture == "direct":
+                raise
+            log.info("hidden states through the connector: %s", exc)
+            self.direct = False
+            return LLM(**kwargs)
 
     def states(self, samples: Sequence[Sequence[int]],
                on_batch: Callable[[int], None] | None = None) -> list:
@@ -185,8 +241,8 @@ class VLLMBackend:
         names = [f"{run}-{i}" for i in range(len(samples))]
         prompts = [{"prompt_token_ids": list(map(int, ids))} for ids in samples]
         # the one sampled token is dropped: greedy spares the step vLLM's random sampling
-        params = [SamplingParams(max_tokens=1, temperature=0.0,
-                                 extra_args={"kv_transfer_params": {NAME_KEY: n}})
+        params = [SamplingParams(max_tokens=1, temperature=0.0, extra_args=(
+                      {NAME_KEY: n} if self.direct else {"kv_transfer_params": {NAME_KEY: n}}))
                   for n in names]
         self.llm.generate(prompts, params, use_tqdm=False)
         states = self._collect(dict(zip(names, samples, strict=True)))
