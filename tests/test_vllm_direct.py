@@ -101,3 +101,16 @@ def test_the_direct_capture_needs_the_one_worker_here_in_eager_mode(
     monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", multiprocessing)
     got = why_not_direct(kwargs)
     assert got is None if reason is None else reason in got
+
+
+def test_a_request_the_direct_capture_missed_fails_at_once(tmp_path):
+    """Its states come with the forwards ``generate`` ran: none later is worth waiting for."""
+    from draftline.stages.hidden.vllm_backend import VLLMBackend
+    from draftline.stages.hidden.vllm_connector import Inbox
+
+    backend = object.__new__(VLLMBackend)  # no engine: only what _collect reads
+    backend.direct, backend.inbox, backend.spool_dir = True, Inbox(), tmp_path
+    backend.capture_ids, backend.wait_timeout_s = [2, 4], 600.0
+    backend.inbox.put("s-1", {"hidden_states": torch.zeros(2, 2, 3), "token_ids": [7, 8]})
+    with pytest.raises(RuntimeError, match="no states for 1 requests \\(e.g. s-2\\)"):
+        backend._collect({"s-1": [7, 8], "s-2": [9]})

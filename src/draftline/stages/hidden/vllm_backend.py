@@ -251,7 +251,7 @@ class VLLMBackend:
         return [states[name] for name in names]
 
     def _collect(self, pending: dict[str, Sequence[int]]) -> dict:
-        """The states of each named request, as the connector hands them over."""
+        """The states of each named request, as the capture hands them over."""
         deadline = time.monotonic() + self.wait_timeout_s
         states = {}
         while True:
@@ -266,6 +266,9 @@ class VLLMBackend:
                     del pending[name]
             if not pending:
                 return states
+            if self.direct:  # its requests were handed over by the forwards generate ran
+                raise RuntimeError(f"vLLM backend: the direct capture handed over no states "
+                                   f"for {len(pending)} requests (e.g. {next(iter(pending))})")
             if time.monotonic() > deadline:
                 raise TimeoutError(f"vLLM handed over no hidden states for {len(pending)} "
                                    f"requests within {self.wait_timeout_s:.0f} s "
