@@ -650,6 +650,36 @@ def test_the_direct_capture_gives_the_connectors_states(toy_target, tmp_path, mo
                                                  strict=True))
 
 
+@requires_vllm
+@pytest.mark.vllm
+@pytest.mark.slow
+def test_a_target_the_direct_capture_cannot_read_falls_back_to_the_connector(
+        toy_target, tmp_path, monkeypatch, caplog):
+    """A worker that refuses the direct capture (here: every one) leaves the backend on the
+    connector, saying why; asked for the direct capture alone, it fails."""
+    import logging
+
+    from draftline.stages.hidden import vllm_direct
+    from draftline.stages.hidden.vllm_backend import VLLMBackend
+
+    def refuse(worker, spool_dir, capture_ids):
+        raise RuntimeError("the model may take embeddings instead of token ids")
+
+    monkeypatch.setattr(vllm_direct, "install", refuse)
+    with caplog.at_level(logging.INFO, logger="draftline.stages.hidden.vllm_backend"):
+        backend = VLLMBackend(toy_target, [2, 4, 8], 64, tmp_path / "auto", {},
+                              VLLM_SERVER_CFG)
+    try:
+        assert backend.capture == "connector"
+        assert [s.shape[:2] for s in backend.states([[5, 6, 7], [9] * 40])] == [(3, 3), (40, 3)]
+    finally:
+        backend.close()
+    assert "through the connector: the model may take embeddings" in caplog.text
+    with pytest.raises(RuntimeError, match="embeddings instead of token ids"):
+        VLLMBackend(toy_target, [2, 4, 8], 64, tmp_path / "direct", {}, VLLM_SERVER_CFG,
+                    capture="direct")
+
+
 _PAGE_FAULTS_A_PASS = """
 import json, random, resource, sys, tempfile
 from pathlib import Path

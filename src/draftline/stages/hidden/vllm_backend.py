@@ -186,6 +186,9 @@ class VLLMBackend:
         try:
             self.direct = self._choose_capture(capture, kwargs)
             self.llm = self._start(kwargs, capture)
+        except BaseException:
+            close_inbox(self.spool_dir)
+            raise
         finally:
             if unset:
                 os.environ.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)

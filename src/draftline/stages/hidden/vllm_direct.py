@@ -117,6 +117,10 @@ def install(worker: Any, spool_dir: str, capture_ids: list[int]) -> None:
     if not supports_eagle3(model):
         raise RuntimeError(f"{type(model).__name__} does not return aux hidden states "
                            "(vLLM's EAGLE-3 interface)")
+    if getattr(runner, "supports_mm_inputs", False) or getattr(runner, "enable_prompt_embeds",
+                                                              False):
+        raise RuntimeError("the model may take embeddings instead of token ids: the rows "
+                           "could not be checked against the samples")
     inbox = inbox_in_this_process(spool_dir)
     if inbox is None:
         raise RuntimeError("the direct capture needs the engine's worker in the reader's process")
