@@ -279,6 +279,22 @@ def test_a_killed_producer_server_stops_training_naming_the_server_and_log(input
     assert not group_alive(killed["server_pgid"])
 
 
+def test_the_wait_stops_at_the_connectors_error_file(tmp_path):
+    """A request the connector failed leaves ``{name}.error``: the wait names it and its
+    reason at once, whatever else of the batch is still missing."""
+    from draftline.stages.hidden.vllm_connector import error_file
+
+    producer = object.__new__(VLLMProducer)  # no server: the spool side alone
+    producer.spool_dir, producer.wait_timeout_s, producer.describe = tmp_path, 30.0, "test server"
+    answered: Future = Future()
+    answered.set_result(None)
+    error_file(tmp_path, "r-1").write_text("copy failed: boom\n")
+    started = time.monotonic()
+    with pytest.raises(ProducerServerError, match="failed for request r-1: copy failed: boom"):
+        producer._wait_for_files(["r-0", "r-1"], [answered])
+    assert time.monotonic() - started < 5
+
+
 def test_request_names_stay_unique_when_two_threads_produce(tmp_path, monkeypatch):
     """The prefetch thread and evaluation call produce() at once: every request (and spool
     file) name is given out once. The counter here is slow to read (a sleep in its getter),

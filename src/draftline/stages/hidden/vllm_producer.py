@@ -209,17 +209,22 @@ class VLLMProducer:
     def _wait_for_files(self, names: list[str], futures: list[Future]) -> None:
         deadline = time.monotonic() + self.wait_timeout_s
         missing = list(names)
+        files = {n: spool_file(self.spool_dir, n).name for n in names}
+        errors = {n: error_file(self.spool_dir, n).name for n in names}
         answered_at: float | None = None
         while True:
             for future in futures:
                 if future.done() and future.exception() is not None:
                     self._fail(future.exception())
+            # one directory read a poll: two stats a missing name every 5 ms kept one of the
+            # server's cores busy while it computed them
+            present = set(os.listdir(self.spool_dir))
             for name in missing:
-                if error_file(self.spool_dir, name).exists():
+                if errors[name] in present:
                     reason = error_file(self.spool_dir, name).read_text().strip()
                     raise ProducerServerError(f"{self.describe}: the hidden-state connector "
                                               f"failed for request {name}: {reason}")
-            missing = [n for n in missing if not spool_file(self.spool_dir, n).exists()]
+            missing = [n for n in missing if files[n] not in present]
             if not missing:
                 return
             now = time.monotonic()
