@@ -39,13 +39,16 @@ class PromptRows:
     """One request's states so far: the chunks computed, in position order."""
 
     def __init__(self) -> None:
+        self.start_over()
+
+    def start_over(self) -> None:
         self.states: list[torch.Tensor] = []  # [n, n_ids, H] each
         self.token_ids: list[torch.Tensor] = []  # [n] each
         self.next_position = 0
 
     def add(self, first_position: int, states: torch.Tensor, token_ids: torch.Tensor) -> None:
         if first_position == 0:  # computed again from the start (a preempted request)
-            self.__init__()
+            self.start_over()
         if first_position != self.next_position:
             raise RuntimeError(f"rows from position {first_position}, expected "
                                f"{self.next_position}")
