@@ -576,12 +576,14 @@ def vllm_run(toy_target, vllm_dataset, work) -> Path:
 @pytest.mark.vllm
 @pytest.mark.slow
 def test_vllm_states_equal_direct_forward_pass(vllm_run, vllm_dataset, toy_target, tmp_path):
-    """vLLM (CPU build, our connector) and hf both match the reference on the toy target;
-    states of prompts prefilled in chunks come out whole and in order."""
+    """vLLM (CPU build, the direct capture) and hf both match the reference on the toy
+    target; states of prompts prefilled in chunks come out whole and in order."""
     index = read_index(vllm_run)
     assert os.environ[ENV_PROBE] == "engine"  # the engine ran in this process with server.env
-    # the in-process engine's switch does not leak into servers this process starts later
-    assert "VLLM_ENABLE_V1_MULTIPROCESSING" not in os.environ
+    # the in-process engine's switch and its workers' heap settings do not leak into servers
+    # this process starts later
+    assert not {"VLLM_ENABLE_V1_MULTIPROCESSING", "MALLOC_MMAP_THRESHOLD_",
+                "MALLOC_TRIM_THRESHOLD_"} & set(os.environ)
     assert index["backend"] == "vllm" and index["rejected"] == []
     assert index["layer_ids"] == VLLM_LAYER_IDS and index["num_layers"] == 8
     installed = metadata.version(metadata.packages_distributions()["vllm"][0])

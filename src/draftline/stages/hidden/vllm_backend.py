@@ -156,10 +156,10 @@ class VLLMBackend:
         # server.env applies to every vLLM of the run (e.g. NCCL settings for TP over PCIe)
         os.environ.update((server_cfg or {}).get("env") or {})
         # the states are freed a pass at a time: keep that memory here, and in the
-        # tensor-parallel workers (fresh processes read the variables)
+        # tensor-parallel workers (fresh processes read the variables while the engine starts)
         reuse_freed_heap()
-        for name, value in HEAP_REUSE_ENV.items():
-            os.environ.setdefault(name, value)
+        heap_env = {k: v for k, v in HEAP_REUSE_ENV.items() if k not in os.environ}
+        os.environ.update(heap_env)
 
         if sorted(set(capture_ids)) != list(capture_ids):
             raise ValueError(f"capture ids must be ascending and distinct, got {capture_ids}")
@@ -192,6 +192,8 @@ class VLLMBackend:
         finally:
             if unset:
                 os.environ.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)
+            for name in heap_env:  # not for the processes this one starts later
+                os.environ.pop(name, None)
             # vLLM's CPU worker replaces torch.set_num_threads process-wide with a no-op once
             # it has bound its threads; whatever this process runs next (training, tests that
             # compare floats with one-thread subprocesses) must still set its own thread count
