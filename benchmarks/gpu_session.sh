@@ -4,7 +4,8 @@
 #      4,096, K 3 and 7), from a copy of the shared peer-bench folder inside the checkout;
 #   2. benchmarks/train_step.py at Kimi dims, T 4,096, K 7, diagonal attention: the full and
 #      the draft-rows teacher, norms and MLPs eager and compiled (train.compile);
-#   3. the other draft families at the same size: the MLA draft, EAGLE-3.1, P-EAGLE.
+#   3. the other draft families at the same size: the MLA draft (with AdamW and with Muon,
+#      training's default optimizer: production's step), EAGLE-3.1, P-EAGLE.
 # Each part has its own time limit and writes its JSON as it goes, so a part cut short keeps
 # what it measured and the next still runs.
 #
@@ -38,7 +39,8 @@ step() {  # name, limit, train_step.py arguments
 }
 
 step step-kimi "$STEP_S" --dims kimi --teacher-heads full draft_rows --pointwise eager compiled
-for dims in kimi-mla kimi-eagle3.1 kimi-p-eagle; do
+step step-kimi-mla "$FAMILY_S" --dims kimi-mla --optimizers adamw muon
+for dims in kimi-eagle3.1 kimi-p-eagle; do
   step "step-$dims" "$FAMILY_S" --dims "$dims"
 done
 tail -n 12 "$OUT"/step-*.log >> "$OUT/summary.txt"

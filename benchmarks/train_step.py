@@ -3,7 +3,9 @@
 The step is training's own: ``draftline.stages.train.run_micro_batch`` (the frozen target head makes
 the teacher distribution, the K-step unroll, the loss; on CUDA under bf16 autocast with bf16
 inputs, embedding and target head and fp32 trainable weights, as ``build_draft`` makes them),
-then backward, gradient clipping and AdamW (betas 0.9/0.95), as ``draftline.stages.train``'s loop.
+then backward, gradient clipping and the optimizer step, as ``draftline.stages.train``'s loop
+builds them (``build_optimizer``): AdamW, the step the peer harness compares, or Muon,
+training's default (``--optimizers``).
 One micro-batch of ``--batch`` rows of ``--tokens`` tokens, already on the device (the
 host-to-device copy of the hidden states is not timed). Attention implementations, measured
 in the same run on the same weights:
@@ -19,14 +21,15 @@ in the same run on the same weights:
   memory-efficient kernel, which never holds the [T, T*(k+1)] probabilities).
 
 Rows also say whether the draft's norms and MLPs ran eager or compiled (``--pointwise``,
-``train.compile``). Columns: step time, tokens/s, peak memory (CUDA: max allocated,
-everything included; CPU: the increase of peak RSS over the process before its first step,
-each configuration in its own process), the analytic peak estimate (``memory_model``), model
-FLOPs per token (``flops_per_token``: the same useful work for every implementation) and MFU
-against the matrix-product peak measured at the start of the run (bf16 on CUDA, fp32 on CPU:
-the dtype training computes in there). Before the table: which attention path ran, and the
-largest differences of outputs and gradients between the fused path and the eager reference,
-both against an fp32 truth, at the run's dimensions.
+``train.compile``) and which optimizer stepped (``--optimizers``). Columns: step time,
+tokens/s, peak memory (CUDA: max allocated, everything included; CPU: the increase of peak RSS
+over the process before its first step, each configuration in its own process), the analytic
+peak estimate (``memory_model``), model FLOPs per token (``flops_per_token``: the same useful
+work for every implementation) and MFU against the matrix-product peak measured at the start
+of the run (bf16 on CUDA, fp32 on CPU: the dtype training computes in there; Muon's
+Newton-Schulz products, ``optimizer_flops``, are printed beside, not counted). Before the
+table: which attention path ran, and the largest differences of outputs and gradients between
+the fused path and the eager reference, both against an fp32 truth, at the run's dimensions.
 
     python benchmarks/train_step.py                      # CPU, toy dims, K = 1, 3, 7, 2,048 tok
     python benchmarks/train_step.py --steps-k 7 --tokens 4096 --repeats 3 --threads 1
@@ -35,6 +38,7 @@ both against an fp32 truth, at the run's dimensions.
     python benchmarks/train_step.py --teacher-heads full draft_rows --impls diagonal
     python benchmarks/train_step.py --preset h200 --dims kimi-p-eagle   # a family per --dims
     python benchmarks/train_step.py --impls diagonal --pointwise eager compiled  # train.compile
+    python benchmarks/train_step.py --impls diagonal --optimizers adamw muon  # train.optimizer
 
 Needs torch and draftline only (``PYTHONPATH=src`` from a checkout).
 """
@@ -74,7 +78,8 @@ class _Absent(types.ModuleType):
 
 
 def import_training_step():
-    """draftline.stages.train's ``Runtime`` and ``run_micro_batch``: the step that trains.
+    """draftline.stages.train's ``Runtime``, ``run_micro_batch``, ``build_optimizer`` and
+    ``muon_matrix``: the step that trains.
 
     The training modules import the pipeline's own dependencies at their top (config
     validation, progress bars, the server client); an accelerator machine with only torch,
@@ -86,6 +91,7 @@ def import_training_step():
     while True:
         try:
             from draftline.stages.train import Runtime, run_micro_batch
+            from draftline.stages.train.optim import build_optimizer, muon_matrix
         except ModuleNotFoundError as e:
             root = (e.name or "").split(".")[0]
             if not root or root in ("draftline", "torch") or e.name in sys.modules:
@@ -96,10 +102,10 @@ def import_training_step():
         if absent:
             print(f"not installed, stood in for at import (the step does not use them): "
                   f"{', '.join(absent)}", file=sys.stderr)
-        return Runtime, run_micro_batch
+        return Runtime, run_micro_batch, build_optimizer, muon_matrix
 
 
-Runtime, run_micro_batch = import_training_step()
+Runtime, run_micro_batch, build_optimizer, muon_matrix = import_training_step()
 
 TOY = {"hidden_size": 128, "target_hidden_size": 128, "num_attention_heads": 4,
        "num_key_value_heads": 4, "head_dim": 32, "intermediate_size": 384,
@@ -128,11 +134,20 @@ FAMILIES = {"eagle3.1": {"fc_norm": True, "norm_output": True},
             "p-eagle": {"parallel_drafting": True}}
 DIMS = {"toy": TOY, "kimi": KIMI, "kimi-mla": KIMI_MLA,
         **{f"kimi-{name}": {**KIMI, **flags} for name, flags in FAMILIES.items()}}
-# Training's settings that the step reads (the schema's defaults; Kimi's config keeps them).
+# Training's settings that the step reads: the schema's defaults (tests/test_train_step_bench.py
+# keeps them in step), but a fixed learning rate for ``lr: auto`` (its value does not change the
+# work of a step).
 TRAIN = {"loss_decay": 0.8, "lr": 3e-4, "weight_decay": 0.0, "grad_clip": 0.5,
-         "teacher_head": "full", "teacher_temperature": 0.5, "compile": False}
+         "teacher_head": "full", "teacher_temperature": 0.5, "compile": False,
+         "optimizer": "muon", "momentum": 0.8}
 TEACHER_HEADS = ("full", "draft_rows")  # train.teacher_head
 POINTWISE = ("eager", "compiled")  # train.compile false / true
+OPTIMIZERS = ("adamw", "muon")  # train.optimizer
+# The optimizer of ``Setup``'s step unless told otherwise: AdamW, as the peer harness's
+# speculators step (its ``--optimizer adamw``; the peer's Muon is an extra row there).
+COMPARED_OPTIMIZER = "adamw"
+# torch.optim.Muon's Newton-Schulz iterations (its default, which training keeps).
+NS_STEPS = inspect.signature(torch.optim.Muon).parameters["ns_steps"].default
 
 IMPLS = ("diagonal", "diagonal-eager", "dense", "dense-sdpa")
 PRESETS = {
@@ -197,6 +212,28 @@ def attention_impl(impl: str):
 # ----------------------------------------------------------------------------- FLOPs, memory
 
 
+def muon_matrices(cfg: m.DraftConfig) -> dict[str, tuple[int, ...]]:
+    """The trainable tensors Muon updates (``draftline.stages.train.optim.muon_matrix``)."""
+    return {name: shape for name, shape in m.expected_shapes(cfg).items()
+            if muon_matrix(name, torch.empty(shape, device="meta"))}
+
+
+def optimizer_flops(cfg: m.DraftConfig, optimizer: str) -> float:
+    """Matrix-product FLOPs of one optimizer step (once per step, whatever its tokens).
+
+    AdamW: none (elementwise). Muon: per matrix of m <= n (its short side first), NS_STEPS
+    Newton-Schulz iterations of a Gram product (2 m^2 n), its square (2 m^3) and the update
+    (2 m^2 n), in bf16 (torch.optim.Muon).
+    """
+    if optimizer == "adamw":
+        return 0.0
+    total = 0
+    for shape in muon_matrices(cfg).values():
+        short, long = sorted(shape)
+        total += NS_STEPS * (4 * short * short * long + 2 * short**3)
+    return float(total)
+
+
 def flops_per_token(cfg: m.DraftConfig, tokens: int, steps_k: int,
                     teacher_head: str = TRAIN["teacher_head"]) -> dict[str, float]:
     """Model FLOPs of one training step per token (2 per multiply-add; recomputation in
@@ -245,12 +282,15 @@ def trainable_params(cfg: m.DraftConfig) -> dict[str, int]:
 
 
 def memory_model(cfg: m.DraftConfig, batch: int, tokens: int, steps_k: int,
-                 device_type: str, teacher_head: str = TRAIN["teacher_head"]) -> dict[str, float]:
+                 device_type: str, teacher_head: str = TRAIN["teacher_head"],
+                 optimizer: str = COMPARED_OPTIMIZER) -> dict[str, float]:
     """Expected bytes at the step's peak (the end of the forward, when everything saved for
     the backward is alive), term by term, from what the code keeps (checked against the
     tensors autograd saves in tests/test_train_step_bench.py).
 
-    CUDA (training's setup): fp32 trainable weights, their gradients and two AdamW moments;
+    CUDA (training's setup): fp32 trainable weights, their gradients and the optimizer's
+    state (AdamW: two moments a weight; Muon: one momentum buffer a matrix it updates, AdamW's
+    two moments for the rest);
     bf16 copies of the weights autocast makes (all but fc's, which the backward does not
     need); bf16 frozen embedding and target lm_head; activations under bf16 autocast, with
     fp32 norms (fp32 norm weights times bf16) and an fp32 loss. CPU: everything fp32.
@@ -303,8 +343,10 @@ def memory_model(cfg: m.DraftConfig, batch: int, tokens: int, steps_k: int,
              for s in range(steps_k)]
     rows = batch * tokens
     chunk = min(TEACHER_CHUNK_ROWS, rows)
+    muon = sum(params[name] for name in muon_matrices(cfg)) if optimizer == "muon" else 0
     terms = {
-        "weights fp32 + grads + AdamW": 4 * n_params * 4,
+        "weights fp32 + grads": 2 * 4 * n_params,
+        "optimizer state": 4 * (2 * n_params - muon),
         "autocast weight copies": weight_casts,
         "frozen embedding + target head": frozen,
         "activations saved": rows * sum(saved),
@@ -357,7 +399,8 @@ class Setup:
     them."""
 
     def __init__(self, dims: dict, device: str, batch: int, tokens: int, seed: int = 0,
-                 teacher_head: str = TRAIN["teacher_head"], compile: bool = TRAIN["compile"]):
+                 teacher_head: str = TRAIN["teacher_head"], compile: bool = TRAIN["compile"],
+                 optimizer: str = COMPARED_OPTIMIZER):
         torch.manual_seed(seed)
         self.teacher_head = teacher_head
         self.device = torch.device(device)
@@ -381,11 +424,15 @@ class Setup:
         if compile:
             self.compile()
         self.params = [p for p in self.model.parameters() if p.requires_grad]
-        self.optimizer = torch.optim.AdamW(self.params, lr=TRAIN["lr"],
-                                           weight_decay=TRAIN["weight_decay"],
-                                           betas=(0.9, 0.95))
+        self.set_optimizer(optimizer)
         self.rt = Runtime(rank=0, world=1, local_rank=0, device=self.device, owns_group=False)
         self.set_batch(batch, tokens)
+
+    def set_optimizer(self, name: str) -> None:
+        """``train.optimizer``: a fresh optimizer of that kind (the old state freed first)."""
+        self.optimizer = None
+        self.optimizer_name = name
+        self.optimizer = build_optimizer(self.model, {**TRAIN, "optimizer": name})
 
     def compile(self) -> None:
         """``train.compile``: the norms and MLPs compiled, from the next step on (one way)."""
@@ -441,7 +488,8 @@ def measure(setup: Setup, impl: str, steps_k: int, repeats: int) -> dict:
     rows, tokens = setup.batch["input_ids"].shape
     cuda = setup.device.type == "cuda"
     row = {"impl": impl, "K": steps_k, "tokens": tokens, "batch": rows,
-           "teacher": setup.teacher_head, "pointwise": POINTWISE[setup.compiled]}
+           "teacher": setup.teacher_head, "pointwise": POINTWISE[setup.compiled],
+           "optimizer": setup.optimizer_name}
     try:
         with attention_impl(impl):
             if cuda:
@@ -564,35 +612,37 @@ def step_gradients_diff(setup: Setup, steps_k: int) -> dict:
 
 
 def table(rows: list[dict], cfg: m.DraftConfig, peak_flops: float, device_type: str) -> str:
-    """One row per (T, K, teacher head, attention, norms and MLPs eager or compiled); speeds
-    against the dense mask with the full teacher, eager, measured in the same run (MFU on each
-    row's own FLOPs)."""
-    by = {(r.get("teacher", "full"), r["impl"], r.get("pointwise", "eager"), r["K"],
-           r["tokens"]): r for r in rows}
+    """One row per (T, K, teacher head, attention, norms and MLPs eager or compiled,
+    optimizer); speeds against the dense mask with the full teacher, eager, and the same
+    optimizer, measured in the same run (MFU on each row's own model FLOPs: the optimizer's
+    are not a token's work)."""
+    by = {(r.get("teacher", "full"), r["impl"], r.get("pointwise", "eager"),
+           r.get("optimizer", COMPARED_OPTIMIZER), r["K"], r["tokens"]): r for r in rows}
     memory = "peak allocated (MiB)" if device_type == "cuda" else "peak RSS increase (MiB)"
-    lines = [f"| T | K | teacher | attention | norms, MLP | step (ms) | tokens/s | {memory} | "
-             "model estimate (MiB) | GFLOP/token | MFU | speed vs dense, full teacher, eager |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    lines = [f"| T | K | teacher | attention | norms, MLP | optimizer | step (ms) | tokens/s | "
+             f"{memory} | model estimate (MiB) | GFLOP/token | MFU | "
+             "speed vs dense, full teacher, eager |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for tokens in sorted({r["tokens"] for r in rows}):
         for k in sorted({r["K"] for r in rows}):
-            dense = by.get(("full", "dense", "eager", k, tokens))
-            for teacher, impl, mode in ((t, i, p) for t in TEACHER_HEADS for i in IMPLS
-                                        for p in POINTWISE):
-                r = by.get((teacher, impl, mode, k, tokens))
+            for teacher, impl, mode, opt in ((t, i, p, o) for t in TEACHER_HEADS for i in IMPLS
+                                             for p in POINTWISE for o in OPTIMIZERS):
+                r = by.get((teacher, impl, mode, opt, k, tokens))
                 if r is None:
                     continue
+                dense = by.get(("full", "dense", "eager", opt, k, tokens))
                 flops = flops_per_token(cfg, tokens, k, teacher)["total"]
                 estimate = memory_model(cfg, r["batch"], tokens, k, device_type,
-                                        teacher)["peak"] / 2**20
+                                        teacher, opt)["peak"] / 2**20
                 if r["oom"]:
-                    lines.append(f"| {tokens} | {k} | {teacher} | {impl} | {mode} | out of "
-                                 f"memory | | | {estimate:,.0f} | {flops / 1e9:.4g} | | |")
+                    lines.append(f"| {tokens} | {k} | {teacher} | {impl} | {mode} | {opt} | "
+                                 f"out of memory | | | {estimate:,.0f} | {flops / 1e9:.4g} | | |")
                     continue
                 speed = (f"{r['tokens_per_s'] / dense['tokens_per_s']:.2f}x"
                          if dense and not dense["oom"] else "-")
                 mfu = flops * r["tokens_per_s"] / peak_flops
                 lines.append(
-                    f"| {tokens} | {k} | {teacher} | {impl} | {mode} | "
+                    f"| {tokens} | {k} | {teacher} | {impl} | {mode} | {opt} | "
                     f"{r['s_per_step'] * 1e3:,.1f} | "
                     f"{r['tokens_per_s']:,.0f} | {r['peak_memory_mib']:,.0f} | "
                     f"{estimate:,.0f} | {flops / 1e9:.4g} | {100 * mfu:.1f}% | {speed} |")
@@ -607,12 +657,16 @@ def flops_table(cfg: m.DraftConfig, tokens: list[int], steps_k: list[int]) -> st
             f = flops_per_token(cfg, t, k)
             lines.append(f"| {t} | {k} | " + " | ".join(f"{f[n] / 1e9:.4g}" for n in names)
                          + " |")
+    muon = optimizer_flops(cfg, "muon")
+    lines.append(f"Muon's Newton-Schulz (once an optimizer step, not in MFU): {muon / 1e9:,.4g} "
+                 f"GFLOP, {muon / max(tokens) / 1e9:.4g} GFLOP a token at {max(tokens):,} "
+                 "tokens a step")
     return "GFLOP per token, by term\n" + "\n".join(lines)
 
 
 def memory_report(cfg: m.DraftConfig, batch: int, tokens: list[int], steps_k: list[int],
                   device_type: str) -> str:
-    names = ("weights fp32 + grads + AdamW", "autocast weight copies",
+    names = ("weights fp32 + grads", "optimizer state", "autocast weight copies",
              "frozen embedding + target head", *PER_TOKEN_TERMS, "peak",
              "teacher head transient")
     lines = [f"Analytic memory ({device_type}, {batch} row(s); GiB)",
@@ -676,6 +730,10 @@ def parse_args(argv):
     parser.add_argument("--pointwise", nargs="+", choices=POINTWISE, default=["eager"],
                         help="norms and MLPs eager and/or compiled (train.compile); compiled "
                              "rows are measured after the eager ones")
+    parser.add_argument("--optimizers", nargs="+", choices=OPTIMIZERS,
+                        default=[COMPARED_OPTIMIZER],
+                        help=f"train.optimizer values measured (training's default is "
+                             f"{TRAIN['optimizer']}; {COMPARED_OPTIMIZER} is the peer's step)")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--threads", type=int, default=None,
                         help="torch threads (default: torch's; 1 is steadier on a busy CPU)")
@@ -685,7 +743,8 @@ def parse_args(argv):
     parser.add_argument("--memory-only", action="store_true",
                         help="print the FLOPs and the analytic memory, run nothing")
     parser.add_argument("--json", help="also write the rows and checks to this file")
-    parser.add_argument("--one", nargs=5, metavar=("IMPL", "K", "T", "TEACHER", "POINTWISE"),
+    parser.add_argument("--one", nargs=6,
+                        metavar=("IMPL", "K", "T", "TEACHER", "POINTWISE", "OPTIMIZER"),
                         help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.preset:
@@ -696,9 +755,10 @@ def parse_args(argv):
     return args
 
 
-def child_row(args, impl: str, k: int, tokens: int, teacher: str, mode: str) -> dict:
+def child_row(args, impl: str, k: int, tokens: int, teacher: str, mode: str,
+              optimizer: str = COMPARED_OPTIMIZER) -> dict:
     """CPU: one configuration in a fresh process, so that its peak RSS is its own."""
-    cmd = [sys.executable, __file__, "--one", impl, str(k), str(tokens), teacher, mode,
+    cmd = [sys.executable, __file__, "--one", impl, str(k), str(tokens), teacher, mode, optimizer,
            "--dims", args.dims,
            "--batch", str(args.batch), "--repeats", str(args.repeats)]
     if args.threads:
@@ -715,7 +775,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.one:  # child process: one configuration, JSON on stdout
         impl, k, tokens = args.one[0], int(args.one[1]), int(args.one[2])
         setup = Setup(DIMS[args.dims], "cpu", args.batch, tokens, teacher_head=args.one[3],
-                      compile=args.one[4] == "compiled")
+                      compile=args.one[4] == "compiled", optimizer=args.one[5])
         print(json.dumps(measure(setup, impl, k, args.repeats)))
         return 0
     print(flops_table(cfg, args.tokens, args.steps_k))
@@ -748,6 +808,8 @@ def main(argv: list[str] | None = None) -> int:
                        "fused_vs_eager": diffs, "step_gradients": step_diff,
                        "flops_per_token": {f"{t},{k}": flops_per_token(cfg, t, k)
                                            for t in args.tokens for k in args.steps_k},
+                       "optimizer_flops_per_step": {o: optimizer_flops(cfg, o)
+                                                    for o in OPTIMIZERS},
                        "memory_model": {f"{t},{k}": memory_model(cfg, args.batch, t, k,
                                                                  device.type)
                                         for t in args.tokens for k in args.steps_k}},
@@ -758,18 +820,21 @@ def main(argv: list[str] | None = None) -> int:
             setup.compile()
         for tokens in args.tokens:
             setup.set_batch(args.batch, tokens)
-            for k in args.steps_k:
-                for teacher, impl in ((t, i) for t in args.teacher_heads for i in args.impls):
-                    setup.teacher_head = teacher  # one model: the head is a setting of the step
-                    if device.type == "cpu" and not args.in_process:
-                        row = child_row(args, impl, k, tokens, teacher, mode)
-                    else:
-                        row = measure(setup, impl, k, args.repeats)
-                    rows.append(row)
-                    write_json()
-                    rate = "OOM" if row["oom"] else f"{row['tokens_per_s']:,.0f} tok/s"
-                    print(f"  {teacher:10s} {impl:14s} {mode:8s} T={tokens} K={k}: {rate}",
-                          file=sys.stderr, flush=True)
+            for k, opt, teacher, impl in ((k, o, t, i) for k in args.steps_k
+                                          for o in args.optimizers
+                                          for t in args.teacher_heads for i in args.impls):
+                setup.teacher_head = teacher  # one model: the head is a setting of the step
+                if device.type == "cpu" and not args.in_process:
+                    row = child_row(args, impl, k, tokens, teacher, mode, opt)
+                else:
+                    if setup.optimizer_name != opt:
+                        setup.set_optimizer(opt)
+                    row = measure(setup, impl, k, args.repeats)
+                rows.append(row)
+                write_json()
+                rate = "OOM" if row["oom"] else f"{row['tokens_per_s']:,.0f} tok/s"
+                print(f"  {teacher:10s} {impl:14s} {mode:8s} {opt:5s} T={tokens} K={k}: {rate}",
+                      file=sys.stderr, flush=True)
     name = torch.cuda.get_device_name() if device.type == "cuda" else "CPU"
     print(f"\ndraft train step, {args.dims} dims, {name}, {args.batch} row(s), "
           f"{torch.get_num_threads()} threads, load average {os.getloadavg()[0]:.1f}, "

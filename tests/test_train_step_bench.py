@@ -61,6 +61,63 @@ def test_kimi_dims_are_the_production_config():
     assert config["train"]["ttt_steps"] == max(bench.PRESETS["h200"]["steps_k"])
 
 
+def test_the_step_reads_trainings_defaults():
+    """TRAIN is the schema's train defaults (a fixed rate stands for ``lr: auto``), so that the
+    step measured is the one a run takes."""
+    schema = yaml.safe_load((ROOT / "src/draftline/schemas/config.schema.yaml").read_text())
+    defaults = {key: spec.get("default")
+                for key, spec in schema["properties"]["train"]["properties"].items()}
+    assert defaults["lr"] == "auto"
+    for key, value in bench.TRAIN.items():
+        if key != "lr":
+            assert defaults[key] == value, key
+    assert bench.COMPARED_OPTIMIZER in bench.OPTIMIZERS
+    assert set(bench.OPTIMIZERS) == set(
+        schema["properties"]["train"]["properties"]["optimizer"]["enum"])
+
+
+TOY_MLA = {**bench.TOY, "arch": "deepseek_mla", "q_lora_rank": 48, "kv_lora_rank": 32,
+           "qk_nope_head_dim": 16, "qk_rope_head_dim": 8, "v_head_dim": 16}
+
+
+@pytest.mark.parametrize("optimizer", ["adamw", "muon"])
+@pytest.mark.parametrize("dims", ["toy", "toy-mla"])
+def test_the_optimizers_work_and_state_are_what_the_model_counts(dims, optimizer):
+    """The matrix products of one optimizer step, counted by torch's FlopCounterMode, equal
+    optimizer_flops (Muon's Newton-Schulz; AdamW none), and the optimizer's state after it
+    equals memory_model's term (Muon keeps one buffer a matrix, not AdamW's two)."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    setup = bench.Setup(bench.TOY if dims == "toy" else TOY_MLA, "cpu", 1, 32,
+                        optimizer=optimizer)
+    loss, _ = setup.loss(2)
+    loss.backward()
+    with FlopCounterMode(display=False) as counter:
+        setup.optimizer.step()
+    assert counter.get_total_flops() == bench.optimizer_flops(setup.cfg, optimizer)
+    state = sum(t.numel() * t.element_size() for per_param in setup.optimizer.state.values()
+                for t in per_param.values() if torch.is_tensor(t) and t.ndim > 0)
+    expected = bench.memory_model(setup.cfg, 1, 32, 2, "cpu", optimizer=optimizer)
+    assert state == expected["optimizer state"]
+    if optimizer == "muon":
+        assert counter.get_total_flops() > 0
+        adamw = bench.memory_model(setup.cfg, 1, 32, 2, "cpu", optimizer="adamw")
+        assert state < 0.7 * adamw["optimizer state"]
+
+
+def test_muons_work_a_step_at_kimi_dims_is_a_model_steps_worth_at_4096_tokens():
+    """Why the optimizer is a column: at the Llama layer's Kimi sizes Muon's Newton-Schulz is
+    1.6e14 FLOPs a step, about 39 GFLOP a token of a 4,096-token step, against the model's
+    42 at K = 7 (a hand count of fc's share checks the formula's shape)."""
+    cfg = m.DraftConfig(**bench.KIMI)
+    fc = 5 * (4 * 7168**2 * 21504 + 2 * 7168**3)  # [7168, 3 x 7168]: short side 7168
+    assert bench.muon_matrices(cfg)["fc.weight"] == (7168, 21504)
+    total = bench.optimizer_flops(cfg, "muon")
+    assert fc < total and total == pytest.approx(1.61e14, rel=0.01)
+    assert total / 4096 == pytest.approx(0.93 * bench.flops_per_token(cfg, 4096, 7)["total"],
+                                         rel=0.02)
+
+
 @pytest.mark.parametrize("family", sorted(bench.FAMILIES))
 def test_each_family_has_a_kimi_row_and_its_step_trains_what_makes_it_that_family(family):
     """--dims kimi-{family} is Kimi's Llama draft with the family's flags only, and the step
@@ -132,18 +189,22 @@ def test_cpu_path_runs_at_toy_dims_and_reports_the_table(tmp_path, capsys):
     out = tmp_path / "rows.json"
     assert bench.main(["--device", "cpu", "--dims", "toy", "--tokens", "48", "--steps-k", "1",
                        "3", "--impls", "diagonal", "dense", "--repeats", "1", "--in-process",
-                       "--teacher-heads", "full", "draft_rows", "--json", str(out)]) == 0
+                       "--teacher-heads", "full", "draft_rows", "--optimizers", "adamw",
+                       "muon", "--json", str(out)]) == 0
     printed = capsys.readouterr().out
     header = next(line for line in printed.splitlines() if line.startswith("| T | K | teacher"))
     assert [c.strip() for c in header.strip("|").split("|")] == [
-        "T", "K", "teacher", "attention", "norms, MLP", "step (ms)", "tokens/s",
+        "T", "K", "teacher", "attention", "norms, MLP", "optimizer", "step (ms)", "tokens/s",
         "peak RSS increase (MiB)", "model estimate (MiB)", "GFLOP/token", "MFU",
         "speed vs dense, full teacher, eager"]
     report = json.loads(out.read_text())
-    assert {(r["teacher"], r["impl"], r["K"], r["pointwise"]) for r in report["rows"]} == {
-        (t, impl, k, "eager") for t in ("full", "draft_rows") for impl in ("diagonal", "dense")
-        for k in (1, 3)}
-    assert "| 48 | 3 | draft_rows | diagonal | eager |" in printed
+    assert {(r["teacher"], r["impl"], r["K"], r["pointwise"], r["optimizer"])
+            for r in report["rows"]} == {
+        (t, impl, k, "eager", o) for t in ("full", "draft_rows") for impl in ("diagonal", "dense")
+        for k in (1, 3) for o in ("adamw", "muon")}
+    assert "| 48 | 3 | draft_rows | diagonal | eager | muon |" in printed
+    assert report["optimizer_flops_per_step"]["adamw"] == 0
+    assert report["optimizer_flops_per_step"]["muon"] > 0
     for row in report["rows"]:
         assert not row["oom"] and row["tokens_per_s"] > 0 and row["tokens"] == 48
         mfu = report["flops_per_token"][f"48,{row['K']}"]["total"] * row["tokens_per_s"] \
@@ -181,6 +242,8 @@ def test_cpu_child_reports_its_own_peak_memory_not_its_parents():
     assert 1 < row["peak_memory_mib"] < 256
     assert bench.child_row(args, "diagonal", 2, 64, "full", "compiled")["pointwise"] == \
         "compiled"  # train.compile reaches the child's step
+    assert bench.child_row(args, "diagonal", 2, 64, "full", "eager", "muon")["optimizer"] == \
+        "muon"  # and train.optimizer
 
 
 def test_script_runs_where_only_torch_is_installed():
