@@ -78,8 +78,8 @@ class _Absent(types.ModuleType):
 
 
 def import_training_step():
-    """draftline.stages.train's ``Runtime``, ``run_micro_batch``, ``build_optimizer`` and
-    ``muon_matrix``: the step that trains.
+    """draftline.stages.train's ``Runtime``, ``run_micro_batch`` and its ``optim`` module (the
+    optimizer): the step that trains.
 
     The training modules import the pipeline's own dependencies at their top (config
     validation, progress bars, the server client); an accelerator machine with only torch,
@@ -90,8 +90,7 @@ def import_training_step():
     absent = []
     while True:
         try:
-            from draftline.stages.train import Runtime, run_micro_batch
-            from draftline.stages.train.optim import build_optimizer, muon_matrix
+            from draftline.stages.train import Runtime, optim, run_micro_batch
         except ModuleNotFoundError as e:
             root = (e.name or "").split(".")[0]
             if not root or root in ("draftline", "torch") or e.name in sys.modules:
@@ -102,10 +101,10 @@ def import_training_step():
         if absent:
             print(f"not installed, stood in for at import (the step does not use them): "
                   f"{', '.join(absent)}", file=sys.stderr)
-        return Runtime, run_micro_batch, build_optimizer, muon_matrix
+        return Runtime, run_micro_batch, optim
 
 
-Runtime, run_micro_batch, build_optimizer, muon_matrix = import_training_step()
+Runtime, run_micro_batch, optim = import_training_step()
 
 TOY = {"hidden_size": 128, "target_hidden_size": 128, "num_attention_heads": 4,
        "num_key_value_heads": 4, "head_dim": 32, "intermediate_size": 384,
@@ -215,7 +214,7 @@ def attention_impl(impl: str):
 def muon_matrices(cfg: m.DraftConfig) -> dict[str, tuple[int, ...]]:
     """The trainable tensors Muon updates (``draftline.stages.train.optim.muon_matrix``)."""
     return {name: shape for name, shape in m.expected_shapes(cfg).items()
-            if muon_matrix(name, torch.empty(shape, device="meta"))}
+            if optim.muon_matrix(name, torch.empty(shape, device="meta"))}
 
 
 def optimizer_flops(cfg: m.DraftConfig, optimizer: str) -> float:
@@ -227,11 +226,8 @@ def optimizer_flops(cfg: m.DraftConfig, optimizer: str) -> float:
     """
     if optimizer == "adamw":
         return 0.0
-    total = 0
-    for shape in muon_matrices(cfg).values():
-        short, long = sorted(shape)
-        total += NS_STEPS * (4 * short * short * long + 2 * short**3)
-    return float(total)
+    return float(sum(optim.newton_schulz_flops(shape, NS_STEPS)
+                     for shape in muon_matrices(cfg).values()))
 
 
 def flops_per_token(cfg: m.DraftConfig, tokens: int, steps_k: int,
@@ -432,7 +428,7 @@ class Setup:
         """``train.optimizer``: a fresh optimizer of that kind (the old state freed first)."""
         self.optimizer = None
         self.optimizer_name = name
-        self.optimizer = build_optimizer(self.model, {**TRAIN, "optimizer": name})
+        self.optimizer = optim.build_optimizer(self.model, {**TRAIN, "optimizer": name})
 
     def compile(self) -> None:
         """``train.compile``: the norms and MLPs compiled, from the next step on (one way)."""

@@ -5,13 +5,24 @@ from __future__ import annotations
 import copy
 import json
 import math
+import os
+import subprocess
+import sys
 
 import pytest
+import sharded_muon_worker as worker
 import torch
+from safetensors.torch import load_file
 from test_train import SMALL, final_weights, run
 
 from draftline.stages.train import build_draft, resolve_train_cfg
-from draftline.stages.train.optim import MuonWithAdamW, build_optimizer, lr_factor, warmup_steps
+from draftline.stages.train.optim import (
+    MuonWithAdamW,
+    build_optimizer,
+    deal_by_cost,
+    lr_factor,
+    warmup_steps,
+)
 
 MATRICES = {"fc.weight", *(f"midlayer.self_attn.{p}_proj.weight" for p in "qkvo"),
             *(f"midlayer.mlp.{p}_proj.weight" for p in ("gate", "up", "down"))}
@@ -83,6 +94,39 @@ def test_muon_state_round_trips_through_its_state_dict(draft_inputs):
     # the momentum mattered: without the loaded state the step differs
     third = one_step(fresh, build_optimizer(fresh, cfg), seed=1)
     assert (third["fc.weight"] - first["fc.weight"]).abs().max() > 1e-3
+
+
+def test_ddp_processes_share_muons_work_and_reach_one_processs_weights_bit_for_bit(tmp_path):
+    """Two DDP processes (torchrun, gloo) with the same gradients each orthogonalise part of
+    the matrices and broadcast the results; after three steps their weights equal those of
+    one process stepping torch.optim.Muon, exactly."""
+    subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
+                    "--nproc_per_node", "2", worker.__file__, str(tmp_path)],
+                   check=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    model = worker.toy_draft()
+    optimizer = worker.build(model, None)  # one process: torch.optim.Muon's own step
+    for step in range(worker.STEPS):
+        worker.seeded_gradients(model, step)
+        optimizer.step()
+    shared = load_file(str(tmp_path / "weights.safetensors"))
+    for name, p in model.named_parameters():
+        torch.testing.assert_close(shared[name], p.detach(), atol=0, rtol=0, msg=name)
+    counts = [json.loads((tmp_path / f"rank{r}.json").read_text())["orthogonalised"]
+              for r in (0, 1)]
+    matrices = len(optimizer.muon.param_groups[0]["params"])
+    assert [a + b for a, b in zip(*counts, strict=True)] == [matrices] * worker.STEPS
+    assert all(0 < c < matrices for per_rank in counts for c in per_rank), counts
+    # only DDP's processes share it: FSDP's matrices are DTensors whose products torch spreads
+    assert json.loads((tmp_path / "rank0.json").read_text())["replicas"] == {
+        "ddp": "world", "fsdp": None}
+    assert build_optimizer(worker.toy_draft(), resolve_train_cfg(
+        {"strategy": "ddp", "lr": 1e-2})).muon.replicas is None  # one process
+
+
+def test_matrices_are_dealt_by_cost_the_largest_first():
+    assert deal_by_cost([5, 3, 3, 1], 2) == [0, 1, 1, 0]
+    assert deal_by_cost([1, 1, 1], 4) == [0, 1, 2]
+    assert deal_by_cost([2, 7], 1) == [0, 0]
 
 
 def test_muon_momentum_is_train_momentum(draft_inputs):

@@ -8,6 +8,13 @@ target's own; orthogonalised updates suit hidden matrices, not a classifier over
 Muon's step is scaled to AdamW's update size (``adjust_lr_fn="match_rms_adamw"``: 0.2
 sqrt(max(rows, cols)) x lr), so one ``train.lr`` drives both; its momentum is
 ``train.momentum``.
+
+Under DDP every process holds the same averaged gradients, so each would orthogonalise every
+matrix: a fixed cost per step that at Kimi-K2.5's sizes is about a 4,096-token micro-batch's
+forward and backward. ``ShardedMuon`` deals the matrices' Newton-Schulz iterations out among
+the processes and broadcasts each result: the same update on every process, for its share of
+the work (about 1/world, at least the largest matrix's). (FSDP's matrices are sharded
+DTensors, whose products torch already spreads over the processes.)
 """
 
 from __future__ import annotations
@@ -15,6 +22,7 @@ from __future__ import annotations
 import math
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 BETAS = (0.9, 0.95)
@@ -26,6 +34,106 @@ def muon_matrix(name: str, param: torch.Tensor) -> bool:
     return param.ndim == 2 and not name.startswith("lm_head")
 
 
+def newton_schulz(update: torch.Tensor, coefficients: tuple[float, float, float], steps: int,
+                  eps: float) -> torch.Tensor:
+    """Muon's orthogonalisation of one matrix, in bf16: torch.optim.Muon's iterations and
+    operations in its order, so that the result is its bit for bit (tests/test_optim.py)."""
+    a, b, c = coefficients
+    x = update.to(torch.bfloat16, copy=True)
+    tall = update.size(0) > update.size(1)
+    if tall:  # iterate on the short side's Gram matrix
+        x = x.T
+    x.div_(x.norm().clamp(min=eps))  # spectral norm at most 1
+    for _ in range(steps):
+        gram = x @ x.T
+        poly = torch.addmm(gram, gram, gram, beta=b, alpha=c)
+        x = torch.addmm(x, poly, x, beta=a)
+    return x.T if tall else x
+
+
+def newton_schulz_flops(shape: torch.Size | tuple[int, ...], steps: int) -> int:
+    """Matrix-product FLOPs of ``newton_schulz`` on a matrix of ``shape``."""
+    short, long = sorted(shape)
+    return steps * (4 * short * short * long + 2 * short**3)
+
+
+def deal_by_cost(costs: list[int], processes: int) -> list[int]:
+    """Owner of each item: the largest first, each to the least loaded process (the lowest
+    rank on a tie), the same on every process."""
+    owners = [0] * len(costs)
+    load = [0] * processes
+    for i in sorted(range(len(costs)), key=lambda i: (-costs[i], i)):
+        owners[i] = min(range(processes), key=lambda r: (load[r], r))
+        load[owners[i]] += costs[i]
+    return owners
+
+
+class ShardedMuon(torch.optim.Muon):
+    """torch.optim.Muon whose Newton-Schulz work is shared by the data-parallel processes of
+    ``replicas`` (a process group whose members hold the same gradients: DDP's).
+
+    Every process updates every momentum buffer (elementwise, cheap), so the state, and the
+    checkpoints made of it, stay torch.optim.Muon's. Each matrix is orthogonalised by one
+    process, chosen by ``deal_by_cost``, and broadcast from it in bf16 while the others go on
+    with theirs; then every process applies every update. Without ``replicas`` (one process,
+    FSDP) the step is torch.optim.Muon's own.
+    """
+
+    def __init__(self, params, replicas: dist.ProcessGroup | None = None, **kwargs):
+        super().__init__(params, **kwargs)
+        self.replicas = replicas
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        if self.replicas is None:
+            return super().step(closure)
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        work = [(group, p) for group in self.param_groups for p in group["params"]
+                if p.grad is not None]
+        owners = deal_by_cost([newton_schulz_flops(p.shape, g["ns_steps"]) for g, p in work],
+                              dist.get_world_size(self.replicas))
+        me = dist.get_rank(self.replicas)
+        sent = [self._orthogonalise(group, p, owner == me, owner)
+                for (group, p), owner in zip(work, owners, strict=True)]
+        for (group, p), (update, handle) in zip(work, sent, strict=True):
+            handle.wait()
+            lr = group["lr"]
+            p.mul_(1 - lr * group["weight_decay"])
+            p.add_(update, alpha=-adjusted_lr(lr, group["adjust_lr_fn"], p.shape))
+        return loss
+
+    def _orthogonalise(self, group: dict, p: torch.Tensor, mine: bool, owner: int):
+        """The momentum step of ``p`` (torch.optim.Muon's), then its update: computed here if
+        ``mine``, else received from ``owner``; with the broadcast's handle."""
+        state = self.state[p]
+        if "momentum_buffer" not in state:
+            state["momentum_buffer"] = torch.zeros_like(p.grad,
+                                                        memory_format=torch.preserve_format)
+        buf, momentum = state["momentum_buffer"], group["momentum"]
+        buf.lerp_(p.grad, 1 - momentum)
+        if mine:
+            update = p.grad.lerp(buf, momentum) if group["nesterov"] else buf
+            update = newton_schulz(update, group["ns_coefficients"], group["ns_steps"],
+                                   group["eps"]).contiguous()  # a tall matrix's is a view
+        else:
+            update = torch.empty(p.shape, dtype=torch.bfloat16, device=p.device)
+        source = dist.get_global_rank(self.replicas, owner)
+        return update, dist.broadcast(update, source, group=self.replicas, async_op=True)
+
+
+def adjusted_lr(lr: float, adjust_lr_fn: str | None, shape: torch.Size) -> float:
+    """torch.optim.Muon's rate for a matrix of ``shape`` (its ``adjust_lr_fn``)."""
+    rows, cols = shape[:2]
+    if adjust_lr_fn == "match_rms_adamw":
+        return lr * (0.2 * math.sqrt(max(rows, cols)))
+    if adjust_lr_fn in (None, "original"):
+        return lr * math.sqrt(max(1, rows / cols))
+    raise ValueError(f"Muon: unknown adjust_lr_fn {adjust_lr_fn!r}")
+
+
 class MuonWithAdamW(torch.optim.Optimizer):
     """Muon for ``matrices``, AdamW for ``others``, as one optimizer.
 
@@ -35,9 +143,10 @@ class MuonWithAdamW(torch.optim.Optimizer):
     """
 
     def __init__(self, matrices: list[nn.Parameter], others: list[nn.Parameter], lr: float,
-                 weight_decay: float, momentum: float = 0.95):
-        self.muon = torch.optim.Muon(matrices, lr=lr, weight_decay=weight_decay,
-                                     momentum=momentum, adjust_lr_fn="match_rms_adamw")
+                 weight_decay: float, momentum: float = 0.95,
+                 replicas: dist.ProcessGroup | None = None):
+        self.muon = ShardedMuon(matrices, replicas, lr=lr, weight_decay=weight_decay,
+                                momentum=momentum, adjust_lr_fn="match_rms_adamw")
         self.adamw = torch.optim.AdamW(others, lr=lr, weight_decay=weight_decay, betas=BETAS)
         super().__init__([*self.muon.param_groups, *self.adamw.param_groups], {})
         self._share()
@@ -65,14 +174,23 @@ class MuonWithAdamW(torch.optim.Optimizer):
 
 def build_optimizer(model: nn.Module, cfg: dict) -> torch.optim.Optimizer:
     """The optimizer of ``cfg`` (the train section) over the model's trained tensors (those
-    that require a gradient)."""
+    that require a gradient). Muon under DDP shares its Newton-Schulz work among the
+    processes (``ShardedMuon``)."""
     named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
     if cfg["optimizer"] == "adamw":
         return torch.optim.AdamW([p for _, p in named], lr=cfg["lr"],
                                  weight_decay=cfg["weight_decay"], betas=BETAS)
     matrices = [p for n, p in named if muon_matrix(n, p)]
     others = [p for n, p in named if not muon_matrix(n, p)]
-    return MuonWithAdamW(matrices, others, cfg["lr"], cfg["weight_decay"], cfg["momentum"])
+    return MuonWithAdamW(matrices, others, cfg["lr"], cfg["weight_decay"], cfg["momentum"],
+                         data_parallel_group(cfg))
+
+
+def data_parallel_group(cfg: dict) -> dist.ProcessGroup | None:
+    """The processes that hold the same gradients: DDP's, when there are several."""
+    if cfg.get("strategy") != "ddp" or not dist.is_initialized() or dist.get_world_size() < 2:
+        return None
+    return dist.group.WORLD
 
 
 def warmup_steps(cfg: dict, total: int) -> int:
