@@ -268,3 +268,15 @@ def test_script_runs_where_only_torch_is_installed():
     assert done.returncode == 0, done.stderr
     assert "stood in for at import" in done.stderr
     assert "| 4096 | 7 |" in done.stdout
+
+
+def test_the_optimizer_benchmark_times_both_steps_and_finds_the_weights_equal(capsys):
+    """benchmarks/optimizer_step.py at toy dims, 2 processes: a row for each optimizer step,
+    and the copies' weights equal bit for bit (its exit status says so too)."""
+    import optimizer_step
+
+    assert optimizer_step.main(["--dims", "toy", "--world", "2", "--repeats", "1"]) == 0
+    printed = capsys.readouterr().out
+    assert "| every process, every matrix |" in printed
+    assert "| shared among the processes |" in printed
+    assert "equal bit for bit: yes" in printed
