@@ -1,10 +1,11 @@
-"""One process of tests/test_optim.py's sharded Muon check, under torchrun (gloo, CPU).
+"""One process of tests/test_optim.py's shared Muon check, under torchrun (gloo, CPU).
 
-Every process builds the same toy draft and, for each of STEPS steps, gives it the same
-seeded gradients (as DDP's averaged ones are) and steps ``MuonWithAdamW`` with the world as
-its replicas. Rank 0 writes the final weights to OUT/weights.safetensors; every rank writes
-how many matrices it orthogonalised a step, and which strategies share the work, to
-OUT/rank<r>.json.
+Every process builds the same toy draft twice: one copy plain, as DDP's processes hold it,
+with the world as its optimizer's replicas; one sharded by rows with FSDP2 as training wraps
+it. For each of STEPS steps both get the same seeded gradients (DDP's averaged ones; FSDP's
+rows of them) and step ``MuonWithAdamW``. Rank 0 writes each copy's final weights to
+OUT/<ddp|fsdp>.safetensors; every rank writes how many matrices it orthogonalised a step,
+and which strategies share the work, to OUT/rank<r>.json.
 
     python -m torch.distributed.run --standalone --nproc_per_node 2 \
         tests/sharded_muon_worker.py OUT
@@ -19,13 +20,16 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 from safetensors.torch import save_file
+from torch.distributed.tensor import DTensor, distribute_tensor
 
 import draftline.model as m
 from draftline.stages.train import optim
+from draftline.stages.train.distributed import Runtime, wrap_model
 
 STEPS = 3
+# intermediate_size 385: gate and up have an odd number of rows, so FSDP's shards differ
 TOY = {"hidden_size": 128, "target_hidden_size": 128, "num_attention_heads": 4,
-       "num_key_value_heads": 4, "head_dim": 32, "intermediate_size": 384,
+       "num_key_value_heads": 4, "head_dim": 32, "intermediate_size": 385,
        "rms_norm_eps": 1e-6, "rope_theta": 10000.0, "vocab_size": 2048,
        "draft_vocab_size": 1024, "max_position_embeddings": 8192}
 
@@ -37,10 +41,14 @@ def toy_draft() -> torch.nn.Module:
 
 
 def seeded_gradients(model: torch.nn.Module, step: int) -> None:
+    """The same full gradients on every process (a DTensor parameter gets its rows)."""
     gen = torch.Generator().manual_seed(step)
     for p in model.parameters():
         if p.requires_grad:
-            p.grad = torch.randn(p.shape, generator=gen)
+            grad = torch.randn(p.shape, generator=gen)
+            if isinstance(p, DTensor):
+                grad = distribute_tensor(grad, p.device_mesh, p.placements, src_data_rank=None)
+            p.grad = grad
 
 
 def build(model: torch.nn.Module, replicas) -> optim.MuonWithAdamW:
@@ -50,31 +58,39 @@ def build(model: torch.nn.Module, replicas) -> optim.MuonWithAdamW:
                                lr=1e-2, weight_decay=0.01, momentum=0.8, replicas=replicas)
 
 
+def full_weights(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    return {n: (p.full_tensor() if isinstance(p, DTensor) else p).detach().contiguous()
+            for n, p in model.named_parameters()}
+
+
 def main(out: Path) -> None:
     dist.init_process_group("gloo")
-    rank = dist.get_rank()
-    calls = []
+    rank, world = dist.get_rank(), dist.get_world_size()
+    calls: dict[str, list[int]] = {}
     original = optim.newton_schulz
 
     def counted(*args):
-        calls[-1] += 1
+        calls[strategy][-1] += 1
         return original(*args)
 
     optim.newton_schulz = counted
-    model = toy_draft()
-    optimizer = build(model, dist.group.WORLD)
-    for step in range(STEPS):
-        calls.append(0)
-        seeded_gradients(model, step)
-        optimizer.step()
+    models = {"ddp": toy_draft(), "fsdp": toy_draft()}
+    wrap_model(models["fsdp"], "fsdp", Runtime(rank, world, 0, torch.device("cpu"), False))
+    for strategy, model in models.items():
+        calls[strategy] = []
+        optimizer = build(model, dist.group.WORLD if strategy == "ddp" else None)
+        for step in range(STEPS):
+            calls[strategy].append(0)
+            seeded_gradients(model, step)
+            optimizer.step()
+        weights = full_weights(model)  # a collective for FSDP: on every process
+        if rank == 0:
+            save_file(weights, str(out / f"{strategy}.safetensors"))
     replicas = {strategy: optim.data_parallel_group({"strategy": strategy})
                 for strategy in ("ddp", "fsdp")}
     (out / f"rank{rank}.json").write_text(json.dumps({
         "orthogonalised": calls,
         "replicas": {k: "world" if g is dist.group.WORLD else g for k, g in replicas.items()}}))
-    if rank == 0:
-        save_file({n: p.detach().contiguous() for n, p in model.named_parameters()},
-                  str(out / "weights.safetensors"))
     dist.destroy_process_group()
 
 

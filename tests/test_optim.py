@@ -8,6 +8,7 @@ import math
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import sharded_muon_worker as worker
@@ -21,6 +22,7 @@ from draftline.stages.train.optim import (
     build_optimizer,
     deal_by_cost,
     lr_factor,
+    row_counts,
     warmup_steps,
 )
 
@@ -96,31 +98,50 @@ def test_muon_state_round_trips_through_its_state_dict(draft_inputs):
     assert (third["fc.weight"] - first["fc.weight"]).abs().max() > 1e-3
 
 
-def test_ddp_processes_share_muons_work_and_reach_one_processs_weights_bit_for_bit(tmp_path):
-    """Two DDP processes (torchrun, gloo) with the same gradients each orthogonalise part of
-    the matrices and broadcast the results; after three steps their weights equal those of
-    one process stepping torch.optim.Muon, exactly."""
+@pytest.fixture(scope="module")
+def shared_muon_run(tmp_path_factory) -> Path:
+    """tests/sharded_muon_worker.py's outputs: two processes, both strategies."""
+    out = tmp_path_factory.mktemp("shared-muon")
     subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
-                    "--nproc_per_node", "2", worker.__file__, str(tmp_path)],
+                    "--nproc_per_node", "2", worker.__file__, str(out)],
                    check=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    return out
+
+
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
+def test_processes_share_muons_work_and_reach_one_processs_weights_bit_for_bit(
+        shared_muon_run, strategy):
+    """Two processes (torchrun, gloo) with the same gradients each orthogonalise part of the
+    matrices whole: DDP's broadcast their results, FSDP's gather a matrix's rows first and
+    scatter them back (gate and up have an odd number of rows). After three steps the weights
+    equal those of one process stepping torch.optim.Muon, exactly; torch's own step on FSDP's
+    DTensors misses them by a few percent of a weight's change."""
     model = worker.toy_draft()
     optimizer = worker.build(model, None)  # one process: torch.optim.Muon's own step
     for step in range(worker.STEPS):
         worker.seeded_gradients(model, step)
         optimizer.step()
-    shared = load_file(str(tmp_path / "weights.safetensors"))
+    shared = load_file(str(shared_muon_run / f"{strategy}.safetensors"))
     for name, p in model.named_parameters():
         torch.testing.assert_close(shared[name], p.detach(), atol=0, rtol=0, msg=name)
-    counts = [json.loads((tmp_path / f"rank{r}.json").read_text())["orthogonalised"]
-              for r in (0, 1)]
+    ranks = [json.loads((shared_muon_run / f"rank{r}.json").read_text()) for r in (0, 1)]
+    counts = [rank["orthogonalised"][strategy] for rank in ranks]
     matrices = len(optimizer.muon.param_groups[0]["params"])
     assert [a + b for a, b in zip(*counts, strict=True)] == [matrices] * worker.STEPS
     assert all(0 < c < matrices for per_rank in counts for c in per_rank), counts
-    # only DDP's processes share it: FSDP's matrices are DTensors whose products torch spreads
-    assert json.loads((tmp_path / "rank0.json").read_text())["replicas"] == {
-        "ddp": "world", "fsdp": None}
+    # DDP's replicas are named; FSDP's are found from its parameters' mesh
+    assert ranks[0]["replicas"] == {"ddp": "world", "fsdp": None}
     assert build_optimizer(worker.toy_draft(), resolve_train_cfg(
         {"strategy": "ddp", "lr": 1e-2})).muon.replicas is None  # one process
+
+
+def test_row_counts_are_fsdps_chunks():
+    assert row_counts(385, 2) == [193, 192]
+    assert row_counts(5, 4) == [2, 2, 1, 0]
+    assert row_counts(8, 8) == [1] * 8
+    for rows, world in ((385, 2), (5, 4), (7, 3)):
+        chunks = torch.arange(rows).chunk(world)
+        assert row_counts(rows, world)[:len(chunks)] == [len(c) for c in chunks]
 
 
 def test_matrices_are_dealt_by_cost_the_largest_first():

@@ -233,7 +233,9 @@ def test_signal_stops_after_a_checkpointed_step_and_resume_equals_uninterrupted_
 @pytest.mark.parametrize(("strategy", "optimizer"),
                          [("ddp", "adamw"), ("fsdp", "adamw"), ("ddp", "muon"), ("fsdp", "muon")])
 def test_two_processes_reach_the_weights_of_one(draft_inputs, tmp_path, strategy, optimizer):
-    """torchrun, 2 CPU processes (gloo), grad_accum 1 == one process with grad_accum 2."""
+    """torchrun, 2 CPU processes (gloo), grad_accum 1 == one process with grad_accum 2. With
+    FSDP and Muon too: each matrix is orthogonalised whole by one process (torch's own step
+    on FSDP's row-sharded DTensors agreed to a few percent of the weights' change only)."""
     cfg = {**SMALL, "max_steps": 6, "eval_every": 3, "checkpoint_every": 3,
            "optimizer": optimizer}
     single = run(draft_inputs, tmp_path / "single", {**cfg, "grad_accum": 2})
@@ -241,32 +243,12 @@ def test_two_processes_reach_the_weights_of_one(draft_inputs, tmp_path, strategy
                 {**cfg, "nproc_per_node": 2, "strategy": strategy})
     assert multi["world_size"] == 2 and single["world_size"] == 1
     one, two = final_weights(tmp_path / "single"), final_weights(tmp_path / strategy)
-    if (strategy, optimizer) == ("fsdp", "muon"):
-        assert_sharded_muon_is_whole_matrix_muon(draft_inputs, one, two)
-        return
     for name in one:
         torch.testing.assert_close(two[name], one[name], atol=1e-5, rtol=1e-4)
     assert multi["simulated_acceptance_length"] == pytest.approx(
         single["simulated_acceptance_length"], abs=1e-6)
     assert multi["accuracy"] == pytest.approx(single["accuracy"], abs=1e-6)
     assert [r["step"] for r in records(tmp_path / strategy, "train")] == list(range(1, 7))
-
-
-def assert_sharded_muon_is_whole_matrix_muon(inputs: dict, one: dict, two: dict) -> None:
-    """Muon on FSDP's sharded matrices orthogonalises the whole matrix (DTensor ops), not each
-    process's rows. Its Newton-Schulz runs in bf16 (torch.optim.Muon), where another summation
-    order moves an update by about 2% (a 1e-6 change of the gradient: 0.6%), so the runs agree
-    to a few percent of the weights' change; orthogonalising each shard on its own would move
-    a step's update by 37%."""
-    from draftline.stages.train import build_draft
-
-    architecture = resolve_train_cfg({})["draft"]
-    initial = build_draft(inputs["target_dir"], inputs["vocab_map"], 0,
-                          architecture=architecture)[0].state_dict()
-    for name in one:
-        change = (one[name] - initial[name]).norm()
-        bound = 0.15 if one[name].ndim == 2 and not name.startswith("lm_head") else 0.01
-        assert (two[name] - one[name]).norm() / change < bound, name
 
 
 def test_mismatched_inputs_are_refused_with_the_file_named(draft_inputs, tmp_path):

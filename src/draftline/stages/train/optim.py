@@ -9,12 +9,11 @@ Muon's step is scaled to AdamW's update size (``adjust_lr_fn="match_rms_adamw"``
 sqrt(max(rows, cols)) x lr), so one ``train.lr`` drives both; its momentum is
 ``train.momentum``.
 
-Under DDP every process holds the same averaged gradients, so each would orthogonalise every
-matrix: a fixed cost per step that at Kimi-K2.5's sizes is about a 4,096-token micro-batch's
-forward and backward. ``ShardedMuon`` deals the matrices' Newton-Schulz iterations out among
-the processes and broadcasts each result: the same update on every process, for its share of
-the work (about 1/world, at least the largest matrix's). (FSDP's matrices are sharded
-DTensors, whose products torch already spreads over the processes.)
+Muon's Newton-Schulz iterations are a fixed cost per optimizer step: at Kimi-K2.5's sizes
+about a 4,096-token micro-batch's forward and backward. In a data-parallel run
+``ShardedMuon`` has each process orthogonalise whole matrices, its share of them, and hand
+the results to the others (DDP: a broadcast; FSDP: a scatter of the rows), instead of every
+DDP process doing all of them, or FSDP running every product on sharded DTensors.
 """
 
 from __future__ import annotations
@@ -24,6 +23,7 @@ import math
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.tensor import DTensor, Shard
 
 BETAS = (0.9, 0.95)
 WARMUP_FRACTION = 0.05  # train.warmup_steps null: this share of the run's optimizer steps
@@ -69,14 +69,23 @@ def deal_by_cost(costs: list[int], processes: int) -> list[int]:
 
 
 class ShardedMuon(torch.optim.Muon):
-    """torch.optim.Muon whose Newton-Schulz work is shared by the data-parallel processes of
-    ``replicas`` (a process group whose members hold the same gradients: DDP's).
+    """torch.optim.Muon whose Newton-Schulz work is shared by the processes of a data-parallel
+    run: each matrix is orthogonalised whole by one process, chosen by ``deal_by_cost``.
 
-    Every process updates every momentum buffer (elementwise, cheap), so the state, and the
-    checkpoints made of it, stay torch.optim.Muon's. Each matrix is orthogonalised by one
-    process, chosen by ``deal_by_cost``, and broadcast from it in bf16 while the others go on
-    with theirs; then every process applies every update. Without ``replicas`` (one process,
-    FSDP) the step is torch.optim.Muon's own.
+    * DDP (``replicas``, a process group whose members hold the same gradients): every
+      process updates every momentum buffer (elementwise, cheap); the owner of a matrix
+      orthogonalises its update and broadcasts it in bf16 while the others go on with theirs;
+      then every process applies every update.
+    * FSDP (matrices that are DTensors sharded by rows on a 1-D mesh): every process updates
+      its rows of the momentum; the owner gathers the rows of the update in bf16 (the dtype
+      Newton-Schulz starts with), orthogonalises the whole matrix and scatters its rows back.
+      torch.optim.Muon's own step would run Newton-Schulz on DTensors instead, where every
+      product gathers a matrix again (benchmarks/optimizer_step.py times both) and the sums of
+      sharded products round differently in bf16.
+
+    Either way the result is one process's torch.optim.Muon step on the whole matrices, bit
+    for bit (tests/test_optim.py), and the state is torch.optim.Muon's, so are checkpoints.
+    Otherwise (one process, other layouts) the step is torch.optim.Muon's own.
     """
 
     def __init__(self, params, replicas: dist.ProcessGroup | None = None, **kwargs):
@@ -85,43 +94,119 @@ class ShardedMuon(torch.optim.Muon):
 
     @torch.no_grad()
     def step(self, closure=None):
-        if self.replicas is None:
+        work = [(group, p) for group in self.param_groups for p in group["params"]
+                if p.grad is not None]
+        rows_group = row_sharded_group([p for _, p in work])
+        if self.replicas is None and rows_group is None:
             return super().step(closure)
         loss = None
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        work = [(group, p) for group in self.param_groups for p in group["params"]
-                if p.grad is not None]
+        process_group = rows_group or self.replicas
         owners = deal_by_cost([newton_schulz_flops(p.shape, g["ns_steps"]) for g, p in work],
-                              dist.get_world_size(self.replicas))
-        me = dist.get_rank(self.replicas)
-        sent = [self._orthogonalise(group, p, owner == me, owner)
-                for (group, p), owner in zip(work, owners, strict=True)]
-        for (group, p), (update, handle) in zip(work, sent, strict=True):
-            handle.wait()
+                              dist.get_world_size(process_group))
+        share = self._share_rows if rows_group else self._share_whole
+        for (group, p), update in zip(work, share(work, owners, process_group), strict=True):
             lr = group["lr"]
-            p.mul_(1 - lr * group["weight_decay"])
-            p.add_(update, alpha=-adjusted_lr(lr, group["adjust_lr_fn"], p.shape))
+            target = p.to_local() if rows_group else p
+            target.mul_(1 - lr * group["weight_decay"])
+            target.add_(update, alpha=-adjusted_lr(lr, group["adjust_lr_fn"], p.shape))
         return loss
 
-    def _orthogonalise(self, group: dict, p: torch.Tensor, mine: bool, owner: int):
-        """The momentum step of ``p`` (torch.optim.Muon's), then its update: computed here if
-        ``mine``, else received from ``owner``; with the broadcast's handle."""
+    def _momentum_update(self, group: dict, p: torch.Tensor) -> torch.Tensor:
+        """torch.optim.Muon's momentum step of ``p``; the update to orthogonalise."""
         state = self.state[p]
         if "momentum_buffer" not in state:
             state["momentum_buffer"] = torch.zeros_like(p.grad,
                                                         memory_format=torch.preserve_format)
         buf, momentum = state["momentum_buffer"], group["momentum"]
         buf.lerp_(p.grad, 1 - momentum)
-        if mine:
-            update = p.grad.lerp(buf, momentum) if group["nesterov"] else buf
-            update = newton_schulz(update, group["ns_coefficients"], group["ns_steps"],
-                                   group["eps"]).contiguous()  # a tall matrix's is a view
-        else:
-            update = torch.empty(p.shape, dtype=torch.bfloat16, device=p.device)
-        source = dist.get_global_rank(self.replicas, owner)
-        return update, dist.broadcast(update, source, group=self.replicas, async_op=True)
+        return p.grad.lerp(buf, momentum) if group["nesterov"] else buf
+
+    def _share_whole(self, work, owners, pg):
+        """DDP: each update orthogonalised by its owner and broadcast (yields each in turn)."""
+        me, sent = dist.get_rank(pg), []
+        for (group, p), owner in zip(work, owners, strict=True):
+            update = self._momentum_update(group, p)
+            if owner == me:
+                update = orthogonalise(update, group).contiguous()  # a tall one's is a view
+            else:
+                update = torch.empty(p.shape, dtype=torch.bfloat16, device=p.device)
+            handle = dist.broadcast(update, dist.get_global_rank(pg, owner), group=pg,
+                                    async_op=True)
+            sent.append((update, handle))
+        for update, handle in sent:
+            handle.wait()
+            yield update
+
+    def _share_rows(self, work, owners, pg):
+        """FSDP: each update's rows gathered by its owner, orthogonalised whole and scattered
+        back (yields this process's rows of each in turn). All gathers are posted first, then
+        all scatters, in the same order on every process."""
+        world, me = dist.get_world_size(pg), dist.get_rank(pg)
+        gathers = []
+        for (group, p), owner in zip(work, owners, strict=True):
+            mine = self._momentum_update(group, p).to_local().to(torch.bfloat16)
+            rows = row_counts(p.shape[0], world)
+            if mine.shape[0] != rows[me]:
+                raise RuntimeError(f"Muon: a {tuple(p.shape)} matrix has {mine.shape[0]} rows "
+                                   f"on process {me}, not {rows[me]}: not FSDP2's row sharding")
+            parts = ([mine.new_empty((rows[0], *p.shape[1:])) for _ in range(world)]
+                     if owner == me else None)
+            handle = dist.gather(pad_rows(mine, rows[0]), parts,
+                                 dst=dist.get_global_rank(pg, owner), group=pg, async_op=True)
+            gathers.append((parts, handle, rows))
+        scatters = []
+        for ((group, p), owner), (parts, gathered, rows) in zip(
+                zip(work, owners, strict=True), gathers, strict=True):
+            pieces = None
+            if owner == me:
+                gathered.wait()
+                whole = torch.cat([part[:n] for part, n in zip(parts, rows, strict=True)])
+                result = orthogonalise(whole, group)
+                pieces = [pad_rows(piece, rows[0])
+                          for piece in result.split(rows)]  # contiguous row blocks
+            out = torch.empty((rows[0], *p.shape[1:]), dtype=torch.bfloat16, device=p.device)
+            handle = dist.scatter(out, pieces, src=dist.get_global_rank(pg, owner), group=pg,
+                                  async_op=True)
+            scatters.append((out[:rows[me]], handle))
+        for rows_here, handle in scatters:
+            handle.wait()
+            yield rows_here
+
+
+def orthogonalise(update: torch.Tensor, group: dict) -> torch.Tensor:
+    """``newton_schulz`` with the settings of ``group`` (a torch.optim.Muon param group)."""
+    return newton_schulz(update, group["ns_coefficients"], group["ns_steps"], group["eps"])
+
+
+def row_sharded_group(params: list[torch.Tensor]) -> dist.ProcessGroup | None:
+    """The process group of ``params`` when every one is a DTensor sharded by rows on one
+    1-D mesh (FSDP2's layout), else None."""
+    if not params or not all(isinstance(p, DTensor) for p in params):
+        return None
+    mesh = params[0].device_mesh
+    if mesh.ndim != 1 or any(p.device_mesh != mesh or tuple(p.placements) != (Shard(0),)
+                             for p in params):
+        return None
+    return mesh.get_group()
+
+
+def row_counts(rows: int, world: int) -> list[int]:
+    """Rows of each process in a row-sharded matrix: torch.chunk's blocks of ceil(rows /
+    world), the last ones shorter or empty (FSDP2's sharding)."""
+    block = -(-rows // world)
+    return [max(0, min(block, rows - r * block)) for r in range(world)]
+
+
+def pad_rows(tensor: torch.Tensor, rows: int) -> torch.Tensor:
+    """``tensor`` with zero rows appended up to ``rows`` (collectives need equal shapes)."""
+    if tensor.shape[0] == rows:
+        return tensor.contiguous()
+    padded = tensor.new_zeros((rows, *tensor.shape[1:]))
+    padded[:tensor.shape[0]] = tensor
+    return padded
 
 
 def adjusted_lr(lr: float, adjust_lr_fn: str | None, shape: torch.Size) -> float:
