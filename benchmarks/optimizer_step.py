@@ -1,12 +1,16 @@
-"""Muon's optimizer step under DDP: each process orthogonalising every matrix, against the
-work shared among the processes (``ShardedMuon``), in the same run.
+"""Muon's optimizer step in a data-parallel run: torch.optim.Muon's own step against the
+Newton-Schulz work shared among the processes (``ShardedMuon``), under DDP and FSDP, in the
+same run.
 
-Starts ``--world`` processes under torchrun (gloo on CPU, NCCL on GPUs). Each builds the same
-draft at ``--dims`` with the same seeded gradients (as DDP's averaged ones are) and two
-optimizers on two copies of it: ``MuonWithAdamW`` without replicas (torch.optim.Muon's step,
-what every process ran before) and with the world as its replicas. Each round times one step
-of each, in alternating order, from a barrier to the slowest process's end. Prints the
-medians, their ratio, and whether the two copies' weights are still equal bit for bit.
+Starts ``--world`` processes under torchrun (gloo on CPU, NCCL on GPUs). Each builds four
+copies of the same draft at ``--dims``: two plain, as DDP's processes hold it, and two
+wrapped with FSDP2 as training wraps it (row-sharded DTensors). Every copy gets the same
+seeded gradients (DDP's averaged ones; FSDP's rows of them). One copy of each pair steps
+torch.optim.Muon's own code (under DDP every process orthogonalises every matrix; under FSDP
+every product of Newton-Schulz runs on DTensors), the other ``ShardedMuon``'s. Each round
+times one step of each copy, each first in turn, from a barrier to the slowest process's
+end. Prints the medians, the ratios within each pair, and how far each copy's weights are
+from one process's torch.optim.Muon (``ShardedMuon``'s: equal bit for bit).
 
     python benchmarks/optimizer_step.py --dims mid --world 2 --repeats 7
     python benchmarks/optimizer_step.py --dims kimi --world 8     # 8 GPUs
@@ -27,6 +31,9 @@ import time
 import torch
 import torch.distributed as dist
 import train_step as ts  # benchmarks/train_step.py: the dims, the step's own imports
+from torch.distributed.tensor import DTensor, distribute_tensor
+
+from draftline.stages.train.distributed import Runtime, wrap_model
 
 m, optim = ts.m, ts.optim
 # A draft between the toy and Kimi's, whose Newton-Schulz a 2-core CPU runs in about a second.
@@ -36,33 +43,74 @@ MID = {**ts.TOY, "hidden_size": 1024, "target_hidden_size": 1024, "num_attention
 DIMS = {**ts.DIMS, "mid": MID}
 
 
-def build(cfg: m.DraftConfig, device: torch.device, replicas):
+ROWS = (("ddp", "torch"), ("ddp", "shared"), ("fsdp", "torch"), ("fsdp", "shared"))
+LABELS = {("ddp", "torch"): "DDP, torch.optim.Muon: every process, every matrix",
+          ("ddp", "shared"): "DDP, shared: each matrix on one process, broadcast",
+          ("fsdp", "torch"): "FSDP, torch.optim.Muon: Newton-Schulz on DTensors",
+          ("fsdp", "shared"): "FSDP, shared: rows gathered to one process, scattered back"}
+
+
+def build(cfg: m.DraftConfig, device: torch.device, strategy: str | None):
+    """The draft (wrapped as training wraps it for ``strategy``) and its Muon optimizer."""
     torch.manual_seed(0)
     with device:
         model = m.Eagle3Draft(cfg, torch.randn(cfg.vocab_size, cfg.hidden_size))
-    optimizer = optim.build_optimizer(model, {**ts.TRAIN, "optimizer": "muon"})
-    optimizer.muon.replicas = replicas  # the one setting compared
+    if strategy:
+        wrap_model(model, strategy, Runtime(dist.get_rank(), dist.get_world_size(), 0, device,
+                                            owns_group=False))
+        model = getattr(model, "module", model)  # DDP's wrapper: the optimizer's parameters
+    optimizer = optim.build_optimizer(model, {**ts.TRAIN, "optimizer": "muon",
+                                              "strategy": strategy or "ddp"})
     return model, optimizer
 
 
+def step_of(optimizer, kind: str):
+    """``ShardedMuon``'s step, or torch.optim.Muon's own on the same optimizer."""
+    if kind == "shared":
+        return optimizer.step
+
+    def torch_step():
+        torch.optim.Muon.step(optimizer.muon)
+        optimizer.adamw.step()
+    return torch_step
+
+
 def seeded_gradients(model, step: int, device: torch.device) -> None:
+    """The same full gradients in every copy (FSDP's: this process's rows of them)."""
     gen = torch.Generator(device=device).manual_seed(step)
     for p in model.parameters():
         if p.requires_grad:
-            p.grad = torch.randn(p.shape, generator=gen, device=device)
+            grad = torch.randn(p.shape, generator=gen, device=device)
+            if isinstance(p, DTensor):
+                grad = distribute_tensor(grad, p.device_mesh, p.placements, src_data_rank=None)
+            p.grad = grad
 
 
-def timed_step(model, optimizer, step: int, device: torch.device) -> float:
+def timed_step(model, step_fn, step: int, device: torch.device) -> float:
     """Seconds from a barrier to the slowest process's end of one optimizer step."""
     seeded_gradients(model, step, device)
     dist.barrier()
     started = time.perf_counter()
-    optimizer.step()
+    step_fn()
     if device.type == "cuda":
         torch.cuda.synchronize()
     elapsed = torch.tensor([time.perf_counter() - started], device=device)
     dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
     return float(elapsed)
+
+
+@torch.no_grad()
+def distance(model, reference, initial) -> float:
+    """The largest difference from ``reference``'s weights, as a share of the largest change
+    of that tensor from ``initial``."""
+    worst = 0.0
+    for p, ref, start in zip(model.parameters(), reference.parameters(), initial.parameters(),
+                             strict=True):
+        full = p.full_tensor() if isinstance(p, DTensor) else p
+        change = (ref - start).abs().max()
+        if p.requires_grad and change > 0:
+            worst = max(worst, float((full - ref).abs().max() / change))
+    return worst
 
 
 def worker(args) -> None:
@@ -73,37 +121,53 @@ def worker(args) -> None:
     if cuda:
         torch.cuda.set_device(device)
     cfg = m.DraftConfig(**DIMS[args.dims])
-    models = {"every process": build(cfg, device, None),
-              "shared": build(cfg, device, dist.group.WORLD)}
-    times = {name: [] for name in models}
+    copies = {row: build(cfg, device, row[0]) for row in ROWS}
+    steps = {row: step_of(copies[row][1], row[1]) for row in ROWS}
+    times = {row: [] for row in ROWS}
     for step in range(args.repeats + 1):  # the first round is a warm-up
-        order = list(models) if step % 2 == 0 else list(reversed(models))
-        for name in order:
-            seconds = timed_step(*models[name], step, device)
+        turn = step % len(ROWS)
+        for row in ROWS[turn:] + ROWS[:turn]:  # each goes first in turn
+            seconds = timed_step(copies[row][0], steps[row], step, device)
             if step:
-                times[name].append(seconds)
-    (a, _), (b, shared) = models.values()
-    equal = all(torch.equal(x, y) for x, y in zip(a.parameters(), b.parameters(), strict=True))
+                times[row].append(seconds)
+    # one process's torch.optim.Muon on the same gradients: the reference
+    reference, optimizer = build(cfg, device, None)
+    for step in range(args.repeats + 1):
+        seeded_gradients(reference, step, device)
+        step_of(optimizer, "torch")()
+    initial = build(cfg, device, None)[0]
+    distances = {row: distance(copies[row][0], reference, initial) for row in ROWS}
     if dist.get_rank() == 0:
-        group = shared.muon.param_groups[0]
+        group = optimizer.muon.param_groups[0]
         work = sum(optim.newton_schulz_flops(p.shape, group["ns_steps"]) for p in group["params"])
-        print(json.dumps({"times": times, "equal": equal, "world": dist.get_world_size(),
+        print(json.dumps({"rows": [{"strategy": row[0], "step": row[1],
+                                    "times": times[row], "distance": distances[row]}
+                                   for row in ROWS],
+                          "world": dist.get_world_size(),
                           "device": torch.cuda.get_device_name() if cuda else "CPU",
                           "ns_gflop": work / 1e9}))
     dist.destroy_process_group()
 
 
 def report(result: dict, args) -> str:
-    every, shared = (statistics.median(result["times"][k]) for k in ("every process", "shared"))
-    return "\n".join([
-        f"Muon optimizer step, {args.dims} dims, {result['world']} processes, "
-        f"{result['device']}, {result['ns_gflop']:,.1f} GFLOP of Newton-Schulz a step, "
-        f"median of {args.repeats}",
-        "| Newton-Schulz | step (ms) | vs every process |", "|---|---|---|",
-        f"| every process, every matrix | {every * 1e3:,.1f} | 1.00x |",
-        f"| shared among the processes | {shared * 1e3:,.1f} | {every / shared:.2f}x |",
-        f"weights after {args.repeats + 1} steps equal bit for bit: "
-        f"{'yes' if result['equal'] else 'NO'}"])
+    by = {(r["strategy"], r["step"]): r for r in result["rows"]}
+    lines = [f"Muon optimizer step, {args.dims} dims, {result['world']} processes, "
+             f"{result['device']}, {result['ns_gflop']:,.1f} GFLOP of Newton-Schulz a step, "
+             f"median of {args.repeats}",
+             "| strategy, Newton-Schulz | step (ms) | vs torch.optim.Muon's step | weights vs "
+             "one process's torch.optim.Muon |", "|---|---|---|---|"]
+    for row in ROWS:
+        r = by[row]
+        median = statistics.median(r["times"])
+        base = statistics.median(by[(row[0], "torch")]["times"])
+        off = ("equal bit for bit" if r["distance"] == 0 else
+               f"{r['distance']:.2%} of a weight's change")
+        lines.append(f"| {LABELS[row]} | {median * 1e3:,.1f} | {base / median:.2f}x | {off} |")
+    return "\n".join(lines)
+
+
+def shared_steps_are_exact(result: dict) -> bool:
+    return all(r["distance"] == 0 for r in result["rows"] if r["step"] == "shared")
 
 
 def main(argv=None) -> int:
@@ -126,7 +190,7 @@ def main(argv=None) -> int:
                          env={**os.environ, "OMP_NUM_THREADS": str(args.threads)})
     result = json.loads(out.stdout.strip().splitlines()[-1])
     print(report(result, args))
-    return 0 if result["equal"] else 1
+    return 0 if shared_steps_are_exact(result) else 1
 
 
 if __name__ == "__main__":
