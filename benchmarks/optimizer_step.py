@@ -41,8 +41,6 @@ MID = {**ts.TOY, "hidden_size": 1024, "target_hidden_size": 1024, "num_attention
        "num_key_value_heads": 16, "head_dim": 64, "intermediate_size": 2816,
        "vocab_size": 8192, "draft_vocab_size": 4096}
 DIMS = {**ts.DIMS, "mid": MID}
-
-
 ROWS = (("ddp", "torch"), ("ddp", "shared"), ("fsdp", "torch"), ("fsdp", "shared"))
 LABELS = {("ddp", "torch"): "DDP, torch.optim.Muon: every process, every matrix",
           ("ddp", "shared"): "DDP, shared: each matrix on one process, broadcast",
@@ -51,14 +49,14 @@ LABELS = {("ddp", "torch"): "DDP, torch.optim.Muon: every process, every matrix"
 
 
 def build(cfg: m.DraftConfig, device: torch.device, strategy: str | None):
-    """The draft (wrapped as training wraps it for ``strategy``) and its Muon optimizer."""
+    """The draft and its Muon optimizer as training builds them for ``strategy`` (FSDP wraps
+    the draft in place; DDP's wrapper only averages gradients, which are given here)."""
     torch.manual_seed(0)
     with device:
         model = m.Eagle3Draft(cfg, torch.randn(cfg.vocab_size, cfg.hidden_size))
-    if strategy:
+    if strategy == "fsdp":
         wrap_model(model, strategy, Runtime(dist.get_rank(), dist.get_world_size(), 0, device,
                                             owns_group=False))
-        model = getattr(model, "module", model)  # DDP's wrapper: the optimizer's parameters
     optimizer = optim.build_optimizer(model, {**ts.TRAIN, "optimizer": "muon",
                                               "strategy": strategy or "ddp"})
     return model, optimizer
