@@ -154,11 +154,12 @@ class ShardedMuon(torch.optim.Muon):
                                    f"on process {me}, not {rows[me]}: not FSDP2's row sharding")
             parts = ([mine.new_empty((rows[0], *p.shape[1:])) for _ in range(world)]
                      if owner == me else None)
-            handle = dist.gather(pad_rows(mine, rows[0]), parts,
-                                 dst=dist.get_global_rank(pg, owner), group=pg, async_op=True)
-            gathers.append((parts, handle, rows))
+            sent = pad_rows(mine, rows[0])
+            handle = dist.gather(sent, parts, dst=dist.get_global_rank(pg, owner), group=pg,
+                                 async_op=True)
+            gathers.append((parts, handle, rows, sent))  # kept alive until the gather is done
         scatters = []
-        for ((group, p), owner), (parts, gathered, rows) in zip(
+        for ((group, p), owner), (parts, gathered, rows, _) in zip(
                 zip(work, owners, strict=True), gathers, strict=True):
             pieces = None
             if owner == me:
@@ -170,10 +171,12 @@ class ShardedMuon(torch.optim.Muon):
             out = torch.empty((rows[0], *p.shape[1:]), dtype=torch.bfloat16, device=p.device)
             handle = dist.scatter(out, pieces, src=dist.get_global_rank(pg, owner), group=pg,
                                   async_op=True)
-            scatters.append((out[:rows[me]], handle))
-        for rows_here, handle in scatters:
+            scatters.append((out[:rows[me]], handle, pieces))
+        for rows_here, handle, _ in scatters:
             handle.wait()
             yield rows_here
+        for _, handle, _, _ in gathers:  # a process's sends of the rows it does not own
+            handle.wait()
 
 
 def orthogonalise(update: torch.Tensor, group: dict) -> torch.Tensor:
