@@ -98,13 +98,26 @@ def timed_step(model, step_fn, step: int, device: torch.device) -> float:
 
 
 @torch.no_grad()
-def distance(model, reference, initial) -> float:
-    """The largest difference from ``reference``'s weights, as a share of the largest change
-    of that tensor from ``initial``."""
+def reference_weights(cfg: m.DraftConfig, device: torch.device, steps: int):
+    """One process's torch.optim.Muon over ``steps`` steps of the seeded gradients: the
+    trained weights before and after (on the CPU), and the Newton-Schulz FLOPs of a step."""
+    model, optimizer = build(cfg, device, None)
+    before = [p.detach().to("cpu", copy=True) for p in model.parameters()]
+    for step in range(steps):
+        seeded_gradients(model, step, device)
+        step_of(optimizer, "torch")()
+    group = optimizer.muon.param_groups[0]
+    work = sum(optim.newton_schulz_flops(p.shape, group["ns_steps"]) for p in group["params"])
+    return before, [p.detach().cpu() for p in model.parameters()], work
+
+
+@torch.no_grad()
+def distance(model, reference: list, initial: list) -> float:
+    """The largest difference from the ``reference`` weights, as a share of the largest
+    change of that tensor from ``initial``."""
     worst = 0.0
-    for p, ref, start in zip(model.parameters(), reference.parameters(), initial.parameters(),
-                             strict=True):
-        full = p.full_tensor() if isinstance(p, DTensor) else p
+    for p, ref, start in zip(model.parameters(), reference, initial, strict=True):
+        full = (p.full_tensor() if isinstance(p, DTensor) else p).cpu()
         change = (ref - start).abs().max()
         if p.requires_grad and change > 0:
             worst = max(worst, float((full - ref).abs().max() / change))
@@ -119,6 +132,7 @@ def worker(args) -> None:
     if cuda:
         torch.cuda.set_device(device)
     cfg = m.DraftConfig(**DIMS[args.dims])
+    initial, reference, work = reference_weights(cfg, device, args.repeats + 1)
     copies = {row: build(cfg, device, row[0]) for row in ROWS}
     steps = {row: step_of(copies[row][1], row[1]) for row in ROWS}
     times = {row: [] for row in ROWS}
@@ -128,16 +142,8 @@ def worker(args) -> None:
             seconds = timed_step(copies[row][0], steps[row], step, device)
             if step:
                 times[row].append(seconds)
-    # one process's torch.optim.Muon on the same gradients: the reference
-    reference, optimizer = build(cfg, device, None)
-    for step in range(args.repeats + 1):
-        seeded_gradients(reference, step, device)
-        step_of(optimizer, "torch")()
-    initial = build(cfg, device, None)[0]
     distances = {row: distance(copies[row][0], reference, initial) for row in ROWS}
     if dist.get_rank() == 0:
-        group = optimizer.muon.param_groups[0]
-        work = sum(optim.newton_schulz_flops(p.shape, group["ns_steps"]) for p in group["params"])
         print(json.dumps({"rows": [{"strategy": row[0], "step": row[1],
                                     "times": times[row], "distance": distances[row]}
                                    for row in ROWS],
