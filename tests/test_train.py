@@ -149,11 +149,12 @@ def train_process(inputs: dict, out: Path, cfg: dict) -> subprocess.Popen:
     return subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
 
 
-def signal_when(proc: subprocess.Popen, ready, signum: int) -> None:
+def signal_when(proc: subprocess.Popen, ready, signum: int, target=None) -> None:
+    """Once ``ready()``, send ``signum`` to ``proc`` (or to the PID ``target()`` names)."""
     deadline = time.monotonic() + 300
     while time.monotonic() < deadline and proc.poll() is None:
         if ready():
-            proc.send_signal(signum)
+            os.kill(target(), signum) if target else proc.send_signal(signum)
             break
         time.sleep(0.01)
     proc.wait()
@@ -227,6 +228,46 @@ def test_signal_stops_after_a_checkpointed_step_and_resume_equals_uninterrupted_
 
     resumed = run(draft_inputs, out, cfg)
     assert_resumed_run_equals(out, resumed, tmp_path / "reference", reference, 16)
+
+
+def worker_pid(rank: int, marker: str) -> int | None:
+    """The PID of the torchrun worker of ``rank`` whose command line holds ``marker``."""
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        with contextlib.suppress(OSError):
+            cmdline = (entry / "cmdline").read_bytes()
+            environ = (entry / "environ").read_bytes().split(b"\0")
+            if marker.encode() in cmdline and f"RANK={rank}".encode() in environ:
+                return int(entry.name)
+    return None
+
+
+@pytest.mark.slow
+def test_fsdp_muon_run_stopped_on_one_rank_resumes_to_the_uninterrupted_weights(
+        draft_inputs, tmp_path):
+    """Two FSDP processes with Muon: SIGTERM to rank 0 alone stops both after the same step,
+    with a checkpoint, and the rerun resumes from it to the weights of an uninterrupted
+    two-process run, bit for bit (the shared Muon's state is torch.optim.Muon's)."""
+    cfg = {**SMALL, "max_steps": 12, "checkpoint_every": 100, "eval_every": 4,
+           "optimizer": "muon", "nproc_per_node": 2, "strategy": "fsdp"}
+    reference = run(draft_inputs, tmp_path / "reference", cfg)
+
+    out = tmp_path / "stopped"
+    proc = train_process(draft_inputs, out, cfg)
+    metrics = out / "metrics.jsonl"
+    signal_when(proc, lambda: (metrics.exists() and metrics.read_text().count('"lr"') >= 3
+                               and worker_pid(0, str(out)) is not None),
+                signal.SIGTERM, target=lambda: worker_pid(0, str(out)))
+    stderr = proc.stderr.read().decode()
+    assert proc.returncode != 0, stderr[-2000:]
+    latest = json.loads((out / "state" / "latest.json").read_text())
+    assert 3 <= latest["step"] < 12, stderr[-2000:]
+    assert f"stopped by signal {int(signal.SIGTERM)} after step {latest['step']}/12" in stderr
+    remove_outputs(out)
+
+    resumed = run(draft_inputs, out, cfg)
+    assert_resumed_run_equals(out, resumed, tmp_path / "reference", reference, 12)
 
 
 @pytest.mark.slow
