@@ -12,6 +12,7 @@ import json
 import os
 import shutil
 import signal
+import statistics
 import subprocess
 import sys
 from importlib import metadata
@@ -691,7 +692,7 @@ samples = [[rng.randrange(2, 2048) for _ in range(rng.randrange(256, 512))] for 
 backend = VLLMBackend(Path(sys.argv[1]), [2, 4, 6, 8], 512, Path(tempfile.mkdtemp()) / "spool",
                       {"batch_tokens": 4096}, {"enforce_eager": True, "dtype": "bfloat16"})
 faults = []
-for _ in range(4):
+for _ in range(6):
     before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
     backend.states(samples)
     faults.append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
@@ -705,14 +706,15 @@ print(json.dumps(faults))
 @pytest.mark.slow
 def test_the_vllm_backend_reuses_the_memory_of_the_states_it_freed(toy_target):
     """Each pass holds its states until they are read, then frees them together. With glibc's
-    defaults the next pass got fresh pages: 15,000-28,000 minor page faults a pass of these
-    64 samples, and a tenth of the capture's time on the toy. Kept for reuse, a warm pass
-    takes almost none (measured: 7-1,600)."""
+    defaults the next pass got fresh pages: 4,000-44,000 minor page faults a pass of these
+    64 samples after two warm-up passes (median 5,300-17,000), and a tenth of the capture's
+    time on the toy. Kept for reuse, a warm pass takes almost none (median 7-12), though one
+    may still grow the heap by a few thousand pages, so the median is what is held."""
     proc = subprocess.run([sys.executable, "-c", _PAGE_FAULTS_A_PASS, str(toy_target)],
                           capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-2000:]
     faults = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert max(faults[1:]) < 4000, faults  # the first pass grows the heap
+    assert statistics.median(faults[2:]) < 1000, faults  # the first passes grow the heap
 
 
 @requires_vllm
