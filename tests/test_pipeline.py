@@ -269,7 +269,8 @@ def test_temperature_change_reruns_generation_and_downstream(pipeline):
 
 def test_bench_change_reruns_bench_and_bundle_for_real(pipeline):
     workdir, base = pipeline
-    changed = deep_update(base, {"bench": {"max_tokens": 32}})
+    # one window a configuration: the rerun proves what runs, not the draft's speed
+    changed = deep_update(base, {"bench": {"max_tokens": 32, "levels": [1], "repetitions": 1}})
     assert jobs_to_run(workdir, changed) == {"bench", "bundle", "all"}
     write_config(workdir, changed)
     before = (workdir / "results/draft/checkpoint/model.safetensors").stat().st_mtime_ns
@@ -278,7 +279,10 @@ def test_bench_change_reruns_bench_and_bundle_for_real(pipeline):
     ran = set(re.findall(r"rule (\w+):", result.stdout + result.stderr))
     assert ran == {"bench", "bundle", "all"}
     assert (workdir / "results/draft/checkpoint/model.safetensors").stat().st_mtime_ns == before
-    assert json.loads((workdir / "results/bench/results.json").read_text())["max_tokens"] == 32
+    bench = json.loads((workdir / "results/bench/results.json").read_text())
+    assert bench["max_tokens"] == 32
+    assert sorted((s["config"], s["concurrency"]) for s in bench["summary"]) == [
+        ("baseline", 1), ("eagle3-k3", 1)]
     write_config(workdir, base)
 
 
@@ -303,7 +307,8 @@ def test_online_mode_runs_end_to_end_without_stored_states(pipeline, tmp_path):
     online_dir = tmp_path / "online"
     shutil.copytree(workdir, online_dir, symlinks=True)
     online = deep_update(base, {"hidden": {"mode": "online",
-                                           "online": {"max_buffer_bytes": 1 << 20}}})
+                                           "online": {"max_buffer_bytes": 1 << 20}},
+                                "bench": {"levels": [1], "repetitions": 1}})
     assert jobs_to_run(online_dir, online) == {"train_draft", "export_draft", "bench",
                                                "bundle", "all"}
     shutil.rmtree(online_dir / "results" / "hidden")  # nothing stored may be read
