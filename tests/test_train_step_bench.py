@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -268,6 +269,33 @@ def test_script_runs_where_only_torch_is_installed():
     assert done.returncode == 0, done.stderr
     assert "stood in for at import" in done.stderr
     assert "| 4096 | 7 |" in done.stdout
+
+
+# The GPU comparison with speculators (../shared/peer-bench/h200-step, copied into the
+# git-ignored benchmarks/.peer/ to travel to a lent GPU) imports this script's names.
+PEER_HARNESS = [ROOT / "benchmarks/.peer/h200-step", ROOT.parent / "shared/peer-bench/h200-step"]
+
+
+def test_the_peer_harness_measures_this_checkouts_step(tmp_path):
+    """The harness's draftline half, run as its run.sh runs it, at its tiny dims on the CPU: a
+    renamed or re-meant name (Setup, .step, attention_path, flops_per_token, memory_model,
+    matmul_peak, m) would cost a lent GPU's minutes instead of failing here."""
+    harness = next((d for d in PEER_HARNESS if (d / "bench_draftline.py").is_file()), None)
+    if harness is None:
+        pytest.skip("the peer harness (../shared/peer-bench/h200-step) is not on this machine")
+    out = tmp_path / "draftline.json"
+    env = {**os.environ, "PYTHONPATH": f"{ROOT / 'src'}:{ROOT / 'benchmarks'}"}
+    done = subprocess.run([sys.executable, "bench_draftline.py", "--device", "cpu", "--dims",
+                           "tiny", "--tokens", "128", "--steps-k", "2", "--warmup", "1",
+                           "--repeats", "2", "--threads", "1", "--json", str(out)],
+                          cwd=harness, env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    payload = json.loads(out.read_text())
+    (row,) = payload["rows"]
+    cfg = m.DraftConfig(**payload["dims_values"])
+    assert row["flops_per_token"] == bench.flops_per_token(cfg, 128, 2)["total"]
+    assert row["status"] == "ok" and row["tokens_per_s"] > 0 and 0 < row["mfu"] < 1
+    assert payload["attention_path"].startswith("fused")
 
 
 def test_the_optimizer_benchmark_times_each_step_and_checks_its_weights(capsys):
