@@ -23,7 +23,10 @@ export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}"
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv > "$OUT/gpu.csv" 2>&1
 
 if [ -f "$PEER/run.sh" ]; then
-  DRAFTLINE_ROOT="$PWD" timeout "$PEER_S" bash "$PEER/run.sh" "$OUT/peer" > "$OUT/peer.log" 2>&1
+  # run.sh sizes its phases to its own budget, inside this limit; its cross-check would time
+  # train_step.py again, which part 2 does
+  DRAFTLINE_ROOT="$PWD" BUDGET_S=$((PEER_S - 10)) CROSSCHECK=0 timeout "$PEER_S" \
+    bash "$PEER/run.sh" "$OUT/peer" > "$OUT/peer.log" 2>&1
   echo "peer harness: exit $?" | tee -a "$OUT/summary.txt"
 else
   echo "peer harness: $PEER/run.sh not found (copy ../shared/peer-bench/h200-step there)" |
@@ -33,8 +36,9 @@ fi
 step() {  # name, limit, train_step.py arguments
   local name=$1 limit=$2
   shift 2
-  timeout "$limit" python benchmarks/train_step.py --device cuda --tokens 4096 --steps-k 7 \
-    --impls diagonal --repeats 3 --json "$OUT/$name.json" "$@" > "$OUT/$name.log" 2>&1
+  timeout "$limit" "${PYTHON:-python3}" benchmarks/train_step.py --device cuda --tokens 4096 \
+    --steps-k 7 --impls diagonal --repeats 3 --json "$OUT/$name.json" "$@" \
+    > "$OUT/$name.log" 2>&1
   echo "$name: exit $?" | tee -a "$OUT/summary.txt"
 }
 
