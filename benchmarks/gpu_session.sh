@@ -11,18 +11,23 @@
 #
 #   cp -r ../shared/peer-bench/h200-step benchmarks/.peer/h200-step   # git-ignored
 #   bash benchmarks/gpu_session.sh OUT            # carry benchmarks/.peer/h200-step
+#   PEER= MEMORY_ONLY=1 bash benchmarks/gpu_session.sh OUT   # no GPU: every part's arguments,
+#                                                  # checked by printing its analytic memory
 set -uo pipefail
 
 OUT=${1:?usage: gpu_session.sh OUT_DIR}
-PEER=${PEER:-benchmarks/.peer/h200-step}
+PEER=${PEER-benchmarks/.peer/h200-step}
 PEER_S=${PEER_S:-330}    # the harness: about 4-5 minutes plus start-up
 STEP_S=${STEP_S:-120}
 FAMILY_S=${FAMILY_S:-50}
+MEMORY_ONLY=${MEMORY_ONLY:-}
 mkdir -p "$OUT"
 export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}"
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv > "$OUT/gpu.csv" 2>&1
 
-if [ -f "$PEER/run.sh" ]; then
+if [ -z "$PEER" ]; then
+  echo "peer harness: not asked for (PEER empty)" | tee -a "$OUT/summary.txt"
+elif [ -f "$PEER/run.sh" ]; then
   # run.sh sizes its phases to its own budget, inside this limit; its cross-check would time
   # train_step.py again, which part 2 does
   DRAFTLINE_ROOT="$PWD" BUDGET_S=$((PEER_S - 10)) CROSSCHECK=0 timeout "$PEER_S" \
@@ -38,6 +43,7 @@ step() {  # name, limit, train_step.py arguments
   shift 2
   timeout "$limit" "${PYTHON:-python3}" benchmarks/train_step.py --device cuda --tokens 4096 \
     --steps-k 7 --impls diagonal --repeats 3 --json "$OUT/$name.json" "$@" \
+    ${MEMORY_ONLY:+--memory-only} \
     > "$OUT/$name.log" 2>&1
   echo "$name: exit $?" | tee -a "$OUT/summary.txt"
 }

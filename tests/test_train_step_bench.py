@@ -298,6 +298,19 @@ def test_the_peer_harness_measures_this_checkouts_step(tmp_path):
     assert payload["attention_path"].startswith("fused")
 
 
+def test_the_gpu_call_passes_every_part_arguments_the_script_accepts(tmp_path):
+    """benchmarks/gpu_session.sh with MEMORY_ONLY: each part's train_step.py arguments parse
+    and print Kimi's T 4,096, K 7 row, so a lent GPU's one call is not lost to a typo."""
+    env = {**os.environ, "PEER": "", "MEMORY_ONLY": "1", "PYTHON": sys.executable}
+    done = subprocess.run(["bash", "benchmarks/gpu_session.sh", str(tmp_path)], cwd=ROOT,
+                          env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    exits = (tmp_path / "summary.txt").read_text().splitlines()[1:5]
+    assert exits == [f"{part}: exit 0" for part in (
+        "step-kimi", "step-kimi-mla", "step-kimi-eagle3.1", "step-kimi-p-eagle")]
+    assert "| 4096 | 7 |" in (tmp_path / "step-kimi-mla.log").read_text()
+
+
 def test_the_optimizer_benchmark_times_each_step_and_checks_its_weights(capsys):
     """benchmarks/optimizer_step.py at toy dims, 2 processes: a row for each strategy and
     step; the shared steps' weights are one process's torch.optim.Muon's bit for bit (its exit
