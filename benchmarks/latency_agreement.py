@@ -26,7 +26,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from profile_agreement import make_prompts, run_vllm_bench  # noqa: E402
+from profile_agreement import VllmBench, make_prompts, run_vllm_bench  # noqa: E402
 from targets import target_or_cached_toy  # noqa: E402
 
 METRICS = ("output_tok_s", "median_tpot_ms", "median_ttft_ms")
@@ -51,35 +51,41 @@ def agreement(endpoint, model_dir: str, levels: list[int], repeats: int, spec,
     server confirmed, ``confirmed`` of them, when there is one), and draftline / vllm ratios."""
     prompts = make_prompts(256)
     report = {}
-    for level in levels:
-        tasks = {
-            "draftline": lambda level=level: run_draftline(endpoint, prompts, level, spec,
-                                                           warmup_s, measure_s),
-            "vllm": lambda level=level: run_vllm_bench(endpoint, model_dir, prompts, level,
-                                                       prompts_per_slot * level, spec, workdir),
-        }
-        runs: dict[str, list[dict]] = {name: [] for name in tasks}
-        order = list(tasks)
-        for rep in range(repeats):
-            for name in order[rep % 2:] + order[:rep % 2]:
-                runs[name].append(tasks[name]())
-            log(f"C={level} rep {rep}: " + "; ".join(
-                f"{name} " + ", ".join(f"{m} {r[-1][m]:.2f}" for m in METRICS)
-                for name, r in runs.items()))
-        # draftline's windows whose stream the engine's own TPOT confirmed: a window read in
-        # bursts after its retries measured the host's stall, not the definitions (vLLM's own
-        # client, interleaved with draftline's in one process, sees the same bursts)
-        confirmed = [r for r in runs["draftline"] if not r["stream_lagged"]]
-        compared = {"draftline": confirmed or runs["draftline"], "vllm": runs["vllm"]}
-        medians = {name: {m: statistics.median(r[m] for r in rs) for m in METRICS}
-                   for name, rs in compared.items()}
-        report[level] = {
-            "medians": medians,
-            "confirmed": len(confirmed),
-            "ratio": {m: round(medians["draftline"][m] / medians["vllm"][m], 3) for m in METRICS},
-            "runs": runs,
-        }
+    with VllmBench(workdir) as bench:
+        for level in levels:
+            report[level] = _agreement_at(bench, endpoint, model_dir, prompts, level, repeats,
+                                          spec, prompts_per_slot, warmup_s, measure_s, log)
     return report
+
+
+def _agreement_at(bench: VllmBench, endpoint, model_dir: str, prompts, level: int, repeats: int,
+                  spec, prompts_per_slot: int, warmup_s: float, measure_s: float, log) -> dict:
+    tasks = {
+        "draftline": lambda: run_draftline(endpoint, prompts, level, spec, warmup_s, measure_s),
+        "vllm": lambda: run_vllm_bench(bench, endpoint, model_dir, prompts, level,
+                                       prompts_per_slot * level, spec),
+    }
+    runs: dict[str, list[dict]] = {name: [] for name in tasks}
+    order = list(tasks)
+    for rep in range(repeats):
+        for name in order[rep % 2:] + order[:rep % 2]:
+            runs[name].append(tasks[name]())
+        log(f"C={level} rep {rep}: " + "; ".join(
+            f"{name} " + ", ".join(f"{m} {r[-1][m]:.2f}" for m in METRICS)
+            for name, r in runs.items()))
+    # draftline's windows whose stream the engine's own TPOT confirmed: a window read in
+    # bursts after its retries measured the host's stall, not the definitions (vLLM's own
+    # client, interleaved with draftline's in one process, sees the same bursts)
+    confirmed = [r for r in runs["draftline"] if not r["stream_lagged"]]
+    compared = {"draftline": confirmed or runs["draftline"], "vllm": runs["vllm"]}
+    medians = {name: {m: statistics.median(r[m] for r in rs) for m in METRICS}
+               for name, rs in compared.items()}
+    return {
+        "medians": medians,
+        "confirmed": len(confirmed),
+        "ratio": {m: round(medians["draftline"][m] / medians["vllm"][m], 3) for m in METRICS},
+        "runs": runs,
+    }
 
 
 def main(argv: list[str] | None = None) -> int:

