@@ -306,6 +306,45 @@ def test_speculative_server_starts_first_and_measured_rows_survive_a_failure(
     assert partial["failed_config"] == "baseline" and "1 rows" in str(err.value)
 
 
+def test_a_configuration_whose_server_the_run_has_up_is_measured_first(
+        tmp_path, config, monkeypatch):
+    """The generate stage's server, still up, serves the baseline: measured first, it costs no
+    start (starting any other server stops it). The state is the one a supervisor writes."""
+    import os
+
+    import draftline.stages.bench as bench
+    from draftline.serving.server import spec_from_config
+    from draftline.serving.spec import RUN_KEY_ENV, key_id
+
+    monkeypatch.setenv(RUN_KEY_ENV, "this-run")
+    responses = tmp_path / "shard-0.jsonl"
+    responses.write_text("".join(json.dumps({"id": f"s{i}", "messages": [
+        {"role": "user", "content": f"q{i}"}, {"role": "assistant", "content": "a"}]}) + "\n"
+        for i in range(100)))
+    model, state_dir = str(tmp_path / "target"), tmp_path / "servers"
+    state_dir.mkdir()
+    baseline = spec_from_config(dict(config["server"], mode="managed"), model)
+    (state_dir / f"{baseline.fingerprint()}.json").write_text(json.dumps({
+        "status": "ready", "url": "http://127.0.0.1:1", "supervisor_pid": os.getpid(),
+        "key_id": key_id("this-run")}))
+    started = []
+
+    def record_measure_one(cfg, *args, **kwargs):  # test double: the order of the servers
+        started.append(cfg["name"])
+        row = _row(cfg["name"], 1, 0, 10.0, 5.0, accepted=10,
+                   drafts=10 if cfg["num_speculative_tokens"] else 0)
+        return [{**row, "vllm_version": "0.32.0"}]
+
+    monkeypatch.setattr(bench, "_measure_one", record_measure_one)
+    measure_deployment_benchmark(
+        [str(responses)], str(tmp_path / "draft"), None, None, str(tmp_path / "bench"),
+        bench_cfg=dict(config["bench"], levels=[1], temperatures=[0.0],
+                       num_speculative_tokens=[3, 5]),
+        generate_cfg=config["generate"], eval_fraction=0.2, server_cfg=config["server"],
+        model=model, state_dir=str(state_dir))
+    assert started == ["baseline", "eagle3-k3", "eagle3-k5"]
+
+
 def test_step_costs_predict_the_speedup_and_say_when_none_is_possible():
     # baseline: 5 ms a token at C=1; EAGLE-3 k=3: 4 ms a token at acceptance 2.0 -> a round
     # of 8 ms (3 draft steps of 1 ms + a 5 ms verification)

@@ -138,6 +138,11 @@ def test_complete_run_produces_every_artifact(pipeline):
     assert text.count("starting vLLM server") == 1
     assert text.count("reusing vLLM server") == 1
     assert "prompts to ask over 2 shard(s)" in text
+    # ... and the bench's baseline, measured first while that server was still up: one start
+    # for the EAGLE-3 server is all the bench needed
+    bench_log = (workdir / "logs/bench/bench.log").read_text()
+    assert bench_log.index("reusing vLLM server") < bench_log.index("starting vLLM server")
+    assert bench_log.count("starting vLLM server") == 1
     assert not list((results / ".servers").glob("*.json")), "a shared server outlived the run"
 
 

@@ -26,6 +26,7 @@ from draftline.serving.server import (
     group_alive,
     served_version,
     shared_server,
+    shared_server_is_up,
     spec_from_config,
     stop_all,
 )
@@ -85,8 +86,12 @@ def test_shared_server_serves_reasoning_and_stops_when_idle(tmp_path, toy_target
     the same server from a second user, then idle out with no process left."""
     spec = spec_from_config(config["server"], str(toy_target))
     state_dir = tmp_path / "servers"
+    assert not shared_server_is_up(spec, state_dir)
     with shared_server(spec, state_dir, idle_timeout_s=3) as endpoint:
         state = json.loads((state_dir / f"{spec.fingerprint()}.json").read_text())
+        assert shared_server_is_up(spec, state_dir)
+        assert not shared_server_is_up(spec_from_config(config["server"], "/another/model"),
+                                       state_dir)
         client = openai.OpenAI(base_url=endpoint.base_url, api_key=endpoint.api_key)
         resp = client.chat.completions.create(
             model=endpoint.model, messages=[{"role": "user", "content": "What is 2 plus 3?"}],
@@ -107,7 +112,31 @@ def test_shared_server_serves_reasoning_and_stops_when_idle(tmp_path, toy_target
     while time.monotonic() < deadline and _pid_alive(state["supervisor_pid"]):
         time.sleep(0.2)  # the supervisor exits right after its server
     assert not _pid_alive(state["supervisor_pid"])
+    assert not shared_server_is_up(spec, state_dir)
     assert stop_all(state_dir) == 0
+
+
+def test_a_server_under_another_runs_key_is_not_this_runs(tmp_path, config, monkeypatch):
+    """The state a supervisor writes (``supervise``), here for a live process: up for this
+    run only under its key, and only while the supervisor lives."""
+    from draftline.serving.spec import RUN_KEY_ENV, key_id
+
+    monkeypatch.setenv(RUN_KEY_ENV, "this-run")
+    spec = spec_from_config(config["server"], "/models/toy")
+    state_path = tmp_path / f"{spec.fingerprint()}.json"
+
+    def write_state(pid: int, key: str) -> None:
+        state_path.write_text(json.dumps({"status": "ready", "url": "http://127.0.0.1:1",
+                                          "supervisor_pid": pid, "key_id": key_id(key)}))
+
+    write_state(os.getpid(), "this-run")
+    assert shared_server_is_up(spec, tmp_path)
+    write_state(os.getpid(), "another-run")
+    assert not shared_server_is_up(spec, tmp_path)
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()
+    write_state(gone.pid, "this-run")
+    assert not shared_server_is_up(spec, tmp_path)
 
 
 class _SpawnProbe(Exception):

@@ -239,6 +239,18 @@ def _read_state(path: Path) -> dict | None:
         return None
 
 
+def _ready(state: dict | None) -> bool:
+    return bool(state) and state.get("status") == "ready" and _pid_alive(state["supervisor_pid"])
+
+
+def shared_server_is_up(spec: ServerSpec, state_dir: Path) -> bool:
+    """Whether this run already has a ready server for ``spec``: ``shared_server`` would reuse
+    it rather than start one (a server under another run's key it would replace)."""
+    spec = replace(spec, use_run_key=True)
+    state = _read_state(_Paths(state_dir, spec.fingerprint()).state)
+    return _ready(state) and state.get("key_id") == key_id(spec.api_key())
+
+
 @contextlib.contextmanager
 def shared_server(spec: ServerSpec, state_dir: Path, idle_timeout_s: float = 120.0,
                   log=print) -> Iterator[Endpoint]:
@@ -255,7 +267,7 @@ def shared_server(spec: ServerSpec, state_dir: Path, idle_timeout_s: float = 120
     release_other_servers(state_dir, keep=spec.fingerprint(), log=log)
     with _flock(paths.startup, fcntl.LOCK_EX):
         state = _read_state(paths.state)
-        running = state and state.get("status") == "ready" and _pid_alive(state["supervisor_pid"])
+        running = _ready(state)
         if running and state.get("key_id") != key_id(key):
             log(f"stopping vLLM server {state['url']}: it requires another run's key")
             _stop_leased(paths, state, log)

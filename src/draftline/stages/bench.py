@@ -89,7 +89,14 @@ from draftline.serving.loadgen import (
     measure_window,
     server_latency_means,
 )
-from draftline.serving.server import Endpoint, endpoints_for, served_version
+from draftline.serving.server import (
+    Endpoint,
+    ServerSpec,
+    endpoints_for,
+    served_version,
+    shared_server_is_up,
+    spec_from_config,
+)
 from draftline.stages import bench_drafts, bench_variants
 from draftline.stages.profile import resolve_concurrency
 
@@ -899,10 +906,12 @@ def check_configurations(configs: list[dict], model: str, external: dict,
             "Llama-architecture target for the CPU benchmark. Nothing was measured.")
 
 
-def measuring_order(configs: list[dict]) -> list[dict]:
-    """Speculative configurations first: the server most likely to fail starts before any
-    baseline time is spent."""
-    return sorted(configs, key=lambda c: c["num_speculative_tokens"] is None)
+def measuring_order(configs: list[dict], server_is_up=lambda config: False) -> list[dict]:
+    """A configuration whose server the run already has up first (the generate stage's, for
+    the baseline): there is no start to wait for, and starting any other stops it. Then
+    speculative configurations: the server most likely to fail starts before any baseline
+    time is spent."""
+    return sorted(configs, key=lambda c: (not server_is_up(c), c["num_speculative_tokens"] is None))
 
 
 def _partial_path(out: Path) -> Path:
@@ -942,13 +951,20 @@ def measure_deployment_benchmark(response_files: list[str], draft_dir: str, eval
                 "seed": generate_cfg["seed"],
                 "chat_template_kwargs": generate_cfg["chat_template_kwargs"]}
     windows = {"warmup_s": bench_cfg["warmup_s"], "measure_s": bench_cfg["measure_s"]}
+    def draft_of(cfg: dict) -> str:
+        return draft_dirs[cfg.get("draft") or cfg.get("variant")]
+
+    def server_is_up(cfg: dict) -> bool:
+        return cfg["name"] not in external_urls and shared_server_is_up(
+            _served_spec(cfg, server_cfg, model, draft_of(cfg), trust_remote_code, revision),
+            Path(state_dir))
+
     rows: list[dict] = []
-    for cfg in measuring_order(configs):
+    for cfg in measuring_order(configs, server_is_up):
         try:
             rows += _measure_one(cfg, external_urls.get(cfg["name"]), prompts, levels,
                                  temperatures, sampling, windows, bench_cfg, server_cfg, model,
-                                 draft_dirs[cfg.get("draft") or cfg.get("variant")], state_dir,
-                                 trust_remote_code, log,
+                                 draft_of(cfg), state_dir, trust_remote_code, log,
                                  revision=revision)
         except Exception as exc:
             partial = _partial_path(out)
@@ -987,12 +1003,24 @@ def measure_deployment_benchmark(response_files: list[str], draft_dir: str, eval
     return result
 
 
+def _served_spec(cfg: dict, server_cfg: dict, model: str, draft_dir: str,
+                 trust_remote_code: bool, revision: str | None) -> ServerSpec:
+    """The spec of the managed server ``endpoints_for`` gives a configuration."""
+    return spec_from_config(dict(server_cfg, mode="managed"), model, trust_remote_code,
+                            _speculative_config_of(cfg, draft_dir), revision)
+
+
+def _speculative_config_of(cfg: dict, draft_dir: str) -> dict | None:
+    return speculative_config(draft_dir, cfg["num_speculative_tokens"],
+                              cfg.get("draft_sample_method", "greedy"))
+
+
 def _measure_one(cfg: dict, external: str | None, prompts, levels, temperatures, sampling,
                  windows, bench_cfg, server_cfg, model, draft_dir, state_dir,
                  trust_remote_code, log, revision: str | None = None) -> list[dict]:
     """Start (or reach) the configuration's server and measure it."""
-    method = cfg.get("draft_sample_method", "greedy")
-    if method != "greedy":  # at T = 0 every request is greedy: the same as greedy drafting
+    if cfg.get("draft_sample_method", "greedy") != "greedy":
+        # at T = 0 every request is greedy: the same as greedy drafting
         temperatures = [t for t in temperatures if t > 0]
 
     def measure(endpoint: Endpoint) -> list[dict]:
@@ -1005,8 +1033,7 @@ def _measure_one(cfg: dict, external: str | None, prompts, levels, temperatures,
     if external:
         return measure(Endpoint(base_url=external.rstrip("/").removesuffix("/v1") + "/v1",
                                 model=bench_cfg.get("served_name") or server_cfg["served_name"]))
-    managed = dict(server_cfg, mode="managed")
-    spec_cfg = speculative_config(draft_dir, cfg["num_speculative_tokens"], method)
-    with endpoints_for(managed, model, Path(state_dir), trust_remote_code, spec_cfg,
-                       log=log, revision=revision) as (endpoint,):
+    with endpoints_for(dict(server_cfg, mode="managed"), model, Path(state_dir),
+                       trust_remote_code, _speculative_config_of(cfg, draft_dir), log=log,
+                       revision=revision) as (endpoint,):
         return measure(endpoint)
