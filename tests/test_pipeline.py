@@ -272,10 +272,12 @@ def test_temperature_change_reruns_generation_and_downstream(pipeline):
     assert jobs == ALL_AFTER_TARGET - {"prompt_shards"}
 
 
-def test_bench_change_reruns_bench_and_bundle_for_real(pipeline):
+def test_bench_change_reruns_bench_and_bundle_for_real(pipeline, vllm_server):
     workdir, base = pipeline
-    # one window a configuration: the rerun proves what runs, not the draft's speed
-    changed = deep_update(base, {"bench": {"max_tokens": 32, "levels": [1], "repetitions": 1}})
+    # one window a configuration: the rerun proves what runs, not the draft's speed; the
+    # session's server serves the baseline (bench.endpoints), the draft's is started here
+    changed = deep_update(base, {"bench": {"max_tokens": 32, "levels": [1], "repetitions": 1,
+                                           "endpoints": {"baseline": vllm_server.url}}})
     assert jobs_to_run(workdir, changed) == {"bench", "bundle", "all"}
     write_config(workdir, changed)
     before = (workdir / "results/draft/checkpoint/model.safetensors").stat().st_mtime_ns
@@ -303,9 +305,10 @@ def test_editing_a_stage_library_makes_that_stage_stale(pipeline):
     assert jobs == {"vocab_map", "train_draft", "export_draft", "bench", "bundle", "all"}
 
 
-def test_online_mode_runs_end_to_end_without_stored_states(pipeline, tmp_path):
+def test_online_mode_runs_end_to_end_without_stored_states(pipeline, vllm_server, tmp_path):
     """hidden.mode online: no hidden_states job; training, export, bench and bundle run for
-    real on states the training job produces, and the draft equals the offline one."""
+    real on states the training job produces, and the draft equals the offline one. The bench
+    starts a server for the draft; the session's server serves the baseline."""
     from safetensors.torch import load_file
 
     workdir, base = pipeline
@@ -313,7 +316,8 @@ def test_online_mode_runs_end_to_end_without_stored_states(pipeline, tmp_path):
     shutil.copytree(workdir, online_dir, symlinks=True)
     online = deep_update(base, {"hidden": {"mode": "online",
                                            "online": {"max_buffer_bytes": 1 << 20}},
-                                "bench": {"levels": [1], "repetitions": 1}})
+                                "bench": {"levels": [1], "repetitions": 1,
+                                          "endpoints": {"baseline": vllm_server.url}}})
     assert jobs_to_run(online_dir, online) == {"train_draft", "export_draft", "bench",
                                                "bundle", "all"}
     shutil.rmtree(online_dir / "results" / "hidden")  # nothing stored may be read
