@@ -951,6 +951,7 @@ def measure_deployment_benchmark(response_files: list[str], draft_dir: str, eval
                 "seed": generate_cfg["seed"],
                 "chat_template_kwargs": generate_cfg["chat_template_kwargs"]}
     windows = {"warmup_s": bench_cfg["warmup_s"], "measure_s": bench_cfg["measure_s"]}
+
     def draft_of(cfg: dict) -> str:
         return draft_dirs[cfg.get("draft") or cfg.get("variant")]
 
