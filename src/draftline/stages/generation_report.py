@@ -71,22 +71,13 @@ def counter_increase(times: list[float], counts: list[float], start: float,
     the highest value seen is a server restart (its counter starts again from 0)."""
     first = max([i for i, t in enumerate(times) if t <= start], default=0)
     last = min([i for i, t in enumerate(times) if t >= end], default=len(times) - 1)
-    total, high = 0.0, None
-    for count in counts[first:last + 1]:
-        if high is None:
-            high = count
-        elif count < high / 2:
-            total += count
-            high = count
-        elif count > high:
-            total += count - high
-            high = count
-    return total
+    rises = cumulative(counts[first:last + 1])
+    return rises[-1] if rises else 0.0
 
 
 def cumulative(counts: list[float]) -> list[float]:
-    """A counter's rise since its first sample, at every sample (a restart and jitter handled
-    as in ``counter_increase``)."""
+    """A counter's rise since its first sample, at every sample. A small step back is jitter; a
+    drop below half the highest value seen is a server restart (as in ``counter_increase``)."""
     out, total, high = [], 0.0, None
     for count in counts:
         if high is None:
