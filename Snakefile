@@ -8,6 +8,10 @@ min_version("9.0")
 configfile: "config/config.yaml"
 
 
+# A built-in target's settings under the config files, as `draftline plan` resolves them.
+include: "rules/config.smk"
+
+
 validate(config, "src/draftline/schemas/config.schema.yaml")
 
 

@@ -1,6 +1,5 @@
 # Helpers shared by the rules. Deliberately light: no draftline or heavy imports here, so the
 # workflow parses, validates and dry-runs with only Snakemake installed (GPU host orchestrator).
-import importlib.util
 import json
 import os
 import re
@@ -23,21 +22,6 @@ def _sorted_keys(value):
 _canonical = _sorted_keys(dict(config))
 config.clear()
 config.update(_canonical)
-
-# The repository's root: the folder above rules/ (not workflow.basedir, the folder of the main
-# Snakefile, which is elsewhere when another workflow includes this one).
-WORKFLOW_ROOT = Path(workflow.current_basedir.get_path_or_uri(secret_free=True)).parent
-
-
-def _library_module(name):
-    """A standard-library-only module of the library, loaded by its file path: importing the
-    draftline package here would need its dependencies at parse time."""
-    path = WORKFLOW_ROOT / "src" / "draftline" / "core" / f"{name}.py"
-    spec = importlib.util.spec_from_file_location(f"_draftline_{name}", path)
-    loaded = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(loaded)
-    return loaded
-
 
 # What the schema cannot say (files that must exist, rules across keys, a local target's final
 # head): the library's own check, the one the CLI runs, before any job.

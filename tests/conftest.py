@@ -17,6 +17,7 @@ import pytest
 import yaml
 
 from draftline.core.config import load_config
+from draftline.core.config_layers import merge, target_settings
 
 pytest_plugins = ["strict_skips"]
 
@@ -81,6 +82,14 @@ def sha256_of(path: Path) -> str:
 
 def default_config(**overrides) -> dict:
     return load_config(CONFIG, overrides)
+
+
+def toy_run_config() -> dict:
+    """The default toy run's settings written out as one config file's contents: the toy's
+    built-in settings with config/config.yaml over them. For a test that then points
+    ``target.model`` at a built toy folder, which is a model of its own and so gets the
+    schema's defaults otherwise."""
+    return merge(target_settings("toy"), yaml.safe_load(CONFIG.read_text()))
 
 
 def write_workflow_config(workdir: Path, config: dict) -> Path:

@@ -214,7 +214,7 @@ def completed_workflow(tmp_path_factory):
     workdir = tmp_path_factory.mktemp("wf")
     copy_workflow(workdir)
     cfg = yaml.safe_load((REPO / "config" / "config.yaml").read_text())
-    cfg["generate"]["concurrency"] = 4  # no concurrency profile in the DAG
+    cfg.setdefault("generate", {})["concurrency"] = 4  # no concurrency profile in the DAG
     write_workflow_config(workdir, cfg)
     summary = snakemake(workdir, "--summary")
     assert summary.returncode == 0, summary.stderr[-3000:]

@@ -1,5 +1,6 @@
 """Config validation: defaults filled, and every bad config is stopped naming its key."""
 
+import json
 import re
 import shutil
 import subprocess
@@ -11,6 +12,7 @@ import yaml
 from conftest import REPO
 
 from draftline.core.config import ConfigError, load_config, validate_config
+from draftline.core.config_layers import target_settings
 
 BAD_CONFIGS = [
     ({"generate": {"temperature": "hot"}}, "generate.temperature"),
@@ -176,8 +178,7 @@ def test_a_section_alone_takes_the_schema_defaults():
     assert resolve_section("train", None)["ttt_steps"] == \
         schema["train"]["properties"]["ttt_steps"]["default"]
     assert load_config(REPO / "config" / "config.yaml")["target"]["toy"] == \
-        resolve_section("target.toy", yaml.safe_load(
-            (REPO / "config" / "config.yaml").read_text())["target"]["toy"])
+        resolve_section("target.toy", target_settings("toy")["target"]["toy"])
 
 
 @pytest.mark.parametrize(("section", "values", "key"), [
@@ -213,3 +214,66 @@ def test_online_mode_takes_the_vllm_producer():
         "hidden.online.external_url": "http://gpu-host:8000",
         "hidden.online.spool_dir": "/shared/spool"})
     assert external["hidden"]["online"]["spool_dir"] == "/shared/spool"
+
+
+# ----------------------------------------------------------------------------- one resolution
+
+# The README's "Your own target" example, as a user writes it.
+OWN_TARGET = {
+    "target": {"model": "Qwen/Qwen3-8B", "revision": None, "trust_remote_code": False},
+    "server": {"reasoning_parser": "qwen3"},
+    "prompts": {"sources": [{"path": "hf:HuggingFaceH4/ultrachat_200k", "split": "train_sft",
+                             "prompt_field": "prompt"}], "max_samples": 5000},
+    "hidden": {"backend": "vllm"},
+}
+
+
+def _snakemake_config(workdir, *configfiles):
+    """The config Snakemake's rules read, after every layer and validation (a probe workflow
+    that includes the real Snakefile and prints it)."""
+    probe = workdir / "probe.smk"
+    probe.write_text(f'include: "{REPO / "Snakefile"}"\n\nimport json as _json\n'
+                     'print("CONFIG", _json.dumps(config))\n')
+    args = ["--configfile", *map(str, configfiles)] if configfiles else []
+    result = subprocess.run(
+        [sys.executable, "-m", "snakemake", "-n", "-s", str(probe), "--directory", str(workdir),
+         "--cores", "1", *args], capture_output=True, text=True, timeout=300, cwd=workdir)
+    line = next((ln for ln in result.stdout.splitlines() if ln.startswith("CONFIG ")), None)
+    assert line, (result.stdout + result.stderr)[-3000:]
+    return json.loads(line.removeprefix("CONFIG "))
+
+
+@pytest.mark.parametrize("case", ["toy", "own target", "production"])
+def test_the_cli_and_snakemake_resolve_the_same_config(tmp_path, monkeypatch, case):
+    """`draftline plan --config F` (and every stage) resolves what `snakemake --configfile F`
+    hands its rules: config/config.yaml, then F, over the target's built-in settings."""
+    (tmp_path / "config").mkdir()
+    shutil.copy(REPO / "config" / "config.yaml", tmp_path / "config" / "config.yaml")
+    files = {"toy": [], "production": [REPO / "config" / "kimi-k2.5.yaml"]}.get(case)
+    if files is None:
+        (tmp_path / "my.yaml").write_text(yaml.safe_dump(OWN_TARGET))
+        files = [tmp_path / "my.yaml"]
+    monkeypatch.chdir(tmp_path)
+    cli = load_config(files[0] if files else None)
+    assert _snakemake_config(tmp_path, *files) == json.loads(json.dumps(cli))
+
+
+def test_the_toys_demo_settings_reach_the_toy_only(tmp_path, monkeypatch):
+    """A user's own target gets the schema's defaults (a real model's), not the toy's short
+    answers, small draft vocabulary and quick sweep."""
+    schema = yaml.safe_load((REPO / "src" / "draftline" / "schemas" /
+                             "config.schema.yaml").read_text())["properties"]
+    (tmp_path / "my.yaml").write_text(yaml.safe_dump(OWN_TARGET))
+    monkeypatch.chdir(REPO)
+    own = load_config(tmp_path / "my.yaml")
+    toy = load_config()
+    for section, key in [("generate", "max_tokens"), ("vocab", "draft_vocab_size"),
+                         ("train", "epochs"), ("train", "ttt_steps"), ("server", "max_model_len"),
+                         ("server", "enforce_eager"), ("profile", "levels")]:
+        default = schema[section]["properties"][key]["default"]
+        assert own[section][key] == default, f"{section}.{key}"
+        assert toy[section][key] == target_settings("toy")[section][key], f"{section}.{key}"
+    assert toy["generate"]["max_tokens"] < own["generate"]["max_tokens"]
+    # a key the user sets wins over the toy's own settings
+    assert load_config(overrides={"vocab.draft_vocab_size": 2048})["vocab"] == {
+        "draft_vocab_size": 2048}

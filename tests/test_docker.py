@@ -24,8 +24,7 @@ import time
 from pathlib import Path
 
 import pytest
-import yaml
-from conftest import CONFIG, write_workflow_config
+from conftest import CONFIG, toy_run_config, write_workflow_config
 
 from draftline.core.config import ConfigError, load_config
 from draftline.serving import docker_launcher as D
@@ -310,7 +309,7 @@ def test_pipeline_generates_through_docker_launcher(docker_client, serving_cpu_i
     work = tmp_path / "work"
     work.mkdir()
     key = "k-" + secrets.token_hex(16)
-    cfg = yaml.safe_load((REPO / "config" / "config.yaml").read_text())
+    cfg = toy_run_config()
     cfg["target"]["model"] = str(toy_target)
     cfg["server"].update(launcher="docker", image=serving_cpu_image, startup_timeout_s=600,
                          docker={"api_key_env": "DRAFTLINE_TEST_API_KEY"})

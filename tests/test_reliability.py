@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from conftest import REPO, copy_workflow, requires_vllm, write_workflow_config
+from conftest import REPO, copy_workflow, requires_vllm, toy_run_config, write_workflow_config
 from fault_proxy import FaultProxy
 
 from draftline.core import atomic
@@ -179,7 +179,7 @@ def test_ctrl_c_on_snakemake_mid_generation_then_rerun_resumes(tmp_path, toy_tar
                                                                vllm_server):
     workdir = tmp_path / "wf"
     copy_workflow(workdir)
-    cfg = yaml.safe_load((REPO / "config" / "config.yaml").read_text())
+    cfg = toy_run_config()
     cfg["target"]["model"] = str(toy_target)
     cfg["server"]["mode"] = "external"
     cfg["server"]["external"] = {"base_urls": [f"http://127.0.0.1:{vllm_server.port}"]}

@@ -1,4 +1,5 @@
-"""Config loading: YAML validated by the JSON schema, with defaults filled in.
+"""Config loading: the files layered as Snakemake layers them, validated by the JSON schema,
+with defaults filled in.
 
 The Snakefile validates with ``snakemake.utils.validate`` against the same schema; this module
 gives the CLI (and tests) the same behaviour without Snakemake.
@@ -15,9 +16,10 @@ import jsonschema
 import yaml
 
 from draftline.core.config_check import ConfigError, check_semantics
+from draftline.core.config_layers import merge, with_target_settings
 
-__all__ = ["ConfigError", "check_semantics", "load_config", "load_schema", "resolve_section",
-           "validate_config"]
+__all__ = ["ConfigError", "check_semantics", "config_files", "load_config", "load_schema",
+           "resolve_section", "validate_config"]
 
 SCHEMA_PATH = Path(str(resources.files("draftline") / "schemas" / "config.schema.yaml"))
 
@@ -89,19 +91,46 @@ def resolve_section(dotted: str, values: dict | None) -> dict[str, Any]:
     return section
 
 
-def load_config(path: str | Path | None = None, overrides: dict | None = None) -> dict[str, Any]:
-    """Read a YAML config (default ``config/config.yaml``), apply overrides, validate, fill
-    defaults."""
-    path = Path(path or "config/config.yaml")
+# The workflow's default config file, read first as Snakemake's ``configfile:`` reads it (from
+# the working directory).
+DEFAULT_CONFIG = Path("config/config.yaml")
+
+
+def read_config_file(path: str | Path) -> dict[str, Any]:
+    """One YAML config file as a mapping; an error naming the file otherwise."""
+    path = Path(path)
     try:
         config = yaml.safe_load(path.read_text()) or {}
     except yaml.YAMLError as exc:
         raise ConfigError(f"config file {path}: not valid YAML: {exc}") from exc
     if not isinstance(config, dict):
         raise ConfigError(f"config file {path}: top level must be a mapping")
+    return config
+
+
+def config_files(path: str | Path | None) -> list[Path]:
+    """The files a run reads, in order: ``config/config.yaml`` (where the working directory has
+    one), then ``path`` (unless it is that file), as ``snakemake --configfile path`` does."""
+    files = [DEFAULT_CONFIG] if DEFAULT_CONFIG.is_file() else []
+    if path is not None:
+        path = Path(path)
+        if not path.exists():
+            raise FileNotFoundError(f"config file not found: {path}")
+        if not (files and path.resolve() == DEFAULT_CONFIG.resolve()):
+            files.append(path)
+    return files
+
+
+def load_config(path: str | Path | None = None, overrides: dict | None = None) -> dict[str, Any]:
+    """The configuration a run uses, resolved as Snakemake resolves it
+    (``draftline.core.config_layers``): ``config/config.yaml``, then ``path``, then the dotted
+    ``overrides``, over the target's built-in settings; validated, defaults filled."""
+    config: dict[str, Any] = {}
+    for file in config_files(path):
+        config = merge(config, read_config_file(file))
     for key, value in (overrides or {}).items():
         _set_dotted(config, key, value)
-    return validate_config(config)
+    return validate_config(with_target_settings(config))
 
 
 def _set_dotted(config: dict, dotted: str, value: Any) -> None:

@@ -27,6 +27,13 @@ is the production run (Kimi-K2.5 on 8 GPUs); give it on top of the default with
 `snakemake --configfile config/kimi-k2.5.yaml` (the keys it sets replace the default's).
 Every stage also runs alone: `draftline <stage> --config FILE --set key=value`.
 
+A run's settings are layered, lowest first: the defaults below (settings for a real model),
+a built-in target's own settings (the toy's demo settings, `src/draftline/data/toy/config.yaml`,
+apply only when `target.model` is `toy`), `config/config.yaml`, the files given
+(`snakemake --configfile`, `draftline --config`) and single keys (`--config`, `--set`).
+`draftline plan`, every `draftline <stage>` and Snakemake resolve the same layers
+(`draftline.core.config_layers`).
+
 Every key has a default (below), so a config holds only what differs. An unknown key, a wrong
 type or an out-of-range value stops the run before any job, with a message naming the key, and
 so do the checks no schema can express (files that must exist, rules across keys:
