@@ -35,6 +35,7 @@ rule vocab_map:
         model=target_path,
         revision=config["target"]["revision"],
         draft_vocab_size=config["vocab"]["draft_vocab_size"],
+        min_coverage=config["vocab"]["min_coverage"],
         code=code_hash("vocab_map.py"),
     script:
         "../scripts/vocab_map.py"

@@ -10,4 +10,5 @@ with logged(snakemake.log[0]):
         target_vocab_size(local_dir(snakemake.params.model, snakemake.params.revision)),
         snakemake.params.draft_vocab_size,
         Path(snakemake.output.vocab_map).parent,
+        min_coverage=snakemake.params.min_coverage,
     )

@@ -41,7 +41,7 @@ def test_every_stage_subcommand_runs_once_on_the_toy(vllm_server, trained_eagle_
         "prompts": {"max_samples": 12, "num_shards": 2},
         "server": {"mode": "external", "external": {"base_urls": [vllm_server.url]}},
         "profile": {"levels": [2], "max_concurrency": 2, "num_prompts": 4, "warmup_s": 0.5,
-                    "measure_s": 1},
+                    "measure_s": 1, "max_truncated_share": 1},  # answers cut at 24 tokens
         "generate": {"max_tokens": 24, "concurrency": "auto"},
         "dataset": {"eval_fraction": 0.25},
         "hidden": {"backend": "hf"},

@@ -10,7 +10,9 @@ import pytest
 from draftline.core.records import Prompt
 from draftline.serving.loadgen import SamplingSpec
 from draftline.stages.profile import (
+    AnswersCutShort,
     ProfileError,
+    check_truncation,
     choose_concurrency,
     fingerprint_from_config,
     next_level,
@@ -20,6 +22,7 @@ from draftline.stages.profile import (
     prompt_length_stats,
     run_profile,
     server_info_from_config,
+    truncation,
     workload_fingerprint,
 )
 
@@ -247,3 +250,19 @@ def test_real_sweep_gives_a_rising_curve_and_a_choice_by_the_rule(vllm_server, c
                                    SamplingSpec.from_generate_cfg({**generate_cfg,
                                                                    "max_tokens": 65}))
     assert profile_is_stale(out_json, changed)
+
+
+def test_answers_cut_at_max_tokens_stop_the_run_before_generation():
+    rows = [{"finish_reasons": {"stop": 8, "length": 1}},
+            {"finish_reasons": {"stop": 6, "length": 5}}, {"finish_reasons": {}}]
+    cut = truncation(rows)
+    assert cut == {"answers": 20, "cut_at_max_tokens": 6, "share": 0.3}
+    with pytest.raises(AnswersCutShort) as refused:
+        check_truncation(cut, max_share=0.1, max_tokens=160)
+    assert str(refused.value).startswith(
+        "config key 'generate.max_tokens': 6 of the profile's 20 answers (30%) stopped at "
+        "max_tokens 160, more than profile.max_truncated_share 10%")
+    check_truncation(cut, max_share=0.3, max_tokens=160)  # at the limit: accepted
+    # too few answers to tell: no verdict
+    check_truncation(truncation([{"finish_reasons": {"length": 9}}]), 0.1, 160)
+    assert truncation([])["share"] is None

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from draftline.stages.vocab import (
+    VocabTooSmall,
     build_vocab_map,
     count_tokens,
     coverage_table,
@@ -148,3 +149,26 @@ def test_build_vocab_map_without_map_needed(tmp_path):
     assert "no map needed" in record["note"]
     d2t, t2d = load_vocab_map(tmp_path / "v" / "vocab_map.safetensors")
     assert d2t.tolist() == [0] * 10 and bool(t2d.all())
+
+
+def test_a_draft_vocab_under_min_coverage_is_refused_naming_the_size_that_covers(tmp_path):
+    """Eval tokens 5, 3, 8 against the train ranking 3, 4, 1, 2, 7, then the unseen 0, 5, 6,
+    8, 9: three draft tokens hold one of three, and nine hold all three."""
+    path = save_dataset(tmp_path / "ds", TRAIN, EVAL)
+    with pytest.raises(VocabTooSmall) as refused:
+        build_vocab_map(path, target_vocab_size=10, draft_vocab_size=3, out_dir=tmp_path / "v",
+                        min_coverage=0.98)
+    message = str(refused.value)
+    assert "config key 'vocab.draft_vocab_size'" in message
+    assert "3 draft tokens cover 33.3%" in message and "9 would cover it" in message
+    assert not (tmp_path / "v" / "vocab_map.safetensors").exists()
+    record = build_vocab_map(path, target_vocab_size=10, draft_vocab_size=9,
+                             out_dir=tmp_path / "v", min_coverage=0.98)
+    assert record["coverage"]["eval"] == 1.0
+    # the size named is the smallest: eight tokens hold two of three
+    with pytest.raises(VocabTooSmall, match="8 draft tokens cover 66.7%"):
+        build_vocab_map(path, target_vocab_size=10, draft_vocab_size=8, out_dir=tmp_path / "w",
+                        min_coverage=0.98)
+    # 0 accepts any size
+    assert build_vocab_map(path, target_vocab_size=10, draft_vocab_size=3,
+                           out_dir=tmp_path / "x", min_coverage=0.0)["draft_vocab_size"] == 3

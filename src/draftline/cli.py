@@ -92,7 +92,8 @@ def cmd_vocab(cfg: dict, lay: Layout, args) -> None:
     from draftline.stages.vocab import build_vocab_map, target_vocab_size
 
     build_vocab_map(lay.dataset, target_vocab_size(target_model(cfg)),
-                cfg["vocab"]["draft_vocab_size"], lay.vocab)
+                    cfg["vocab"]["draft_vocab_size"], lay.vocab,
+                    min_coverage=cfg["vocab"]["min_coverage"])
 
 
 def answer_sampling(cfg: dict) -> dict:

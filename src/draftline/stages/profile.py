@@ -42,6 +42,40 @@ class ProfileError(RuntimeError):
     """The profile could not be measured (no prompts, no answering level, bad file)."""
 
 
+# Fewer finished answers than this say too little about the share cut at max_tokens.
+MIN_ANSWERS_FOR_TRUNCATION = 10
+
+
+class AnswersCutShort(ProfileError):
+    """Too many of the profile's answers stopped at ``generate.max_tokens``."""
+
+
+# ----------------------------------------------------------------------------- truncation
+
+
+def truncation(rows: Sequence[dict]) -> dict:
+    """How many of the sweep's finished answers stopped at max_tokens (finish reason
+    ``length``). A lower bound of the stage's share: an answer still running when its window
+    closed is not counted, and long answers are the likelier to be."""
+    finished = sum(sum((r.get("finish_reasons") or {}).values()) for r in rows)
+    cut = sum((r.get("finish_reasons") or {}).get("length", 0) for r in rows)
+    return {"answers": finished, "cut_at_max_tokens": cut,
+            "share": round(cut / finished, 4) if finished else None}
+
+
+def check_truncation(cut: dict, max_share: float, max_tokens: int) -> None:
+    """Stop before generation when answers would be cut short: found here, it costs the
+    profile's minutes, not the generation's hours."""
+    if cut["answers"] < MIN_ANSWERS_FOR_TRUNCATION or cut["share"] <= max_share:
+        return
+    raise AnswersCutShort(
+        f"config key 'generate.max_tokens': {cut['cut_at_max_tokens']} of the profile's "
+        f"{cut['answers']} answers ({cut['share']:.0%}) stopped at max_tokens {max_tokens}, "
+        f"more than profile.max_truncated_share {max_share:.0%}: the draft would learn answers "
+        "cut short. Raise generate.max_tokens (and server.max_model_len with it), or set "
+        "profile.max_truncated_share to accept the share.")
+
+
 # ----------------------------------------------------------------------------- the choice rule
 
 
@@ -380,6 +414,10 @@ def run_profile(prompt_files: Sequence[Path | str], endpoints: Sequence[Endpoint
         endpoint, prompts, spec, rows, aborted, profile_cfg, timeout_s,
         sweep_cap(profile_cfg, server_info.get("max_num_seqs")), log)
     levels = levels + stop["extended_levels"]
+    cut = truncation(rows)
+    log(f"answers cut at max_tokens {spec.max_tokens}: {cut['cut_at_max_tokens']} of "
+        f"{cut['answers']}")
+    check_truncation(cut, profile_cfg.get("max_truncated_share", 1.0), spec.max_tokens)
     choice = choose_concurrency(rows, profile_cfg.get("tolerance", 0.05),
                                 profile_cfg.get("max_p99_tpot_ms"))
     profile = {
@@ -390,6 +428,7 @@ def run_profile(prompt_files: Sequence[Path | str], endpoints: Sequence[Endpoint
         "capped_levels": capped,  # requested level -> server max_num_seqs it was capped to
         "aborted": aborted,  # set when the server died during the sweep
         "sweep_stop": stop,  # why no higher level was measured
+        "truncation": cut,  # answers that stopped at max_tokens
         "per_endpoint": True,
         "endpoint": endpoint.base_url,
         "num_prompts": len(prompts),

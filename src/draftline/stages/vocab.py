@@ -35,6 +35,11 @@ from draftline.core.layout import VOCAB_COVERAGE, VOCAB_MAP
 from draftline.core.target import text_config
 
 COVERAGE_SIZES = (8192, 16384, 32768, 65536)
+
+
+class VocabTooSmall(ValueError):
+    """The draft vocabulary covers less of the answers than ``vocab.min_coverage``."""
+
 TIE_BREAK = "descending count, ties by lower token id; unseen tokens pad from the lowest id"
 
 
@@ -172,6 +177,35 @@ def coverage_table(
     return rows
 
 
+def smallest_size_covering(train_counts: np.ndarray, eval_counts: np.ndarray,
+                           share: float) -> int:
+    """The fewest draft tokens (chosen on train counts, as the map is) whose eval coverage
+    reaches ``share``; the whole target vocab when no smaller map does."""
+    total = int(eval_counts.sum())
+    if not total:
+        return 1
+    covered = np.cumsum(eval_counts[rank_tokens(train_counts)]) / total
+    reached = np.flatnonzero(covered >= share)
+    return int(reached[0]) + 1 if reached.size else int(train_counts.shape[0])
+
+
+def check_coverage(record: dict, train_counts: np.ndarray, eval_counts: np.ndarray,
+                   min_coverage: float) -> None:
+    """Refuse a draft vocabulary that leaves more of the held-out answer tokens outside it than
+    ``vocab.min_coverage`` allows: every such token is one the draft can never propose, so a
+    size too small caps acceptance whatever the training does."""
+    covered = record["coverage"]["eval"]
+    if covered is None or covered >= min_coverage:
+        return
+    needed = smallest_size_covering(train_counts, eval_counts, min_coverage)
+    raise VocabTooSmall(
+        f"config key 'vocab.draft_vocab_size': {record['draft_vocab_size']} draft tokens cover "
+        f"{covered:.1%} of the eval split's answer tokens, under vocab.min_coverage "
+        f"{min_coverage:.0%}; {needed} would cover it (of the target's "
+        f"{record['target_vocab_size']}). Raise vocab.draft_vocab_size, or lower "
+        "vocab.min_coverage to accept the smaller draft vocabulary.")
+
+
 def counts_summary(counts: np.ndarray, top: int = 20) -> dict:
     order = rank_tokens(counts)[:top]
     return {
@@ -185,11 +219,13 @@ def counts_summary(counts: np.ndarray, top: int = 20) -> dict:
 
 
 def build_vocab_map(
-    dataset_dir: Path, target_vocab_size: int, draft_vocab_size: int, out_dir: Path
+    dataset_dir: Path, target_vocab_size: int, draft_vocab_size: int, out_dir: Path,
+    min_coverage: float = 0.0,
 ) -> dict:
     """Count train/eval tokens, write ``vocab_map.safetensors`` and ``coverage.json``.
 
-    The map is chosen on the train split only, so the eval coverage is a held-out estimate.
+    The map is chosen on the train split only, so the eval coverage is a held-out estimate;
+    below ``min_coverage`` the map is refused (``VocabTooSmall``) and nothing is written.
     Returns the coverage record (also in ``coverage.json``).
     """
     from safetensors.torch import save
@@ -226,6 +262,7 @@ def build_vocab_map(
         ),
         "counts": {"train": counts_summary(train_counts), "eval": counts_summary(eval_counts)},
     }
+    check_coverage(record, train_counts, eval_counts, min_coverage)
     metadata = {
         "target_vocab_size": str(target_vocab_size),
         "draft_vocab_size": str(chosen_size),
