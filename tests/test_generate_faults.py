@@ -396,3 +396,46 @@ def test_a_rerun_keeps_the_faulted_runs_retries_and_errors_in_the_summary(tmp_pa
                                       "endpoint_set_asides": 0, "connection_resends": 0}
     on_disk = json.loads(out.with_name("shard-0.summary.json").read_text())
     assert on_disk["attempts"] == second["attempts"]
+
+
+# ----------------------------------------------------------------------------- final errors
+
+
+def test_a_rerun_asks_the_prompts_that_ended_in_final_errors_again_and_keeps_their_history(
+        tmp_path):
+    """The first run: q1 and q2 get a 404 (an error another try in that run would repeat): each
+    is asked once and filed as a final error. The rerun asks both again; q1 is answered and
+    kept, q2 fails again and is filed once. Neither earlier error is lost: the kept errors hold
+    both runs' records and the rerun's summary counts the earlier ones."""
+    from draftline.stages.responses import partial_paths
+
+    first_run = {"value": True}
+
+    def reply(prompt_id: str, attempt: int) -> Reply:
+        if prompt_id == "q2" or (prompt_id == "q1" and first_run["value"]):
+            return Reply({"error": {"message": "Not Found"}}, status=404)
+        return Reply(good_completion(prompt_id))
+
+    settings = GenerateSettings(**FAST)
+    with FakeEndpoint(reply) as fake:
+        out, first = _run(tmp_path, fake.endpoint, settings)
+        assert dict(fake.asked) == {"q0": 1, "q1": 1, "q2": 1}  # final: once in a run
+        assert [(e["id"], e["kind"]) for e in _lines(out.with_name("shard-0.errors.jsonl"))] \
+            == [("q1", "final"), ("q2", "final")]
+        first_run["value"] = False
+        out, second = _run(tmp_path, fake.endpoint, settings)
+    assert dict(fake.asked) == {"q0": 1, "q1": 2, "q2": 2}
+    assert [r["id"] for r in _lines(out)] == ["q0", "q1"]
+    assert _lines(out)[1]["messages"][-1]["content"] == "answer to q1"
+    [q2] = _lines(out.with_name("shard-0.errors.jsonl"))  # one record per failed id
+    assert (q2["id"], q2["status"], q2["kind"]) == ("q2", 404, "final")
+    assert (first["errors"], first["earlier_errors"]) == (2, 0)
+    assert (second["responses"], second["errors"], second["unanswered"]) == (2, 1, 0)
+    assert (second["earlier_errors"], second["earlier_errors_answered"]) == (2, 1)
+    assert [(a["asked"], a["answered"], a["errors"]) for a in second["attempts"]] == [
+        (3, 1, 2), (2, 1, 1)]
+    history = _lines(partial_paths(out)[1])  # every run's errors, in the order filed
+    assert sorted((e["id"], e["status"]) for e in history[:2]) == [("q1", 404), ("q2", 404)]
+    assert history[2]["id"] == "q2"
+    assert history[0]["time"] <= second["attempts"][0]["end"] < second["timing"]["job_start"] \
+        <= history[2]["time"]

@@ -34,7 +34,8 @@ Failures (``failure_kind``): a refused connection, or an endpoint that has answe
 errors (5xx) for a few seconds (``EndpointPool.server_error``), sets the endpoint aside for a
 few seconds and costs the prompt nothing; a timeout, a dropped connection, a retryable status or
 an unparseable or incomplete answer (``check_completion``) costs one retry (backoff with
-jitter); what another try would repeat goes to the errors file at once. When nothing has
+jitter); what another try would repeat goes to the errors file at once, final for this run (a
+rerun asks it again; the errors of every run stay in the kept errors file). When nothing has
 succeeded for ``endpoint_down_timeout_s`` while requests kept failing, the run stops with
 ``EndpointsDown``. The summary counts retries by kind.
 """
@@ -489,7 +490,8 @@ class GenerationRun:
         shard.errors.write({"id": prompt_id,
                             "error": f"{type(error).__name__}: {message}"[:2000],
                             "status": status, "kind": kind, "retryable": kind != "final",
-                            "attempts": attempts, "fingerprint": shard.fingerprints[prompt_id]})
+                            "attempts": attempts, "fingerprint": shard.fingerprints[prompt_id],
+                            "time": round(time.time(), 3)})  # which run, in the history
         shard.stats.errors += 1
         self._progress()
 
@@ -523,12 +525,14 @@ def prepare_shard(files: ShardFiles, settings: GenerateSettings, endpoints: list
     prompts = read_shard(files.prompts)
     fingerprints = prompt_fingerprints(prompts, settings, endpoints, target)
     kept = resume_shard(*partial_paths(files.responses), fingerprints)
-    todo = [p for p in prompts if p.id not in kept.records and p.id not in kept.errors]
+    # every prompt without a kept answer, those an earlier run filed as errors included
+    todo = [p for p in prompts if p.id not in kept.records]
+    failed_before = sum(1 for p in todo if p.id in kept.errors)
     print(f"{files.prompts}: {len(prompts)} prompts, {len(kept.records)} done "
           f"({kept.adopted} from other shards' kept files), {kept.discarded_stale} kept "
           f"answers discarded (made under other settings), {kept.discarded_incomplete} "
-          f"(without token ids), {len(kept.errors)} failed before, "
-          f"{len(todo)} to ask")
+          f"(without token ids), {len(todo)} to ask ({failed_before} of them failed in an "
+          f"earlier run)")
     return PreparedShard(files, prompts, fingerprints, kept, todo)
 
 
@@ -648,7 +652,11 @@ def generate_shard(prompt_file: Path, out_file: Path, errors_file: Path, summary
 def finish_shard(shard: PreparedShard, stats: ShardStats, settings: GenerateSettings,
                  capacity: int, endpoint_urls: list[str], timing: dict,
                  machine: dict | None = None) -> dict:
-    """Write the shard's answers and errors once, in prompt order, and its summary."""
+    """Write the shard's answers and errors once, in prompt order, and its summary.
+
+    The errors file holds one record per prompt left without an answer: its last error (this
+    run's, as every such prompt was asked in it). The earlier runs' errors stay in the kept
+    errors file; the summary counts them (``earlier_errors``)."""
     files, fingerprints, kept = shard.files, shard.fingerprints, shard.kept
     partial, partial_errors = partial_paths(files.responses)
     order = {p.id: i for i, p in enumerate(shard.prompts)}
@@ -663,6 +671,9 @@ def finish_shard(shard: PreparedShard, stats: ShardStats, settings: GenerateSett
         "responses": len(done),
         "errors": len(errors),
         "unanswered": len(shard.prompts) - len(done) - len(errors),
+        # prompts an earlier run filed as errors, and how many of them have an answer now
+        "earlier_errors": len(kept.errors),
+        "earlier_errors_answered": sum(1 for k in kept.errors if k in done),
         "resumed": len(kept.records),
         "resumed_from_other_shards": kept.adopted,
         "discarded_stale": kept.discarded_stale,

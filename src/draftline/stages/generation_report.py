@@ -319,6 +319,7 @@ def stage_summary(summaries: list[dict]) -> dict:
         "prompts": sum(s["prompts"] for s in summaries),
         "responses": sum(s["responses"] for s in summaries),
         "errors": sum(s["errors"] for s in summaries),
+        "earlier_errors": sum(s.get("earlier_errors", 0) for s in summaries),
         "resumed": sum(s["resumed"] for s in summaries),
         "discarded_stale": sum(s.get("discarded_stale", 0) for s in summaries),
         "new_requests": new_requests,

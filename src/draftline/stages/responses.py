@@ -7,7 +7,9 @@ name, sampling settings, chat template kwargs, multi_turn, the prompt's messages
 (``resume_shard``) keeps only records with the current fingerprint (the others are discarded and
 counted as ``discarded_stale``), takes valid answers for its ids from any shard's kept file (so
 a changed shard assignment loses nothing), drops a torn last line and answers without token ids
-(``discarded_incomplete``), and only asks for the rest. ``draftline.stages.generate`` writes each
+(``discarded_incomplete``), and asks for every other prompt, those that ended in an error
+before included. Errors are appended to ``<out_dir>/.partial/shard-{i}.errors.jsonl`` and kept
+there: the history of every run's errors. ``draftline.stages.generate`` writes each
 shard's final file once, from these, in prompt order. The stages after it read those final files
 through ``iter_response_records``.
 """
@@ -296,7 +298,9 @@ def read_attempts(out_file: Path) -> list[dict]:
 @dataclass
 class Resumed:
     records: dict[str, dict]  # valid answers for this shard's ids
-    errors: dict[str, dict]  # valid final errors for this shard's ids
+    # earlier runs' errors for this shard's ids (the last per id): history, not a reason to
+    # skip the prompt; answered since or not, every one without an answer is asked again
+    errors: dict[str, dict]
     discarded_stale: int  # kept records for this shard's ids made under other settings
     adopted: int  # valid answers found in another shard's kept file
     discarded_incomplete: int = 0  # kept with missing or empty token ids: asked again
@@ -339,10 +343,10 @@ def resume_shard(partial: Path, partial_errors: Path,
     foreign = {k: r for k, r in own.items() if k not in fingerprints}
     if discarded or adopted or incomplete:
         write_jsonl(partial, [*records.values(), *foreign.values()])
-    # Final errors (e.g. 400: prompt too long) stay; retryable ones get another chance.
-    errors = {k: e for k, e in valid_records(read_jsonl_ids(partial_errors), fingerprints).items()
-              if not e.get("retryable") and k not in records}
-    write_jsonl(partial_errors, errors.values())
+    # The errors file is the history of every run's errors, appended to and never rewritten:
+    # a final error (a 400, a 404 from a proxy) is final within the run that got it, but the
+    # next run asks again (the server or the way to it may have changed since).
+    errors = valid_records(read_jsonl_ids(partial_errors), fingerprints)
     return Resumed(records, errors, discarded, adopted, incomplete)
 
 
