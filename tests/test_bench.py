@@ -535,3 +535,161 @@ def test_a_t0_gap_below_the_simulation_says_why():
     assert row["note"].startswith("simulated per position; serving starts rounds")
     close = [_row("eagle3-k3", 1, 0, 30.0, 4.0, drafts=100, accepted=185)]
     assert train_serve_gap(close, configs, eval_json)[0]["note"] is None
+
+
+# ----------------------------------------------------------------------------- window rules
+
+
+def _window(results, t0, t1, level, server=None, unsettled=None):
+    """A WindowResult as loadgen gives it, from requests timed by a test."""
+    from draftline.serving.loadgen import WindowResult, in_flight_mean, window_stats
+
+    return WindowResult(concurrency=level, warmup_s=1.0, stats=window_stats(results, t0, t1),
+                        server={"counters": {}, "in_flight_mean": in_flight_mean(results, t0, t1),
+                                **(server or {})},
+                        client_cpu_frac=0.01, requests_started=len(results), results=results,
+                        unsettled=unsettled)
+
+
+def _answer(start, end, tokens_at):
+    from draftline.serving.loadgen import RequestResult
+
+    r = RequestResult(prompt_id="p", start=start, end=end, output_tokens=len(tokens_at))
+    r.arrivals = [(t, 1) for t in tokens_at]
+    r.chunk_times = list(tokens_at)
+    r.finish_reason = "length" if end is not None else None
+    return r
+
+
+def test_a_window_in_which_no_answer_finished_is_unmeasured_not_zero(monkeypatch):
+    """A slow target's answer outlasts the window: what the window saw is no figure (it read
+    0.0 tok/s and acceptance None on a real 135M target), so the row says why instead."""
+    import draftline.stages.bench as bench
+
+    asked = {}
+
+    def fake_window(endpoint, prompts, spec, level, warmup_s, measure_s, **kwargs):
+        asked.update(kwargs, level=level)
+        # one answer, started before the window, still being written when the cap closed it
+        return _window([_answer(0.0, None, [])], 10.0, 20.0, level)
+
+    monkeypatch.setattr(bench, "measure_window", fake_window)
+    row = bench.measure_level(None, [], None, 1, 1.0, 5.0, min_finished_per_slot=2,
+                              max_measure_s=10.0)
+    assert asked["min_finished"] == 2 and asked["max_measure_s"] == 10.0
+    assert asked["settle_s"] == 10.0  # the level must settle before the window opens
+    assert row["output_tok_s"] is None and row["requests_s"] is None
+    assert "only 0 of the 2 requests" in row["unmeasured"]
+    assert "bench.max_measure_s = 10" in row["unmeasured"]
+    assert row["attempts"] == 1  # an unmeasured window is not a lagged stream to retry
+    # C = 4 needs four answers per slot... and at least one whatever the setting
+    assert bench.min_finished(4, 2.0) == 8 and bench.min_finished(4, 0.0) == 1
+    assert bench.min_finished(3, 0.5) == 2
+
+
+def test_a_level_that_did_not_settle_is_unmeasured(monkeypatch):
+    import draftline.stages.bench as bench
+
+    reason = ("the level did not settle: the server never ran exactly 1 requests with none "
+              "waiting within 10 s after the warm-up (last seen: 3 running, 0 waiting)")
+    monkeypatch.setattr(bench, "measure_window", lambda *a, **k: _window([], 5.0, 5.000001, 1,
+                                                                         unsettled=reason))
+    row = bench.measure_level(None, [], None, 1, 1.0, 5.0, max_measure_s=10.0)
+    assert row["unmeasured"] == reason and row["output_tok_s"] is None
+    assert not row["underloaded"]
+
+
+def test_running_is_requests_in_flight_and_never_above_c(monkeypatch):
+    """At C = 1 one 60 s answer finishing inside a 5 s window read as "running 12.3" from the
+    server's running-seconds counter; requests in flight over the window cannot exceed C."""
+    import draftline.stages.bench as bench
+    from draftline.serving.loadgen import in_flight_mean, running_mean
+
+    assert running_mean({"vllm:request_inference_time_seconds_sum": 61.5}, 5.0) == 12.3
+    answers = [_answer(0.0, 62.0, [1.0 + 0.5 * i for i in range(122)]),
+               _answer(62.0, None, [63.0])]
+    assert in_flight_mean(answers, 58.0, 63.0) == 1.0
+    assert in_flight_mean([_answer(58.0, 59.0, [58.5])], 58.0, 63.0) == 0.2
+
+    monkeypatch.setattr(bench, "measure_window", lambda *a, **k: _window(
+        answers, 58.0, 63.0, 1, server={"running_at_open": 1.0, "running_at_close": 1.0}))
+    row = bench.measure_level(None, [], None, 1, 1.0, 5.0)
+    assert row["unmeasured"] is None and row["running_mean"] == 1.0
+    assert row["server_running"] == {"open": 1.0, "close": 1.0}
+    assert row["output_tok_s"] == pytest.approx(8 / 5.0)
+    # a server that ran more than C at the close shared the window with requests not sent
+    # by it: no figure
+    monkeypatch.setattr(bench, "measure_window", lambda *a, **k: _window(
+        answers, 58.0, 63.0, 1, server={"running_at_open": 1.0, "running_at_close": 3.0}))
+    row = bench.measure_level(None, [], None, 1, 1.0, 5.0)
+    assert "more than C = 1" in row["unmeasured"] and row["output_tok_s"] is None
+
+
+def _unmeasured(config, level, rep, reason="only 0 of the 2 requests"):
+    return _row(config, level, rep, None, None) | {"unmeasured": reason, "tpot_ms": None,
+                                                    "ttft_ms": None}
+
+
+def test_an_unmeasured_or_zero_baseline_is_a_marked_cell_not_a_crash(tmp_path):
+    """A baseline median of 0 tok/s crashed add_speedups after 66 minutes of pipeline."""
+    from draftline.stages.bench import fastest_per_level, unmeasured_cells
+
+    rows = [_unmeasured("baseline", 1, r) for r in range(2)]
+    rows += [_row("eagle3-k3", 1, r, 20.0, 40.0, drafts=100, accepted=150) for r in range(2)]
+    rows += [_row("baseline", 4, 0, 0.0, 40.0), _row("eagle3-k3", 4, 0, 30.0, 40.0)]
+    rows += [_row("baseline", 8, 0, 40.0, 50.0), _unmeasured("baseline", 8, 1),
+             _row("eagle3-k3", 8, 0, 60.0, 50.0)]
+    summary = summarise(rows)
+    cells = {(s["config"], s["concurrency"]): s for s in summary}
+    base1 = cells[("baseline", 1)]
+    assert base1["unmeasured"] == "only 0 of the 2 requests" and base1["output_tok_s"] is None
+    assert base1["unmeasured_repetitions"] == 2 and base1["repetitions"] == 0
+    assert cells[("eagle3-k3", 1)]["speedup_throughput"] is None  # no baseline to hold it to
+    assert cells[("eagle3-k3", 1)]["acceptance_length"] == 2.5  # counters still pool
+    assert cells[("eagle3-k3", 4)]["speedup_throughput"] is None  # a 0 baseline: no ratio
+    # a cell with one window measured keeps that figure, and says how many were missed
+    assert cells[("baseline", 8)]["output_tok_s"]["median"] == 40.0
+    assert cells[("baseline", 8)]["unmeasured_repetitions"] == 1
+    assert cells[("eagle3-k3", 8)]["speedup_throughput"] == 1.5
+    assert {(f["concurrency"], f["config"]) for f in fastest_per_level(summary)} == {
+        (1, "eagle3-k3"), (4, "eagle3-k3"), (8, "eagle3-k3")}
+    assert unmeasured_cells(summary) == [{"config": "baseline", "temperature": 0.0,
+                                          "concurrency": 1,
+                                          "reason": "only 0 of the 2 requests"}]
+    text = summary_markdown({"summary": summary, "num_prompts": 8, "repetitions": 2,
+                             "measure_s": 5.0, "train_serve_gap": []})
+    line = next(x for x in text.splitlines() if x.startswith("| baseline | 0 | 1 |"))
+    assert "unmeasured" in line and "0.0" not in line
+    assert "## Cells not measured" in text
+    assert "| baseline | 0 | 1 | only 0 of the 2 requests |" in text
+    assert "baseline T=0 C=8 (1 of 2)" in text
+
+
+def test_a_run_with_unmeasured_cells_writes_them_out(monkeypatch, tmp_path, config):
+    """results.json lists them and summary.md explains them; the plots skip them."""
+    import draftline.stages.bench as bench
+
+    def fake_measure_one(cfg, *args, **kwargs):
+        if cfg["name"] == "baseline":
+            return [_unmeasured("baseline", 1, 0) | {"vllm_version": "0.0"}]
+        return [_row(cfg["name"], 1, 0, 20.0, 40.0, drafts=100, accepted=150)
+                | {"vllm_version": "0.0"}]
+
+    monkeypatch.setattr(bench, "_measure_one", fake_measure_one)
+    responses = tmp_path / "shard-0.jsonl"
+    responses.write_text("".join(json.dumps({
+        "id": f"p{i}", "messages": [{"role": "user", "content": "q"},
+                                    {"role": "assistant", "content": "a"}]}) + "\n"
+        for i in range(40)))
+    bench_cfg = dict(config["bench"], levels=[1], temperatures=[0.0], repetitions=1)
+    result = measure_deployment_benchmark(
+        [str(responses)], str(tmp_path / "draft"), None, None, str(tmp_path / "out"),
+        bench_cfg=bench_cfg, generate_cfg=config["generate"], eval_fraction=0.5,
+        server_cfg=config["server"], model=str(tmp_path / "target"), state_dir=str(tmp_path),
+        log=lambda *a: None)
+    written = json.loads((tmp_path / "out" / "results.json").read_text())
+    assert written["unmeasured"] == [{"config": "baseline", "temperature": 0.0,
+                                      "concurrency": 1, "reason": "only 0 of the 2 requests"}]
+    assert written["min_finished_per_slot"] == config["bench"]["min_finished_per_slot"]
+    assert result["best"] is None  # no speedup without a measured baseline
+    assert "only 0 of the 2 requests" in (tmp_path / "out" / "summary.md").read_text()

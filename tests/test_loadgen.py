@@ -277,6 +277,36 @@ def test_running_mean_is_the_servers_running_seconds_per_second():
     assert running_mean({}, 4.0) is None
 
 
+def test_a_window_lasts_its_time_and_until_enough_answers_finished_capped():
+    from draftline.serving.loadgen import window_may_close
+
+    assert not window_may_close(3.0, 9, measure_s=5.0, min_finished=2)  # too short
+    assert not window_may_close(30.0, 1, measure_s=5.0, min_finished=2)  # too few answers
+    assert window_may_close(30.0, 2, measure_s=5.0, min_finished=2)
+    # the cap closes it whatever finished: the caller sees too few and marks the cell
+    assert window_may_close(60.0, 0, measure_s=5.0, min_finished=2, max_measure_s=60.0)
+    assert window_may_close(5.0, 0, measure_s=5.0, min_finished=0)  # the profiler's window
+
+
+def test_a_level_settles_on_the_engines_gauges():
+    from draftline.serving.loadgen import is_drained, is_settled, server_load
+
+    def gauges(running, waiting):
+        return parse_metrics(f'vllm:num_requests_running{{engine="0"}} {running}\n'
+                             f'vllm:num_requests_waiting{{engine="0"}} {waiting}\n')
+
+    # the previous level's requests still running: not drained, and not this level's C
+    assert not is_drained(server_load(gauges(8, 0)))
+    assert not is_settled(server_load(gauges(8, 0)), 1)
+    assert is_drained(server_load(gauges(0, 0)))
+    assert not is_settled(server_load(gauges(0, 0)), 1)  # the new requests not running yet
+    assert not is_settled(server_load(gauges(4, 2)), 6)  # two of them queued
+    assert is_settled(server_load(gauges(4, 0)), 4)
+    # a server without the gauge cannot be seen to settle
+    assert server_load(parse_metrics("vllm:generation_tokens_total 5\n")) is None
+    assert not is_drained(None) and not is_settled(None, 1)
+
+
 def _sse(data) -> bytes:
     return b"data: " + (data if isinstance(data, bytes) else json.dumps(data).encode()) + b"\n\n"
 

@@ -348,6 +348,7 @@ class _Loop:
         self.results: list[RequestResult] = []
         self.tokens = 0  # output tokens received so far (all requests)
         self.completed = 0  # requests finished without error
+        self.finished_at: list[float] = []  # end time of each request finished without error
         self.failed = 0
         self.stopping = False
 
@@ -365,12 +366,17 @@ class _Loop:
             await self.client.stream(prompt, self.spec, self._count, self.keep_text, result)
             if result.ok:
                 self.completed += 1
+                self.finished_at.append(result.end)
                 consecutive_errors = 0
             elif not result.cancelled:
                 # a refused connection fails at once: back off so errors do not spin the loop
                 self.failed += 1
                 consecutive_errors += 1
                 await asyncio.sleep(min(2.0, 0.05 * 2 ** min(consecutive_errors, 6)))
+
+    def finished_since(self, t0: float) -> int:
+        """Requests finished without error at or after ``t0``."""
+        return sum(1 for t in self.finished_at if t >= t0)
 
     async def close(self) -> None:
         await self.client.close()
@@ -467,6 +473,10 @@ SPEC_DECODE_PER_POS = "vllm:spec_decode_num_accepted_tokens_per_pos"
 # server-side means to hold the client's figures against
 LATENCY_HISTOGRAMS = {"ttft_ms": "vllm:time_to_first_token_seconds",
                       "tpot_ms": "vllm:request_time_per_output_token_seconds"}
+# the engine's gauges of requests running and waiting (scraped only outside a window: at its
+# edges, and while a level settles before one)
+RUNNING_GAUGE = "vllm:num_requests_running"
+WAITING_GAUGE = "vllm:num_requests_waiting"
 # seconds requests spent running (prefill + decode), summed when each finishes
 RUNNING_SECONDS = "vllm:request_inference_time_seconds_sum"
 WINDOW_COUNTERS = ("vllm:generation_tokens", "vllm:prompt_tokens",
@@ -580,6 +590,68 @@ def acceptance_length(deltas: dict) -> float | None:
     return 1.0 + deltas.get("vllm:spec_decode_num_accepted_tokens", 0.0) / drafts
 
 
+# ----------------------------------------------------------------------------- window rules
+
+
+def server_load(metrics: Metrics | None) -> tuple[float, float] | None:
+    """(running, waiting) from the engine's gauges; None when the server exports none."""
+    if metrics is None or not metrics.has(RUNNING_GAUGE):
+        return None
+    return metrics.total(RUNNING_GAUGE), metrics.total(WAITING_GAUGE)
+
+
+def is_drained(load: tuple[float, float] | None) -> bool:
+    """Nothing running or waiting at the server: the previous level's requests are gone."""
+    return load is not None and load[0] == 0 and load[1] == 0
+
+
+def is_settled(load: tuple[float, float] | None, concurrency: int) -> bool:
+    """Exactly ``concurrency`` requests running and none waiting: this level's own requests,
+    all of them scheduled, and no earlier request left."""
+    return load is not None and load[0] == concurrency and load[1] == 0
+
+
+def window_may_close(elapsed_s: float, finished: int, measure_s: float, min_finished: int,
+                     max_measure_s: float | None = None) -> bool:
+    """A window lasts at least ``measure_s`` and until ``min_finished`` requests finished in
+    it; ``max_measure_s`` closes it whatever has finished (the caller then sees too few)."""
+    if max_measure_s is not None and elapsed_s >= max_measure_s:
+        return True
+    return elapsed_s >= measure_s and finished >= min_finished
+
+
+def in_flight_mean(results: Sequence[RequestResult], t0: float, t1: float) -> float | None:
+    """Mean requests in flight over [t0, t1): each request's span (start to end, or to t1 while
+    open) clipped to the window, summed, per second. A closed loop of C slots never has more
+    than C requests open, so this cannot exceed C."""
+    if t1 <= t0:
+        return None
+    busy = 0.0
+    for r in results:
+        end = r.end if r.end is not None else t1
+        busy += max(0.0, min(end, t1) - max(r.start, t0))
+    return round(busy / (t1 - t0), 3)
+
+
+def _load_text(load: tuple[float, float] | None) -> str:
+    return ("no vllm:num_requests_running in its /metrics" if load is None
+            else f"{load[0]:g} running, {load[1]:g} waiting")
+
+
+async def _await_load(http: aiohttp.ClientSession, root_url: str, ready: Callable, limit_s: float,
+                      interval_s: float = 0.5) -> tuple[bool, tuple[float, float] | None, float]:
+    """Poll the engine's gauges until ``ready(load)`` or ``limit_s``: (ready, last load, s)."""
+    t_start = time.perf_counter()
+    while True:
+        load = server_load(await fetch_metrics_async(http, root_url))
+        waited = time.perf_counter() - t_start
+        if ready(load):
+            return True, load, waited
+        if load is None or waited >= limit_s:
+            return False, load, waited
+        await asyncio.sleep(interval_s)
+
+
 # ----------------------------------------------------------------------------- public runs
 
 
@@ -594,6 +666,8 @@ class WindowResult:
     client_cpu_frac: float  # client process CPU seconds per wall second in the window
     requests_started: int
     results: list[RequestResult] = field(repr=False, default_factory=list)
+    # why the window was not opened (the level never settled, ``settle_s``); None when it was
+    unsettled: str | None = None
 
     def to_row(self) -> dict:
         return {"concurrency": self.concurrency, **self.stats,
@@ -639,30 +713,56 @@ async def measure_window_async(endpoint: Endpoint, prompts: Sequence[Prompt], sp
                                concurrency: int, warmup_s: float, measure_s: float, *,
                                warmup_turnover: float = 0.0, max_warmup_s: float | None = None,
                                server_metrics: bool = True, timeout_s: float = 600.0,
-                               progress: Callable[[int], None] | None = None) -> WindowResult:
+                               progress: Callable[[int], None] | None = None,
+                               min_finished: int = 0, max_measure_s: float | None = None,
+                               settle_s: float | None = None) -> WindowResult:
     """Closed loop at ``concurrency``; warm up, then measure ``measure_s`` seconds.
 
     The warm-up lasts ``warmup_s`` and, with ``warmup_turnover`` > 0, until that many requests
     per slot have completed (bounded by ``max_warmup_s``): a window that starts right after all
     requests were sent together sees only short contexts and no request churn, and overstates
     what hours of sustained generation achieve.
+
+    With ``min_finished`` the window also lasts until that many requests finished inside it
+    (a slow model's answer can outlast ``measure_s``), closed at ``max_measure_s`` whatever
+    has finished. With ``settle_s`` the level must settle (the deployment benchmark's rule):
+    before the first request the server must have drained (nothing running or waiting: an
+    earlier level's requests are gone), and after the warm-up the window opens only once the
+    engine's gauges show exactly ``concurrency`` running and none waiting; each wait is
+    bounded by ``settle_s``, and a level that does not settle is returned ``unsettled``
+    (reason given, nothing measured).
     """
     loop = _Loop(endpoint, prompts, spec, concurrency, cycle=True, timeout_s=timeout_s)
     helpers: list[asyncio.Task] = []
     server: dict[str, Any] = {}
-    t_start = time.perf_counter()
-    workers = [asyncio.create_task(loop.worker()) for _ in range(concurrency)]
+    workers: list[asyncio.Task] = []
+    unsettled = None
     async with _metrics_session() as http:
         try:
-            if progress is not None:
-                helpers.append(asyncio.create_task(_report_progress(loop, progress)))
-            await _wait_warm(loop, t_start, warmup_s, math.ceil(warmup_turnover * concurrency),
-                             max_warmup_s if max_warmup_s is not None else math.inf, concurrency)
-            before = await fetch_metrics_async(http, endpoint.root_url) if server_metrics else None
-            t0, cpu0 = time.perf_counter(), time.process_time()
-            await asyncio.sleep(measure_s)
-            t1, cpu1 = time.perf_counter(), time.process_time()
-            after = await fetch_metrics_async(http, endpoint.root_url) if server_metrics else None
+            if settle_s is not None:
+                unsettled = await _drain(http, endpoint.root_url, settle_s, server)
+            t_start = time.perf_counter()
+            if unsettled is None:
+                workers = [asyncio.create_task(loop.worker()) for _ in range(concurrency)]
+                if progress is not None:
+                    helpers.append(asyncio.create_task(_report_progress(loop, progress)))
+                await _wait_warm(loop, t_start, warmup_s, math.ceil(warmup_turnover * concurrency),
+                                 max_warmup_s if max_warmup_s is not None else math.inf,
+                                 concurrency)
+            if unsettled is None and settle_s is not None:
+                unsettled = await _settle(http, endpoint.root_url, concurrency, settle_s, server)
+            if unsettled is not None:
+                t0 = t1 = time.perf_counter()
+                cpu0 = cpu1 = time.process_time()
+                before = after = None
+            else:
+                before = (await fetch_metrics_async(http, endpoint.root_url)
+                          if server_metrics else None)
+                t0, cpu0 = time.perf_counter(), time.process_time()
+                await _hold_window(loop, t0, measure_s, min_finished, max_measure_s)
+                t1, cpu1 = time.perf_counter(), time.process_time()
+                after = (await fetch_metrics_async(http, endpoint.root_url)
+                         if server_metrics else None)
         finally:
             loop.stopping = True
             await _cancel(helpers + workers)
@@ -675,10 +775,50 @@ async def measure_window_async(endpoint: Endpoint, prompts: Sequence[Prompt], sp
         running = running_mean(deltas, t1 - t0)
         if running is not None:
             server["num_requests_running_mean"] = running
+        for edge, metrics in (("open", before), ("close", after)):
+            load = server_load(metrics)
+            if load is not None:
+                server[f"running_at_{edge}"], server[f"waiting_at_{edge}"] = load
+    server["in_flight_mean"] = in_flight_mean(loop.results, t0, t1)
     return WindowResult(
-        concurrency=concurrency, warmup_s=t0 - t_start, stats=window_stats(loop.results, t0, t1),
-        server=server, client_cpu_frac=(cpu1 - cpu0) / (t1 - t0),
-        requests_started=len(loop.results), results=loop.results)
+        concurrency=concurrency, warmup_s=t0 - t_start,
+        stats=window_stats(loop.results, t0, max(t1, t0 + 1e-6)),
+        server=server, client_cpu_frac=(cpu1 - cpu0) / max(t1 - t0, 1e-6),
+        requests_started=len(loop.results), results=loop.results, unsettled=unsettled)
+
+
+async def _drain(http: aiohttp.ClientSession, root_url: str, limit_s: float,
+                 server: dict) -> str | None:
+    """Wait for an idle server (an earlier level's requests gone); the reason when it is not."""
+    ok, load, waited = await _await_load(http, root_url, is_drained, limit_s)
+    server["drain_s"] = round(waited, 2)
+    if ok:
+        return None
+    return (f"the server did not drain before the level started ({_load_text(load)} after "
+            f"{waited:.0f} s): requests of an earlier level or of another client were still "
+            "there")
+
+
+async def _settle(http: aiohttp.ClientSession, root_url: str, concurrency: int, limit_s: float,
+                  server: dict) -> str | None:
+    """Wait until the engine runs exactly this level's requests; the reason when it does not."""
+    ok, load, waited = await _await_load(http, root_url,
+                                         lambda load: is_settled(load, concurrency), limit_s)
+    server["settle_s"] = round(waited, 2)
+    if ok:
+        return None
+    return (f"the level did not settle: the server never ran exactly {concurrency} requests "
+            f"with none waiting within {waited:.0f} s after the warm-up (last seen: "
+            f"{_load_text(load)})")
+
+
+async def _hold_window(loop: _Loop, t0: float, measure_s: float, min_finished: int,
+                       max_measure_s: float | None) -> None:
+    """Keep the window open until ``window_may_close``."""
+    await asyncio.sleep(min(measure_s, max_measure_s or math.inf))
+    while not window_may_close(time.perf_counter() - t0, loop.finished_since(t0), measure_s,
+                               min_finished, max_measure_s):
+        await asyncio.sleep(0.1)
 
 
 async def _report_progress(loop: _Loop, progress: Callable[[int], None]) -> None:

@@ -1,6 +1,6 @@
 """Deployment benchmark: the target alone vs the target with the trained EAGLE-3 draft.
 
-Kept whole (about 950 lines): measuring, summarising, step costs, the gap table and the
+Kept whole (about 1100 lines): measuring, summarising, step costs, the gap table and the
 recommendations share the one row schema written out below, and read best beside it.
 
 For each configuration (``eagle3-k{n}`` for every ``num_speculative_tokens``, ``{name}-k{n}``
@@ -12,9 +12,14 @@ to start (an MLA target with EAGLE-3 on vLLM's CPU build) are refused before any
 Every (temperature, level) cell is a closed-loop window
 (``draftline.serving.loadgen.measure_window``,
 as the profiler measures): the eval-split prompts are cycled with per-request seeds so that C
-requests stay in flight for the whole window; the server's mean running requests over it (its
-own counter of running seconds, ``loadgen.running_mean``) below 0.9 x C marks the row
-``underloaded``.
+requests stay in flight for the whole window. A window opens only once the level has settled
+(the server drained of the previous level's requests, then running exactly C with none
+waiting, by its ``vllm:num_requests_running``/``waiting`` gauges) and lasts ``measure_s`` and
+until ``min_finished_per_slot`` x C answers finished in it, at most ``max_measure_s``
+(``measure_level``); a window that cannot keep to this is ``unmeasured``, with the reason,
+and a cell none of whose windows was measured has no figure and no speedup. ``running`` is
+the mean requests in flight over the window (``loadgen.in_flight_mean``: at most C by
+construction); below 0.9 x C marks the row ``underloaded``.
 TTFT, TPOT and ITL are those of ``vllm bench serve`` (``draftline.serving.loadgen.RequestResult``);
 each window's mean TPOT is held against the server's own TPOT histogram and the window is
 measured again when the client fell behind (``measure_level``).
@@ -30,14 +35,21 @@ speed-up. A configuration that fails mid-run leaves the rows measured before it 
                   drafts only: its bench.compare_drafts name), "variant" (variants only: its
                   train.variants name)}],
      "levels": [int], "temperatures": [float], "repetitions": int, "num_prompts": int,
-     "warmup_s", "measure_s",
-     "rows": [{"config", "temperature", "concurrency", "repetition", "output_tok_s",
-               "requests_s", "requests_completed", "window_s", "ttft_ms", "tpot_ms", "itl_ms",
-               "e2e_s" (percentile dicts), "errors", "late_chunk_frac", "server_ttft_ms_mean",
-               "server_tpot_ms_mean", "stream_lagged", "attempts", "running_mean", "underloaded",
+     "warmup_s", "measure_s", "min_finished_per_slot", "max_measure_s",
+     "rows": [{"config", "temperature", "concurrency", "repetition", "output_tok_s" (null when
+               unmeasured), "requests_s", "requests_completed", "min_finished", "window_s",
+               "unmeasured" (null, or why the window has no figure), "ttft_ms", "tpot_ms",
+               "itl_ms", "e2e_s" (percentile dicts), "errors", "late_chunk_frac",
+               "server_ttft_ms_mean", "server_tpot_ms_mean", "stream_lagged", "attempts",
+               "running_mean" (requests in flight, <= C), "underloaded",
+               "server_running": {"open", "close"} (the engine's gauge at the window's edges),
                "preemptions", "acceptance_length", "acceptance_rate", "accepted_per_position",
                "counters"}],
-     "summary": [{"config", "temperature", "concurrency", "output_tok_s": {median,min,max},
+     "unmeasured": [{"config", "temperature", "concurrency", "reason"}] (cells without a figure),
+     "summary": [{"config", "temperature", "concurrency", "repetitions" (measured windows),
+                  "unmeasured" (null, or why no window of the cell was measured),
+                  "unmeasured_repetitions", "output_tok_s": {median,min,max} (null when
+                  unmeasured),
                   "tpot_ms_p50", "ttft_ms_p50", "itl_ms_p50", "server_tpot_ms_mean",
                   "stream_lagged", "running_mean" ({...}),
                   "underloaded", "preempted", "acceptance_length": {...}, "acceptance_rate",
@@ -68,6 +80,7 @@ speed-up. A configuration that fails mid-run leaves the rows measured before it 
 from __future__ import annotations
 
 import json
+import math
 import re
 import statistics
 from pathlib import Path
@@ -85,6 +98,7 @@ from draftline.core.records import Prompt
 from draftline.core.target import text_config
 from draftline.serving.loadgen import (
     SamplingSpec,
+    WindowResult,
     acceptance_length,
     measure_window,
     server_latency_means,
@@ -233,27 +247,46 @@ def acceptance_fields(counters: dict) -> dict:
     }
 
 
-LOADED_FRACTION = 0.9  # a row whose server-side mean running requests is below 0.9 x C
+LOADED_FRACTION = 0.9  # a row whose mean requests in flight is below 0.9 x C
 # client vs server mean TPOT: measured 1-5% apart on this host under load 12-19 (C=1..32)
 CLIENT_SERVER_TPOT_TOLERANCE = 0.25
 MAX_SPREAD = 0.2  # (max - min) / median of a cell's output tok/s above this: a noisy cell
+# the window rules' defaults (bench.min_finished_per_slot, bench.max_measure_s)
+MIN_FINISHED_PER_SLOT = 1.0
+MAX_MEASURE_S = 600.0
+WINDOW_KEYS = ("warmup_s", "measure_s", "min_finished_per_slot", "max_measure_s")
+WINDOW_DEFAULTS = {"min_finished_per_slot": MIN_FINISHED_PER_SLOT, "max_measure_s": MAX_MEASURE_S}
+
+
+def min_finished(level: int, per_slot: float) -> int:
+    """Requests that must finish inside a window at ``level``: ``per_slot`` per request slot,
+    at least one, so a window always holds whole answers, however long one takes."""
+    return max(1, math.ceil(per_slot * level))
 
 
 def measure_level(endpoint: Endpoint, prompts: list[Prompt], spec: SamplingSpec, level: int,
-                  warmup_s: float, measure_s: float, retries: int = 2) -> dict:
+                  warmup_s: float, measure_s: float, retries: int = 2, *,
+                  min_finished_per_slot: float = MIN_FINISHED_PER_SLOT,
+                  max_measure_s: float = MAX_MEASURE_S) -> dict:
     """One closed-loop window at ``level``: the eval prompts cycled (per-request seeds), so that
-    ``level`` requests stay in flight for the whole window; the server's mean running requests
-    come from its counters (``loadgen.running_mean``).
+    ``level`` requests stay in flight for the whole window.
+
+    The window opens once the level has settled (the server drained of earlier requests, then
+    running exactly ``level`` with none waiting) and lasts ``measure_s`` and until
+    ``min_finished`` requests finished in it, at most ``max_measure_s``; a window that could
+    not be held to these rules is ``unmeasured``, with the reason (``unmeasured_reason``).
 
     The client's mean TPOT is held against the engine's own (vLLM's per-request TPOT
     histogram over the same window): when the client or the API server falls behind (a busy
     host), tokens arrive in bursts and the stream understates TPOT; both ``vllm bench serve``
     and draftline have shown ~0 ms that way on this 2-core host. Such a window is measured
     again, up to ``retries`` times, and marked ``stream_lagged`` if it never agrees."""
+    rule = {"min_finished": min_finished(level, min_finished_per_slot),
+            "max_measure_s": max(max_measure_s, measure_s)}
     for attempt in range(retries + 1):
-        row = _measure_once(endpoint, prompts, spec, level, warmup_s, measure_s)
+        row = _measure_once(endpoint, prompts, spec, level, warmup_s, measure_s, **rule)
         row["attempts"] = attempt + 1
-        if not row["stream_lagged"]:
+        if row.get("unmeasured") or not row["stream_lagged"]:
             break
     return row
 
@@ -269,29 +302,62 @@ def stream_lagged(client_tpot_ms: float | None, server_tpot_ms: float | None) ->
     return abs(client_tpot_ms / server_tpot_ms - 1.0) > CLIENT_SERVER_TPOT_TOLERANCE
 
 
+def unmeasured_reason(window: WindowResult, level: int, needed: int,
+                      max_measure_s: float) -> str | None:
+    """Why a window measured nothing one may report (None: it did). A figure from such a
+    window (0 tok/s while answers were still being written, requests of another level or
+    client counted as running) would be read as a measurement."""
+    if window.unsettled:
+        return window.unsettled
+    stats, server = window.stats, window.server
+    if stats["requests_completed"] < needed:
+        return (f"only {stats['requests_completed']} of the {needed} requests a C={level} "
+                f"window needs (bench.min_finished_per_slot) finished within "
+                f"{stats['window_s']:g} s (bench.max_measure_s = {max_measure_s:g}): an answer "
+                "takes longer than the cap allows at this level")
+    if not stats["output_tok_s"]:
+        return f"no output token arrived in the {stats['window_s']:g} s window"
+    if (server.get("running_at_close") or 0) > level:
+        return (f"the server ran {server['running_at_close']:g} requests at the window's close, "
+                f"more than C = {level}: requests this window did not send shared the server")
+    return None
+
+
 def _measure_once(endpoint: Endpoint, prompts: list[Prompt], spec: SamplingSpec, level: int,
-                  warmup_s: float, measure_s: float) -> dict:
+                  warmup_s: float, measure_s: float, *, min_finished: int,
+                  max_measure_s: float) -> dict:
     window = measure_window(endpoint, prompts, spec, level, warmup_s, measure_s,
-                            warmup_turnover=1.0, max_warmup_s=max(60.0, 10 * warmup_s))
-    running = window.server.get("num_requests_running_mean")
+                            warmup_turnover=1.0, max_warmup_s=max(60.0, 10 * warmup_s),
+                            min_finished=min_finished, max_measure_s=max_measure_s,
+                            settle_s=max_measure_s)
+    running = window.server.get("in_flight_mean")
+    # a closed loop of C slots holds at most C requests open, and the window opened on C
+    assert running is None or running <= level + 1e-6, (level, running)
     server_means = server_latency_means(window.server.get("counters", {}))
     client_tpot = (window.stats["tpot_ms"] or {}).get("mean")
-    return {**{k: window.stats[k] for k in ("output_tok_s", "requests_s", "requests_completed",
-                                            "ttft_ms", "tpot_ms", "itl_ms", "e2e_s", "errors",
-                                            "window_s", "late_chunk_frac")},
-            "server_ttft_ms_mean": server_means.get("ttft_ms"),
-            "server_tpot_ms_mean": server_means.get("tpot_ms"),
-            "stream_lagged": stream_lagged(client_tpot, server_means.get("tpot_ms")),
-            "running_mean": running,
-            "underloaded": running is not None and running < LOADED_FRACTION * level,
-            "preemptions": preemptions(window.server.get("counters", {})),
-            "counters": window.server.get("counters", {})}
+    reason = unmeasured_reason(window, level, min_finished, max_measure_s)
+    row = {**{k: window.stats[k] for k in ("output_tok_s", "requests_s", "requests_completed",
+                                           "ttft_ms", "tpot_ms", "itl_ms", "e2e_s", "errors",
+                                           "window_s", "late_chunk_frac")},
+           "unmeasured": reason, "min_finished": min_finished,
+           "server_ttft_ms_mean": server_means.get("ttft_ms"),
+           "server_tpot_ms_mean": server_means.get("tpot_ms"),
+           "stream_lagged": stream_lagged(client_tpot, server_means.get("tpot_ms")),
+           "running_mean": running,
+           "underloaded": running is not None and running < LOADED_FRACTION * level,
+           "server_running": {edge: window.server.get(f"running_at_{edge}")
+                              for edge in ("open", "close")},
+           "preemptions": preemptions(window.server.get("counters", {})),
+           "counters": window.server.get("counters", {})}
+    if reason:  # no figure of its own: nothing to read as a 0 tok/s measurement
+        row.update(output_tok_s=None, requests_s=None, stream_lagged=False, underloaded=False)
+    return row
 
 
 def preemptions(counters: dict) -> int | None:
     """Requests the engine preempted in the window (``vllm:num_preemptions``). A preempted
-    request waits for KV blocks while the running-seconds counter behind ``running`` still
-    counts its time, so a window with any overstates the requests that really ran."""
+    request waits for KV blocks while it is still in flight, so a window with any overstates
+    the requests that really ran."""
     value = counters.get("vllm:num_preemptions")
     return None if value is None else int(value)
 
@@ -309,16 +375,22 @@ def measure_config(endpoint: Endpoint, *, config: dict, prompts: list[Prompt], l
                             chat_template_kwargs=dict(sampling["chat_template_kwargs"]))
         for rep in range(repetitions):
             for level in levels:
-                measured = measure_level(endpoint, prompts, spec, level, windows["warmup_s"],
-                                         windows["measure_s"])
+                measured = measure_level(
+                    endpoint, prompts, spec, level, windows["warmup_s"], windows["measure_s"],
+                    min_finished_per_slot=windows.get("min_finished_per_slot",
+                                                      MIN_FINISHED_PER_SLOT),
+                    max_measure_s=windows.get("max_measure_s", MAX_MEASURE_S))
                 counters = measured.pop("counters")
                 row = {"config": config["name"], "temperature": temperature,
                        "concurrency": level, "repetition": rep, **measured,
                        **acceptance_fields(counters), "counters": counters}
                 rows.append(row)
-                log(f"{config['name']} T={temperature} C={level} rep {rep}: "
-                    f"{row['output_tok_s']} tok/s, TPOT p50 {(row['tpot_ms'] or {}).get('p50')}"
-                    f" ms, running {row['running_mean']}, acceptance {row['acceptance_length']}")
+                log(f"{config['name']} T={temperature} C={level} rep {rep}: " + (
+                    f"unmeasured: {row['unmeasured']}" if row.get("unmeasured") else
+                    f"{row['output_tok_s']} tok/s in {row['window_s']} s "
+                    f"({row['requests_completed']} answers), TPOT p50 "
+                    f"{(row['tpot_ms'] or {}).get('p50')} ms, running {row['running_mean']}, "
+                    f"acceptance {row['acceptance_length']}"))
     return rows
 
 
@@ -418,11 +490,16 @@ def summarise(rows: list[dict]) -> list[dict]:
     for row in rows:
         groups.setdefault((row["config"], row["temperature"], row["concurrency"]), []).append(row)
     summary = []
-    for (name, temperature, level), group in groups.items():
-        pooled = pooled_acceptance(group)
+    for (name, temperature, level), all_rows in groups.items():
+        # spec-decode counters move with every step, so acceptance pools every window; the
+        # timings come from the measured ones only
+        pooled = pooled_acceptance(all_rows)
+        group = [r for r in all_rows if not r.get("unmeasured")]
         summary.append({
             "config": name, "temperature": temperature, "concurrency": level,
             "repetitions": len(group),
+            "unmeasured": unmeasured_cell(all_rows),
+            "unmeasured_repetitions": len(all_rows) - len(group),
             "output_tok_s": _spread([r["output_tok_s"] for r in group]),
             "tpot_ms_p50": _spread([(r["tpot_ms"] or {}).get("p50") for r in group]),
             "ttft_ms_p50": _spread([(r["ttft_ms"] or {}).get("p50") for r in group]),
@@ -440,6 +517,26 @@ def summarise(rows: list[dict]) -> list[dict]:
     return summary
 
 
+def unmeasured_cells(summary: list[dict]) -> list[dict]:
+    """The cells without a figure, each with why (results.json's ``unmeasured``)."""
+    return [{"config": s["config"], "temperature": s["temperature"],
+             "concurrency": s["concurrency"], "reason": s["unmeasured"]}
+            for s in summary if s.get("unmeasured")]
+
+
+def unmeasured_cell(rows: list[dict]) -> str | None:
+    """Why a cell has no figure: every window of it unmeasured (their reasons); None when
+    one was measured."""
+    if any(not r.get("unmeasured") for r in rows):
+        return None
+    return "; ".join(dict.fromkeys(r["unmeasured"] for r in rows))
+
+
+def measured(cell: dict) -> bool:
+    """A summary cell with a throughput figure above 0 (one that ratios may divide by)."""
+    return not cell.get("unmeasured") and bool((cell.get("output_tok_s") or {}).get("median"))
+
+
 def _median_tpot(cell: dict) -> float | None:
     """A cell's median TPOT p50, None when unmeasured or 0 (a burst-read window, no step time)."""
     return (cell["tpot_ms_p50"] or {}).get("median") or None
@@ -451,8 +548,8 @@ def add_speedups(summary: list[dict]) -> None:
     for s in summary:
         b = base.get((s["temperature"], s["concurrency"]))
         s["speedup_throughput"] = s["speedup_tpot"] = None
-        if b is None:
-            continue
+        if b is None or not measured(s) or not measured(b):
+            continue  # a speedup needs both sides measured
         s["speedup_throughput"] = round(s["output_tok_s"]["median"] /
                                         b["output_tok_s"]["median"], 4)
         if _median_tpot(s) and _median_tpot(b):
@@ -630,7 +727,7 @@ def fastest_per_level(summary: list[dict]) -> list[dict]:
     """Per (temperature, concurrency): the configuration with the highest median output tok/s
     (the baseline included: no draft at all can win), and its margin over the next one."""
     cells: dict[tuple, list[dict]] = {}
-    for s in summary:
+    for s in filter(measured, summary):
         cells.setdefault((s["temperature"], s["concurrency"]), []).append(s)
     out = []
     for (temperature, level), group in sorted(cells.items()):
@@ -668,7 +765,8 @@ def sampling_recommendation(summary: list[dict], configs: list[dict]) -> list[di
     drafting, by the median over levels of the probabilistic / greedy tok/s ratio. None where
     the server's acceptance at that temperature depends on the concurrency (marked c): then
     neither figure is the draft's."""
-    cells = {(s["config"], s["temperature"], s["concurrency"]): s for s in summary}
+    cells = {(s["config"], s["temperature"], s["concurrency"]): s
+             for s in filter(measured, summary)}
     out = []
     for cfg in configs:
         if cfg.get("draft_sample_method") != "probabilistic":
@@ -749,17 +847,46 @@ def explain_concurrency_dependence(summary: list[dict]) -> list[str]:
     return lines
 
 
+def unmeasured_markdown(summary: list[dict]) -> list[str]:
+    """The cells no window could measure, and why; and the cells some windows missed."""
+    missing = [s for s in summary if s.get("unmeasured")]
+    partial = [s for s in summary if not s.get("unmeasured") and s.get("unmeasured_repetitions")]
+    if not missing and not partial:
+        return []
+    lines = ["", "## Cells not measured", "",
+             "A window opens once the level has settled (the server drained of earlier "
+             "requests, then running exactly C with none waiting) and lasts until enough "
+             "answers finished in it (bench.min_finished_per_slot), at most "
+             "bench.max_measure_s; a window that could not keep to this has no figure, and "
+             "no speedup is computed against it."]
+    if missing:
+        lines += ["", "| config | T | C | why |", "|---|---|---|---|"]
+        lines += [f"| {s['config']} | {s['temperature']:g} | {s['concurrency']} | "
+                  f"{s['unmeasured']} |" for s in missing]
+    if partial:
+        lines += ["", "Cells whose figures rest on fewer windows (the others unmeasured): "
+                  + ", ".join(f"{s['config']} T={s['temperature']:g} C={s['concurrency']} "
+                              f"({s['repetitions']} of "
+                              f"{s['repetitions'] + s['unmeasured_repetitions']})"
+                              for s in partial) + "."]
+    return lines
+
+
 def summary_markdown(result: dict) -> str:
-    windows = (f"closed-loop windows of {result['measure_s']:g} s (after a warm-up), the "
+    windows = (f"closed-loop windows of at least {result['measure_s']:g} s (after a warm-up, "
+               "opened once the server ran exactly C requests with none waiting, and held "
+               f"until {result.get('min_finished_per_slot', MIN_FINISHED_PER_SLOT):g} answers "
+               "per slot finished in them, at most "
+               f"{result.get('max_measure_s', MAX_MEASURE_S):g} s), the "
                f"{result['num_prompts']} eval-split prompts cycled with per-request seeds"
                if "measure_s" in result else f"{result['num_prompts']} eval-split prompts")
     lines = ["# Deployment benchmark: baseline vs EAGLE-3", "",
              f"{windows}; {result['repetitions']} repetitions, medians (min-max). TTFT, TPOT "
-             "as `vllm bench serve` defines them. `running` is the server's mean running "
-             "requests over the window (its `vllm:request_inference_time_seconds` sum per "
-             "second); `*` marks a cell where a window "
+             "as `vllm bench serve` defines them. `running` is the mean requests in flight "
+             "over the window (each request's span clipped to it; at most C); `*` marks a "
+             "cell where a window "
              f"stayed below {LOADED_FRACTION:g} x C (the level was not fully loaded), `p` one "
-             "where the server preempted requests (their waiting time counts as running); `~` "
+             "where the server preempted requests (they wait for memory while in flight); `~` "
              f"marks output tok/s whose spread (max-min)/median exceeds {MAX_SPREAD:.0%} (a "
              "busy host: rerun on a quiet one). `server TPOT` is the mean of vLLM's own "
              "per-request TPOT histogram over the window; `!` marks a TPOT the stream did not "
@@ -772,6 +899,11 @@ def summary_markdown(result: dict) -> str:
              "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for s in sorted(result["summary"], key=lambda s: (s["temperature"], s["concurrency"],
                                                        s["config"])):
+        if s.get("unmeasured"):
+            lines.append(f"| {s['config']} | {s['temperature']:g} | {s['concurrency']} | "
+                         f"unmeasured ({s['unmeasured_repetitions']} windows, see below) | - | - "
+                         f"| - | - | {s['acceptance_length'] or '-'} | - | - | - |")
+            continue
         running = (_cell(s.get("running_mean")) + (" *" if s.get("underloaded") else "")
                    + (" p" if s.get("preempted") else ""))
         noisy = (s["output_tok_s"].get("spread") or 0.0) > MAX_SPREAD
@@ -784,6 +916,7 @@ def summary_markdown(result: dict) -> str:
             f"{s['acceptance_length'] or '-'}{' c' if s.get('acceptance_varies_with_c') else ''}"
             f" | {s['speedup_throughput'] or '-'} | "
             f"{s['speedup_tpot'] or '-'} | {s.get('predicted_speedup') or '-'} |")
+    lines += unmeasured_markdown(result["summary"])
     lines += explain_speedup(result.get("step_costs"))
     lines += fastest_markdown(result.get("fastest") or [])
     lines += bench_variants.comparison_markdown(result.get("variants") or [])
@@ -816,7 +949,7 @@ def plot(result: dict, throughput_png: Path, acceptance_png: Path) -> None:
     fig, ax = plt.subplots(figsize=(7, 4.5))
     for (name, temp) in sorted({(s["config"], s["temperature"]) for s in result["summary"]}):
         cells = sorted((s for s in result["summary"]
-                        if s["config"] == name and s["temperature"] == temp),
+                        if s["config"] == name and s["temperature"] == temp and measured(s)),
                        key=lambda s: s["concurrency"])
         ax.plot([s["concurrency"] for s in cells], [s["output_tok_s"]["median"] for s in cells],
                 marker="o", linestyle="-" if temp == 0 else "--", label=f"{name}, T={temp:g}")
@@ -950,7 +1083,7 @@ def measure_deployment_benchmark(response_files: list[str], draft_dir: str, eval
     sampling = {"max_tokens": bench_cfg["max_tokens"], "top_p": generate_cfg["top_p"],
                 "seed": generate_cfg["seed"],
                 "chat_template_kwargs": generate_cfg["chat_template_kwargs"]}
-    windows = {"warmup_s": bench_cfg["warmup_s"], "measure_s": bench_cfg["measure_s"]}
+    windows = {key: bench_cfg.get(key, WINDOW_DEFAULTS.get(key)) for key in WINDOW_KEYS}
 
     def draft_of(cfg: dict) -> str:
         return draft_dirs[cfg.get("draft") or cfg.get("variant")]
@@ -992,8 +1125,11 @@ def measure_deployment_benchmark(response_files: list[str], draft_dir: str, eval
               "train_serve_gap": train_serve_gap(rows, configs, train_eval, log, summary,
                                                  variant_evals),
               "best": best_config(summary),
-              "further_drafts": bench_drafts.comparison(summary, configs),
-              "variants": bench_variants.comparison(summary, configs, families),
+              "further_drafts": bench_drafts.comparison(list(filter(measured, summary)),
+                                                        configs),
+              "variants": bench_variants.comparison(list(filter(measured, summary)), configs,
+                                                    families),
+              "unmeasured": unmeasured_cells(summary),
               "sampling_recommendation": sampling_recommendation(summary, configs),
               "fastest": fastest_per_level(summary)}
     write_json(out / BENCH_RESULTS, result, indent=2)
