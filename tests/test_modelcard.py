@@ -103,3 +103,18 @@ def test_sglang_layer_ids_capture_the_states_vllm_captures():
         assert sglang_captures(sglang_layer_ids(vllm_ids)) == vllm_captures(vllm_ids)
         assert sglang_captures(vllm_ids) != vllm_captures(vllm_ids)  # the same ids would not
     assert sglang_layer_ids([2, 30, 58]) == [1, 29, 57]  # the published Kimi drafts' ids
+
+
+def test_the_card_names_the_benchmark_cells_that_could_not_be_measured():
+    from draftline.stages.modelcard import _benchmark, render_markdown
+
+    reason = "only 0 of the 2 requests a C=1 window needs finished"
+    card = Card({})
+    _benchmark(card, {"bench_summary": SUMMARY, "bench_results": {"unmeasured": [
+        {"config": "baseline", "temperature": 0.0, "concurrency": 1, "reason": reason}]}})
+    text = render_markdown(card)
+    assert "1 benchmark cell(s) could not be measured" in text
+    assert f"| baseline | 0 | 1 | {reason} |" in text
+    card = Card({})
+    _benchmark(card, {"bench_summary": SUMMARY, "bench_results": {"unmeasured": []}})
+    assert "could not be measured" not in render_markdown(card)

@@ -543,9 +543,22 @@ def _benchmark(card: Card, facts: dict) -> None:
         card.add(Para("This bundle holds no deployment benchmark."))
         return
     card.add(Para("Baseline serving against serving with this draft (bench/results.json):"))
+    _unmeasured_cells(card, (facts.get("bench_results") or {}).get("unmeasured") or [])
     if facts.get("bench_summary"):
         card.add(Markdown(_demote_headings(facts["bench_summary"], 2)))
     card.add(*(Image(Path(p).stem, p) for p in facts.get("bench_plots", [])))
+
+
+def _unmeasured_cells(card: Card, cells: list[dict]) -> None:
+    """The benchmark cells no window could measure, said before any figure is read: they have
+    no throughput and no speedup, and their absence is no result."""
+    if not cells:
+        return
+    card.add(Para(f"{len(cells)} benchmark cell(s) could not be measured on the benchmark host "
+                  "and have no figure and no speedup:"),
+             Table(["config", "T", "C", "why"],
+                   [[c["config"], fmt(c["temperature"]), c["concurrency"], c["reason"]]
+                    for c in cells]))
 
 
 def _profile(card: Card, facts: dict) -> None:
