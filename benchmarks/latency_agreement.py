@@ -11,6 +11,15 @@ rotating order so that drift of the shared machine hits both alike:
 Compared: output tok/s, median TPOT and median TTFT, each the median over the repetitions; the
 ratio draftline / vllm should lie within ``--tolerance`` (10%).
 
+``same_requests`` compares the two on the same requests, so that the load of the machine
+cannot come between them: ``vllm bench serve``'s own per-request timings (``--save-detailed``:
+start, TTFT, every inter-token gap, output length) are read back as draftline's
+``RequestResult``s and summarised by draftline's window statistics (``loadgen.window_stats``,
+the benchmark's); vLLM's figures for the run and draftline's for the same requests must agree
+to rounding (throughput: draftline's span runs from the first request's start to the last
+answer, vLLM's duration a little longer). A definition that is wrong (per chunk instead of
+per token, the wrong first token, a unit) is off by far more.
+
     .venv/bin/python benchmarks/latency_agreement.py --json /tmp/latency_agreement.json
 """
 
@@ -88,6 +97,52 @@ def _agreement_at(bench: VllmBench, endpoint, model_dir: str, prompts, level: in
     }
 
 
+def requests_of_vllm_bench(detailed: dict) -> list:
+    """``vllm bench serve``'s per-request records (its result file with ``--save-detailed``) as
+    draftline's ``RequestResult``s: arrivals at start + TTFT, then after each gap it timed."""
+    from draftline.serving.loadgen import RequestResult
+
+    results = []
+    for i, (start, ttft, itl, tokens, error) in enumerate(zip(
+            detailed["start_times"], detailed["ttfts"], detailed["itls"],
+            detailed["output_lens"], detailed["errors"], strict=True)):
+        r = RequestResult(prompt_id=f"vllm-{i}", start=start)
+        if error or not tokens:
+            r.error, r.end = error or "no output", start
+            results.append(r)
+            continue
+        times = [start + ttft]
+        for gap in itl:
+            times.append(times[-1] + gap)
+        r.chunk_times, r.end, r.output_tokens = times, times[-1], tokens
+        # vllm bench keeps the count, not the tokens per chunk: one per chunk from the end,
+        # the first chunk carrying any more (only the window's total depends on it here)
+        r.arrivals = [(t, 1) for t in times[-tokens:]]
+        if tokens > len(times):
+            r.arrivals[0] = (times[0], tokens - len(times) + 1)
+        results.append(r)
+    return results
+
+
+def same_requests(bench: VllmBench, endpoint, model_dir: str, prompts, level: int,
+                  num_prompts: int, spec) -> dict:
+    """One ``vllm bench serve`` run: its figures, draftline's for the same requests, ratios."""
+    from draftline.serving.loadgen import window_stats
+
+    out = run_vllm_bench(bench, endpoint, model_dir, prompts, level, num_prompts, spec,
+                         detailed=True)
+    results = requests_of_vllm_bench(out.pop("detailed"))
+    done = [r for r in results if r.error is None]
+    stats = window_stats(results, min(r.start for r in results),
+                         max(r.end for r in done) + 1e-9)
+    ours = {"output_tok_s": stats["output_tok_s"],
+            "median_tpot_ms": (stats["tpot_ms"] or {}).get("p50"),
+            "median_ttft_ms": (stats["ttft_ms"] or {}).get("p50")}
+    return {"vllm": {m: out[m] for m in METRICS}, "draftline": ours,
+            "completed": (out["completed"], stats["requests_completed"]),
+            "ratio": {m: round(ours[m] / out[m], 4) for m in METRICS}}
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", help="HF model dir to serve (default: build the toy target)")
@@ -114,6 +169,12 @@ def main(argv: list[str] | None = None) -> int:
                           Path(tmp) / "server.log") as server:
         report = agreement(server.endpoint, model_dir, args.levels, args.repeats, spec,
                            args.prompts_per_slot, args.warmup_s, args.measure_s, Path(tmp))
+        with VllmBench(Path(tmp)) as bench:
+            same = {level: same_requests(bench, server.endpoint, model_dir, make_prompts(256),
+                                         level, args.prompts_per_slot * level, spec)
+                    for level in args.levels}
+    for level, row in same.items():
+        print(f"C={level} the same requests, draftline / vllm: {row['ratio']}")
     worst = 0.0
     print(f"{'C':>4} {'metric':<16} {'draftline':>10} {'vllm':>10} {'ratio':>7}")
     for level, row in report.items():
@@ -123,7 +184,8 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{level:>4} {m:<16} {d:>10.2f} {v:>10.2f} {row['ratio'][m]:>7.3f}")
     print(f"largest disagreement {worst:.1%} (tolerance {args.tolerance:.0%})")
     if args.json:
-        args.json.write_text(json.dumps(report, indent=2, default=str) + "\n")
+        args.json.write_text(json.dumps({"runs": report, "same_requests": same}, indent=2,
+                                        default=str) + "\n")
     return 0 if worst <= args.tolerance else 1
 
 

@@ -121,8 +121,9 @@ class VllmBench:
 
 
 def run_vllm_bench(bench: VllmBench, endpoint, model_dir: str, prompts, level: int,
-                   num_prompts: int, spec) -> dict:
-    """One ``vllm bench serve`` run; returns its result JSON plus the server's count."""
+                   num_prompts: int, spec, detailed: bool = False) -> dict:
+    """One ``vllm bench serve`` run; returns its result JSON plus the server's count (and with
+    ``detailed`` its per-request records, under "detailed")."""
     workdir = bench.workdir
     data = workdir / "prompts.jsonl"
     with open(data, "w") as f:
@@ -138,7 +139,8 @@ def run_vllm_bench(bench: VllmBench, endpoint, model_dir: str, prompts, level: i
             "--max-concurrency", str(level), "--request-rate", "inf",
             "--temperature", str(spec.temperature), "--top-p", str(spec.top_p),
             "--save-result", "--result-dir", str(workdir), "--result-filename", result.name,
-            "--disable-tqdm", "--ready-check-timeout-sec", "0"]
+            "--disable-tqdm", "--ready-check-timeout-sec", "0"] + (
+                ["--save-detailed"] if detailed else [])
     before = server_tokens(endpoint.root_url)
     bench.run(argv)
     after = server_tokens(endpoint.root_url)
@@ -151,7 +153,9 @@ def run_vllm_bench(bench: VllmBench, endpoint, model_dir: str, prompts, level: i
             "median_tpot_ms": out.get("median_tpot_ms"), "p99_tpot_ms": out.get("p99_tpot_ms"),
             "median_ttft_ms": out.get("median_ttft_ms"),
             "server_output_tokens": after - before,
-            "server_output_tok_s": (after - before) / out["duration"]}
+            "server_output_tok_s": (after - before) / out["duration"],
+            **({"detailed": {k: out[k] for k in ("start_times", "ttfts", "itls", "output_lens",
+                                                 "errors")}} if detailed else {})}
 
 
 def run_fixed(endpoint, prompts, level: int, num_prompts: int, spec) -> dict:
