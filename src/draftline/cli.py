@@ -249,11 +249,14 @@ def main(argv: list[str] | None = None) -> int:
         print(f"draftline: {exc}", file=sys.stderr)
         return 2
     handler = COMMANDS[args.command][0]
+    from draftline.stages.profile import AnswersCutShort
     from draftline.stages.responses import GenerationLocked, OutputNotWritable
+    from draftline.stages.vocab import VocabTooSmall
 
     try:
         handler(config, Layout.from_config(config), args)
-    except (GenerationLocked, OutputNotWritable) as exc:  # refused before any work: one line
+    except (GenerationLocked, OutputNotWritable, VocabTooSmall, AnswersCutShort) as exc:
+        # refused, naming the file or config key, with nothing valid lost: one line
         print(f"draftline {args.command}: {exc}", file=sys.stderr)
         return 1
     return 0
