@@ -31,6 +31,8 @@ _layout = _library_module("layout")
 # Every path under config["results"] comes from here (draftline.core.layout); a rule names the
 # output of another rule as rules.<rule>.output.<name>.
 LAYOUT = _layout.Layout.from_config(config)
+# The built-in target named by target.model (built by its rule in rules/target.smk), or None.
+BUILTIN_TARGET = _library_module("builtin_targets").builtin_target(config["target"]["model"])
 SHARDS = list(range(config["prompts"]["num_shards"]))
 SERVER_STATE = str(LAYOUT.servers)
 
@@ -60,12 +62,8 @@ def code_hash(script):
 
 
 def target_path(wildcards, input):
-    """The target model directory: the built toy target, or the configured model."""
-    return (
-        input.target
-        if config["target"]["model"] == "toy"
-        else config["target"]["model"]
-    )
+    """The target model directory: the built-in target's folder, or the configured model."""
+    return input.target if BUILTIN_TARGET else config["target"]["model"]
 
 
 def hidden_online():
@@ -121,8 +119,8 @@ def online_server_params():
 
 
 def target_input():
-    """The toy target is an artifact of this workflow; a real target is not."""
-    return rules.toy_target.output.target if config["target"]["model"] == "toy" else []
+    """A built-in target is an artifact of this workflow (its rule's output); a given one is not."""
+    return getattr(rules, BUILTIN_TARGET.rule).output.target if BUILTIN_TARGET else []
 
 
 # Draft variants (train.variants): trained, exported, benchmarked and bundled beside the

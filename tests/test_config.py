@@ -11,6 +11,7 @@ import pytest
 import yaml
 from conftest import REPO
 
+from draftline.core.builtin_targets import BUILTIN_TARGETS
 from draftline.core.config import ConfigError, load_config, validate_config
 from draftline.core.config_layers import target_settings
 
@@ -131,7 +132,10 @@ def test_snakemake_dry_run_lists_the_pipeline(tmp_path):
     declared = re.findall(r"^(?:local)?rule (\w+):", "".join(
         p.read_text() for p in [REPO / "Snakefile", *sorted((REPO / "rules").glob("*.smk"))]),
         re.M)
-    assert sorted(declared) == sorted(jobs)
+    # the built-in targets' rules, each defined only when target.model names it: the toy's here
+    assert sorted([*declared, "toy_target"]) == sorted(jobs)
+    built_in = re.findall(r"^\s+rule (\w+):", (REPO / "rules" / "target.smk").read_text(), re.M)
+    assert sorted(built_in) == sorted(t.rule for t in BUILTIN_TARGETS.values())
 
 
 # ---------------------------------------------------------------------- the config as documentation

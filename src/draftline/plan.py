@@ -22,6 +22,7 @@ import shutil
 from pathlib import Path
 
 from draftline.core import variants
+from draftline.core.builtin_targets import builtin_target
 from draftline.core.layout import Layout
 from draftline.core.target import DTYPE_SIZES, NUM_AUX_LAYERS, text_config
 from draftline.stages.hidden.online import online_cfg
@@ -61,11 +62,15 @@ KNOWN_TARGETS = {
 
 
 def target_dims(config: dict, measured: dict | None = None) -> dict | None:
-    """Target dimensions: measured override, toy config, local config.json, or known table."""
+    """Target dimensions: measured override, built-in target (the toy's from its config),
+    local config.json, or known table."""
     if measured and measured.get("target"):
         return dict(measured["target"])
     target = config["target"]
-    if target["model"] == "toy":
+    builtin = builtin_target(target["model"])
+    if builtin and builtin.dims:
+        return {**builtin.dims, "note": f"built-in target {builtin.name}: {builtin.summary}"}
+    if builtin:  # the toy: target.toy sets its dimensions
         toy = target["toy"]
         return {"hidden_size": toy["hidden_size"], "num_layers": toy["num_layers"],
                 "vocab_size": toy["vocab_size"], "num_heads": toy["num_heads"],
@@ -194,7 +199,8 @@ def plan(config: dict, measured: dict | None = None) -> list[dict]:
     The last row is the total, with the free disk and whether it suffices.
     """
     measured = dict(measured or {})
-    kind = "cpu" if config["target"]["model"] == "toy" else "gpu"
+    # the built-in targets are small enough for the CPU; a given target is planned for GPUs
+    kind = "cpu" if builtin_target(config["target"]["model"]) else "gpu"
     dims = target_dims(config, measured)
     samples, tokens, out_tokens, token_basis = _token_counts(config, measured)
     rows = [
@@ -268,7 +274,13 @@ def hidden_modes(config: dict, rows: list[dict]) -> dict | None:
 
 
 def _target_row(config: dict, dims: dict | None, kind: str) -> dict:
-    if config["target"]["model"] != "toy":
+    builtin = builtin_target(config["target"]["model"])
+    if builtin and builtin.dims:
+        size = builtin.dims["weights_bytes"]
+        return _row("target", size, builtin.build_s,
+                    f"{builtin.name}: {size / 1e6:,.0f} MB of bf16 weights, built in "
+                    f"~{builtin.build_s:.0f} s (measured)")
+    if not builtin:
         size = (dims or {}).get("weights_bytes")
         return _row("target", 0, 0.0, f"existing model {config['target']['model']}"
                     + (f" ({size / 1e9:,.0f} GB of weights, not written)" if size else ""))

@@ -3,10 +3,10 @@
 The one semantic check of a config, after the schema has filled the defaults:
 ``draftline.core.config`` runs it for the CLI and the tests, and ``rules/common.smk`` runs it at
 Snakefile parse time, before any job. Standard library only, with its siblings ``hub``,
-``target`` and ``variants`` (which are too) and, for a variant's draft keys, jsonschema and
-PyYAML (Snakemake's own dependencies): the workflow loads this file by its path, where the
-draftline package may not be installed (an orchestrator with Snakemake only), and then loads
-its siblings the same way.
+``target``, ``builtin_targets`` and ``variants`` (which are too) and, for a variant's draft
+keys, jsonschema and PyYAML (Snakemake's own dependencies): the workflow loads this file by its
+path, where the draftline package may not be installed (an orchestrator with Snakemake only),
+and then loads its siblings the same way.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 if __package__ == "draftline.core":
-    from draftline.core import hub, secret_names, variants
+    from draftline.core import builtin_targets, hub, secret_names, variants
     from draftline.core import target as target_module
 else:  # loaded by its path (rules/common.smk): its siblings are loaded by theirs
 
@@ -29,6 +29,7 @@ else:  # loaded by its path (rules/common.smk): its siblings are loaded by their
         return module
 
     hub, target_module = _sibling("hub"), _sibling("target")
+    builtin_targets = _sibling("builtin_targets")
     secret_names = _sibling("secret_names")
     variants = _sibling("variants")
 
@@ -50,19 +51,15 @@ def check_semantics(config: dict[str, Any], base: Path | None = None) -> None:
         if not (base / path).exists():
             raise ConfigError(f"config key 'prompts.sources[{i}].path': file not found: {path}")
     target = config["target"]["model"]
-    if target != "toy" and target.startswith(("/", ".")) and not (base / target).exists():
+    builtin = builtin_targets.is_builtin(target)
+    if not builtin and target.startswith(("/", ".")) and not (base / target).exists():
         raise ConfigError(f"config key 'target.model': model directory not found: {target}")
-    check_local_target_head(base / target if target != "toy" else None)
+    check_local_target_head(None if builtin else base / target)
     _check_variants(config)
     _check_mla_draft_has_an_mla_target(config, base)
     _check_parallel_drafting_is_llama(config)
     _check_dflash(config)
-    if config["target"]["revision"] is not None:
-        try:
-            hub.hub_revision(target if target == "toy" else base / target,
-                             config["target"]["revision"])
-        except hub.RevisionError as exc:
-            raise ConfigError(str(exc)) from exc
+    _check_revision(config, base)
     toy = config["target"]["toy"]
     if toy["hidden_size"] % toy["num_heads"]:
         raise ConfigError("config key 'target.toy.num_heads': must divide target.toy.hidden_size")
@@ -173,17 +170,34 @@ def _check_online_producer(config: dict) -> None:
                           "starts its server as a process (launcher docker does not mount its "
                           "spool folder yet); use launcher process or hidden.online.external_url")
 
+def _check_revision(config: dict, base: Path) -> None:
+    """A revision pins a hub id; a built-in target or a local directory has none."""
+    target, revision = config["target"]["model"], config["target"]["revision"]
+    if revision is None:
+        return
+    if builtin_targets.is_builtin(target):
+        raise ConfigError(
+            f"config key 'target.revision' is {revision!r}, but target.model ({target}) is a "
+            "built-in target, built into <results>/target, which has no revisions: set "
+            "target.revision to null")
+    try:
+        hub.hub_revision(base / target, revision)
+    except hub.RevisionError as exc:
+        raise ConfigError(str(exc)) from exc
+
+
 def _check_mla_draft_has_an_mla_target(config: dict, base: Path) -> None:
     """An MLA draft beside a target without MLA does not serve: vLLM 0.32 builds the draft's
     MLA attention metadata with the target's head size, which no MLA kernel takes (measured on
     its CPU build: "Head dimension 32 is not supported by MLA" beside the toy). Known here for
-    the toy and a local target; a hub target is read when the stages load it."""
+    the built-in targets (none has MLA) and a local target; a hub target is read when the
+    stages load it."""
     mla_keys = [key for key, draft in variants.drafts(config["train"])
                 if draft["arch"] == "deepseek_mla"]
     if not mla_keys:
         return
     target = config["target"]["model"]
-    if target == "toy":
+    if builtin_targets.is_builtin(target):
         has_mla = False
     else:
         config_json = base / target / "config.json"

@@ -18,7 +18,7 @@ class RevisionError(ValueError):
 
 def is_local(model: str | Path) -> bool:
     """A directory (or file) on disk: what vLLM and transformers load as a path, not a hub id."""
-    return str(model) == "toy" or Path(model).exists()
+    return Path(model).exists()
 
 
 def hub_revision(model: str | Path, revision: str | None) -> str | None:

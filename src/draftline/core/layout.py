@@ -54,7 +54,8 @@ class Layout:
     # ----------------------------------------------------------------------------- the target
     @property
     def target(self) -> Path:
-        """The built toy target (only when ``target.model`` is ``toy``)."""
+        """The built-in target's folder (only when ``target.model`` names one: ``toy``,
+        ``smollm2-135m``; draftline.core.builtin_targets)."""
         return self.root / "target"
 
     # ----------------------------------------------------------------------------- prompts
@@ -262,9 +263,13 @@ class Layout:
 
 
 def target_model(config: dict) -> str:
-    """The target the stages load: the built toy target's folder, or ``target.model``."""
+    """The target the stages load: the built-in target's folder, or ``target.model``."""
+    # imported here: loaded by its path (rules/common.smk), this module imports nothing of
+    # the package, and only the package's stages call this
+    from draftline.core.builtin_targets import is_builtin
+
     model = config["target"]["model"]
-    return str(Layout.from_config(config).target) if model == "toy" else model
+    return str(Layout.from_config(config).target) if is_builtin(model) else model
 
 
 def published_files(dest: str) -> dict[str, str]:

@@ -5,7 +5,7 @@ The bundle is rebuilt from the results folder, with the config the bundle itself
 Only the artifact's inputs reach the bundle's bytes (the command line, host and time go to the
 build record), so a bundle built from the same results is byte for byte the same.
 
-Paths the bundle records (the toy target's folder, the serving commands' draft path, input
+Paths the bundle records (a built-in target's folder, the serving commands' draft path, input
 sources) are spelt from the config's ``results`` key, as the workflow spells them, so the
 rebuild runs from the folder in which that key names ``RESULTS_DIR``: the workflow directory.
 """
@@ -24,6 +24,7 @@ from pathlib import Path
 import yaml
 
 from draftline.core.atomic import sha256_file
+from draftline.core.builtin_targets import is_builtin
 from draftline.core.layout import Layout
 from draftline.stages.bundle.archive import (
     MANIFEST,
@@ -68,7 +69,8 @@ def rebuild_check(results_dir: str | Path, bundle: str | Path,
     with tempfile.TemporaryDirectory(prefix="draftline-rebuild-") as tmp, \
             _in_workflow_dir(results_dir, config["results"]) as results:
         lay, out = Layout(results), Layout(tmp)
-        model = str(lay.target) if config["target"]["model"] == "toy" else config["target"]["model"]
+        model = (str(lay.target) if is_builtin(config["target"]["model"])
+                 else config["target"]["model"])
         draft_ref = config.get("bundle", {}).get("hf_repo") or lay.bundle.as_posix()
         build_bundle(BundleInputs.from_results(results), out.bundle, out.bundle_tar,
                      config=config, model=model, draft_ref=draft_ref, env=env,
