@@ -68,7 +68,8 @@ from pathlib import Path
 
 from draftline.core.atomic import write_json, write_text
 from draftline.core.config import ConfigError, load_config, resolve_section
-from draftline.core.layout import Layout, target_model
+from draftline.core.layout import Layout
+from draftline.core.target_model import target_model
 
 REPO = Path(__file__).resolve().parents[1]
 

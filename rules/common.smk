@@ -32,7 +32,8 @@ _layout = _library_module("layout")
 # output of another rule as rules.<rule>.output.<name>.
 LAYOUT = _layout.Layout.from_config(config)
 # The built-in target named by target.model (built by its rule in rules/target.smk), or None.
-BUILTIN_TARGET = _library_module("builtin_targets").builtin_target(config["target"]["model"])
+_builtin_targets = _library_module("builtin_targets")
+BUILTIN_TARGET = _builtin_targets.builtin_target(config["target"]["model"])
 SHARDS = list(range(config["prompts"]["num_shards"]))
 SERVER_STATE = str(LAYOUT.servers)
 

@@ -21,8 +21,8 @@ from draftline.core.layout import (
     TRAIN_EVAL,
     Layout,
     published_files,
-    target_model,
 )
+from draftline.core.target_model import target_model
 
 
 def _parse_overrides(items: list[str]) -> dict:

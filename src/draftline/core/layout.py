@@ -55,7 +55,7 @@ class Layout:
     @property
     def target(self) -> Path:
         """The built-in target's folder (only when ``target.model`` names one: ``toy``,
-        ``smollm2-135m``; draftline.core.builtin_targets)."""
+        ``smollm2-135m``; ``draftline.core.target_model``)."""
         return self.root / "target"
 
     # ----------------------------------------------------------------------------- prompts
@@ -260,16 +260,6 @@ class Layout:
     def servers(self) -> Path:
         """State of the run's shared vLLM servers (draftline.serving.server)."""
         return self.root / ".servers"
-
-
-def target_model(config: dict) -> str:
-    """The target the stages load: the built-in target's folder, or ``target.model``."""
-    # imported here: loaded by its path (rules/common.smk), this module imports nothing of
-    # the package, and only the package's stages call this
-    from draftline.core.builtin_targets import is_builtin
-
-    model = config["target"]["model"]
-    return str(Layout.from_config(config).target) if is_builtin(model) else model
 
 
 def published_files(dest: str) -> dict[str, str]:
