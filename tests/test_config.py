@@ -138,6 +138,22 @@ def test_snakemake_dry_run_lists_the_pipeline(tmp_path):
     assert sorted(built_in) == sorted(t.rule for t in BUILTIN_TARGETS.values())
 
 
+def test_snakemake_builds_a_builtin_target_for_the_stages(tmp_path):
+    """With target.model smollm2-135m its rule, not the toy's, makes <results>/target."""
+    config = yaml.safe_load((REPO / "config" / "config.yaml").read_text())
+    config["target"]["model"] = "smollm2-135m"
+    config_path = tmp_path / "config.yaml"
+    config_path.write_text(yaml.safe_dump(config))
+    result = _snakemake_dry_run(config_path, tmp_path)
+    assert result.returncode == 0, result.stderr[-2000:]
+    jobs = re.findall(r"^(?:local)?rule (\w+):$", result.stdout, re.M)
+    assert "smollm2_target" in jobs and "toy_target" not in jobs
+    target = result.stdout.split("rule smollm2_target:")[1].split("\n\n")[0]
+    assert "output: results/target" in target
+    generate = result.stdout.split("rule generate:")[1].split("\n\n")[0]
+    assert "results/target" in generate  # an input of the stages that load it
+
+
 # ---------------------------------------------------------------------- the config as documentation
 
 
