@@ -160,13 +160,13 @@ def test_a_draft_vocab_under_min_coverage_is_refused_naming_the_size_that_covers
                         min_coverage=0.98)
     message = str(refused.value)
     assert "config key 'vocab.draft_vocab_size'" in message
-    assert "3 draft tokens cover 33.3%" in message and "9 would cover it" in message
+    assert "3 draft tokens cover 33.33%" in message and "9 would cover it" in message
     assert not (tmp_path / "v" / "vocab_map.safetensors").exists()
     record = build_vocab_map(path, target_vocab_size=10, draft_vocab_size=9,
                              out_dir=tmp_path / "v", min_coverage=0.98)
     assert record["coverage"]["eval"] == 1.0
     # the size named is the smallest: eight tokens hold two of three
-    with pytest.raises(VocabTooSmall, match="8 draft tokens cover 66.7%"):
+    with pytest.raises(VocabTooSmall, match="8 draft tokens cover 66.67%"):
         build_vocab_map(path, target_vocab_size=10, draft_vocab_size=8, out_dir=tmp_path / "w",
                         min_coverage=0.98)
     # 0 accepts any size

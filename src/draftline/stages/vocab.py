@@ -200,8 +200,8 @@ def check_coverage(record: dict, train_counts: np.ndarray, eval_counts: np.ndarr
     needed = smallest_size_covering(train_counts, eval_counts, min_coverage)
     raise VocabTooSmall(
         f"config key 'vocab.draft_vocab_size': {record['draft_vocab_size']} draft tokens cover "
-        f"{covered:.1%} of the eval split's answer tokens, under vocab.min_coverage "
-        f"{min_coverage:.0%}; {needed} would cover it (of the target's "
+        f"{covered:.2%} of the eval split's answer tokens, under vocab.min_coverage "
+        f"{min_coverage:.2%}; {needed} would cover it (of the target's "
         f"{record['target_vocab_size']}). Raise vocab.draft_vocab_size, or lower "
         "vocab.min_coverage to accept the smaller draft vocabulary.")
 
