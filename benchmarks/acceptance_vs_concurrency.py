@@ -34,8 +34,8 @@ import sys
 import tempfile
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
-
+from benchlib.inputs import default_config, read_prompts
+from benchlib.serving import acceptance, serve, server_spec, spec_decode_totals
 
 # Loaded by every server process (sitecustomize) before vLLM registers its CPU kernels.
 EXPAND_FIX = """
@@ -69,24 +69,10 @@ def with_expand_fix(spec, folder: Path):
     return dataclasses.replace(spec, env=(*spec.env, ("PYTHONPATH", path)))
 
 
-def load_prompts(path: Path, limit: int):
-    from draftline.core.records import Prompt
-
-    prompts = []
-    for line in path.read_text().splitlines():
-        if line.strip():
-            record = json.loads(line)
-            prompts.append(Prompt(id=record["id"], messages=record["messages"]))
-        if len(prompts) == limit:
-            break
-    return prompts
-
-
 def cell(endpoint, prompts, *, temperature: float, top_p: float, seeded: bool,
          concurrency: int, max_tokens: int) -> dict:
     """Every prompt once at ``concurrency``; acceptance from the counters over those requests."""
     from draftline.serving.loadgen import SamplingSpec, run_requests
-    from draftline.stages.bench import acceptance_fields
 
     spec = SamplingSpec(max_tokens=max_tokens, temperature=temperature, top_p=top_p,
                         seed=0 if seeded else None)
@@ -95,8 +81,8 @@ def cell(endpoint, prompts, *, temperature: float, top_p: float, seeded: bool,
     return {"temperature": temperature, "top_p": top_p, "seeded": seeded,
             "concurrency": concurrency, "requests": len(run.results),
             "failed": sum(not r.ok for r in run.results),
-            "drafts": int(counters.get("vllm:spec_decode_num_drafts", 0)),
-            **acceptance_fields(counters)}
+            "drafts": int(spec_decode_totals(counters)["drafts"]),
+            **acceptance(counters)}
 
 
 def sweep(endpoint, prompts, args) -> list[dict]:
@@ -144,21 +130,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", type=Path)
     args = parser.parse_args(argv)
 
-    from draftline.core.config import load_config
-    from draftline.serving.server import ManagedServer, spec_from_config
-    from draftline.stages.bench import speculative_config
-
-    config = load_config(REPO / "config" / "config.yaml", {})
-    spec = spec_from_config(config["server"], args.target, speculative_config=speculative_config(
-        args.draft, 3, args.draft_sample_method))
-    prompts = load_prompts(args.prompts, args.num_prompts)
+    config = default_config()
+    spec = server_spec(config["server"], args.target, args.draft, num_speculative_tokens=3,
+                       draft_sample_method=args.draft_sample_method)
+    prompts = read_prompts(args.prompts, args.num_prompts)
     with tempfile.TemporaryDirectory() as tmp:
         if args.fix_expand:
             spec = with_expand_fix(spec, Path(tmp))
         print(" ".join(spec.server_args(0)), "(expand fixed)" if args.fix_expand else "",
               flush=True)
         print(HEADER, flush=True)
-        with ManagedServer(spec, Path(tmp) / "server.log") as server:
+        with serve(spec, Path(tmp) / "server.log") as server:
             rows = sweep(server.endpoint, prompts, args)
     if args.json:
         args.json.write_text(json.dumps(rows, indent=2) + "\n")

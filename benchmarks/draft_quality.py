@@ -5,17 +5,17 @@ On the stored hidden states of one draftline results folder (``hidden/``, ``voca
 a draft, serves it in vLLM beside the run's target and measures its acceptance. A row is a
 name and overrides of the ``train`` config section (``ROWS`` below; dotted keys reach into
 ``train.draft``); ``trainer: speculators`` rows train with the peer trainer instead
-(``benchmarks/peer_speculators.py``, ``train_peer``).
+(``benchmarks/benchlib/peer.py``, ``train_peer``).
 
 * Training: the run's config as the CLI reads it (``--config``, ``--set``), its ``train``
   section, then ``--epochs``/``--ttt-steps``, the row's overrides and the seed, validated by
   the schema (a key the schema does not know fails that row's cells alone, with the schema's
   error); ``draftline.stages.train.train_draft`` then ``draftline.stages.export.export_draft``.
   Peer rows
-  call ``train_peer`` with the same seed, epochs and unroll (skipped, with the reason, while
-  the peer module cannot be imported).
+  call ``train_peer`` with the same seed, epochs and unroll.
 * Serving, one definition for every draft: a vLLM server of the run's target with exactly the
-  run's server flags (``draftline.serving.server.spec_from_config``/``make_server``) and
+  run's server flags (``benchlib.serving``: ``draftline.serving.server.spec_from_config``/
+  ``make_server``) and
   ``--speculative-config {"method": "eagle3", "model": <draft>, "num_speculative_tokens": 3}``
   (``draftline.stages.bench.speculative_config``).
 * Measuring: the eval split's prompts (``draftline.stages.bench.eval_prompts``, all of them), each
@@ -54,7 +54,6 @@ from __future__ import annotations
 import argparse
 import functools
 import hashlib
-import importlib
 import importlib.metadata
 import json
 import re
@@ -66,15 +65,16 @@ import traceback
 from dataclasses import dataclass
 from pathlib import Path
 
+from benchlib.inputs import REPO, default_config, folder_bytes
+from benchlib.serving import acceptance, serve, server_spec, spec_decode_totals
+
 from draftline.core.atomic import write_json, write_text
-from draftline.core.config import ConfigError, load_config, resolve_section
+from draftline.core.config import ConfigError, resolve_section
 from draftline.core.layout import Layout
 from draftline.core.target_model import target_model
 
-REPO = Path(__file__).resolve().parents[1]
-
 # name -> overrides of the `train` section (dotted keys reach into train.draft). A row with
-# "trainer": "speculators" trains with benchmarks/peer_speculators.py (its lr and optimizer).
+# "trainer": "speculators" trains with benchmarks/benchlib/peer.py (its lr and optimizer).
 PEER = "speculators"
 # the training settings before 2026-12-05 that the defaults replaced (their rows keep them)
 BEFORE_2026_12_05 = {"momentum": 0.95, "schedule": "cosine", "warmup_steps": 20,
@@ -128,6 +128,7 @@ ROWS: dict[str, dict] = {
 }
 
 SCHEMA = "draftline.draft_quality/1"
+PEER_FILE = REPO / "benchmarks" / "benchlib" / "peer.py"  # the peer trainer's code
 NUM_SPECULATIVE_TOKENS = 3
 CONCURRENCY = 4
 # what a peer row may set besides seed, epochs and unroll; total_seq_len (the tokens its
@@ -272,13 +273,9 @@ class Context:
         return {**self.config["server"], "mode": "managed"}
 
     def server_spec(self, checkpoint: str):
-        from draftline.serving.server import spec_from_config
-        from draftline.stages.bench import speculative_config
-
-        return spec_from_config(self.server_cfg, self.target,
-                                self.config["target"]["trust_remote_code"],
-                                speculative_config(checkpoint, NUM_SPECULATIVE_TOKENS),
-                                self.config["target"]["revision"])
+        return server_spec(self.server_cfg, self.target, checkpoint,
+                           num_speculative_tokens=NUM_SPECULATIVE_TOKENS,
+                           target_cfg=self.config["target"])
 
 
 def make_context(config: dict, epochs: int | None, ttt_steps: int | None) -> Context:
@@ -315,27 +312,6 @@ def make_context(config: dict, epochs: int | None, ttt_steps: int | None) -> Con
 # ----------------------------------------------------------------------------- training
 
 
-class PeerUnavailable(RuntimeError):
-    """benchmarks/peer_speculators.py cannot be imported (not written yet, or broken)."""
-
-
-def peer_module():
-    path = REPO / "benchmarks" / "peer_speculators.py"
-    if not path.is_file():
-        raise PeerUnavailable(f"{path.relative_to(REPO)} is not there yet: peer row skipped")
-    sys.path.insert(0, str(path.parent))
-    try:
-        module = importlib.import_module("peer_speculators")
-    except Exception as exc:  # noqa: BLE001 (any import failure skips the peer rows)
-        raise PeerUnavailable(f"{path.relative_to(REPO)} does not import: "
-                              f"{type(exc).__name__}: {exc}") from exc
-    finally:
-        sys.path.remove(str(path.parent))
-    if not hasattr(module, "train_peer"):
-        raise PeerUnavailable(f"{path.relative_to(REPO)} has no train_peer yet")
-    return module
-
-
 def train_ours(ctx: Context, train_cfg: dict, cell_dir: Path) -> dict:
     """train_draft then export_draft; the checkpoint vLLM serves and the training figures."""
     from draftline.stages.bench import simulated_acceptance
@@ -359,7 +335,9 @@ def train_ours(ctx: Context, train_cfg: dict, cell_dir: Path) -> dict:
 
 
 def train_theirs(ctx: Context, settings: dict, cell_dir: Path) -> dict:
-    result = peer_module().train_peer(ctx.layout.root, cell_dir / "peer", **settings)
+    from benchlib.peer import train_peer
+
+    result = train_peer(ctx.layout.root, cell_dir / "peer", **settings)
     data = cell_dir / "peer" / "data"  # the peer's copy of the stored states, in its format
     if data.is_dir() and folder_bytes(data) > STATE_KEEP_BYTES:
         shutil.rmtree(data)
@@ -368,10 +346,6 @@ def train_theirs(ctx: Context, settings: dict, cell_dir: Path) -> dict:
     return {"checkpoint": str(result["checkpoint"]),
             "train_s": round(float(result["train_seconds"]), 1), "steps": result["steps"],
             "simulated_acceptance_length": simulated, "peer_settings": result.get("settings")}
-
-
-def folder_bytes(path: Path) -> int:
-    return sum(p.stat().st_size for p in Path(path).rglob("*") if p.is_file())
 
 
 # ----------------------------------------------------------------------------- serving
@@ -386,18 +360,14 @@ def acceptance_summary(counters: dict, output_tokens: int, requests: int,
     about the same length (``tokens_al``: the first token of a request comes from prefill, each
     round then yields accepted + 1; a little lower, as the last round of a request counts
     tokens the end of the answer drops)."""
-    from draftline.stages.bench import PER_POS, acceptance_fields
-
-    fields = acceptance_fields(counters)
-    drafts = counters.get("vllm:spec_decode_num_drafts") or 0
-    accepted = counters.get("vllm:spec_decode_num_accepted_tokens") or 0
-    per_pos = counters.get(PER_POS) or {}
+    fields = acceptance(counters)
+    totals = spec_decode_totals(counters)
+    drafts, accepted, per_pos = totals["drafts"], totals["accepted"], totals["per_position"]
     return {**{k_: fields[k_] for k_ in ("acceptance_length", "accepted_per_position")},
             "drafts": drafts, "accepted": accepted,
             "checks": {
                 "per_position_sum_equals_accepted": abs(sum(per_pos.values()) - accepted) < 0.5,
-                "draft_tokens_equal_k_drafts": abs(
-                    (counters.get("vllm:spec_decode_num_draft_tokens") or 0) - k * drafts) < 0.5,
+                "draft_tokens_equal_k_drafts": abs(totals["draft_tokens"] - k * drafts) < 0.5,
                 "server_tokens_equal_client": counters.get("vllm:generation_tokens")
                 == output_tokens,
                 "tokens_al": round((output_tokens - requests) / drafts, 4) if drafts else None}}
@@ -406,10 +376,10 @@ def acceptance_summary(counters: dict, output_tokens: int, requests: int,
 def serve_and_measure(ctx: Context, checkpoint: str, log_path: Path, log) -> dict:
     """The run's target with this draft: every eval prompt once, T=0, CONCURRENCY in flight."""
     from draftline.serving.loadgen import run_requests
-    from draftline.serving.server import make_server, served_version
+    from draftline.serving.server import served_version
 
     started = time.perf_counter()
-    with make_server(ctx.server_spec(checkpoint), log_path) as server:
+    with serve(ctx.server_spec(checkpoint), log_path) as server:
         start_s = time.perf_counter() - started
         log(f"server up in {start_s:.0f} s; {len(ctx.prompts)} prompts, {CONCURRENCY} in flight")
         started = time.perf_counter()
@@ -457,8 +427,7 @@ def cell_plan(ctx: Context, overrides: dict, seed: int) -> tuple[dict, dict | Co
         payload["code"] = code_version()
         return payload, exc
     payload["settings"] = settings
-    peer_file = REPO / "benchmarks" / "peer_speculators.py"
-    payload["code"] = code_version(peer_file if peer and peer_file.is_file() else None)
+    payload["code"] = code_version(PEER_FILE if peer else None)
     return payload, settings
 
 
@@ -495,9 +464,8 @@ def run_cell(ctx: Context, row: str, overrides: dict, seed: int, out: Path, log)
             log(f"trained in {cell['train_s']:.0f} s, {cell['steps']} steps; serving")
         cell.update(serve_and_measure(ctx, cell["checkpoint"], cell_dir / "server.log", log),
                     status="done")
-    except (ConfigError, PeerUnavailable) as exc:
-        cell.update(status="skipped" if isinstance(exc, PeerUnavailable) else "failed",
-                    error=str(exc))
+    except ConfigError as exc:
+        cell.update(status="failed", error=str(exc))
     except Exception as exc:  # noqa: BLE001 (one cell's failure must not stop the others)
         cell.update(status="failed", error=f"{type(exc).__name__}: {exc}")
         traceback.print_exc()
@@ -668,7 +636,7 @@ def main() -> None:
     overrides = _parse_overrides(args.set)
     if args.results is not None:
         overrides["results"] = str(args.results)
-    config = load_config(args.config, overrides)
+    config = default_config(args.config, overrides)
     rows = pick_rows(args.rows)
     seeds = [int(s) for s in args.seeds.split(",") if s.strip()]
     ctx = make_context(config, args.epochs, args.ttt_steps)

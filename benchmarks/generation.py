@@ -39,25 +39,22 @@ from pathlib import Path
 
 import aiohttp
 import yaml
+from benchlib.inputs import bundled_prompts as shipped_prompts
+from benchlib.inputs import default_config, target_or_cached_toy
+from benchlib.serving import serve, server_spec
 
-from draftline.core.config import load_config
 from draftline.serving.endpoint_clients import ServerSampler
-from draftline.serving.server import ManagedServer, spec_from_config
 from draftline.stages.generate import GenerateSettings, request_body
 from draftline.stages.generation_report import load_summaries, server_view, stage_summary
 from draftline.stages.prompts import shard_key
-from draftline.stages.toy import build_toy_target
-
-REPO = Path(__file__).resolve().parents[1]
 
 
 def bundled_prompts(n: int) -> list[dict]:
     """The bundled prompts cycled to ``n`` ids, in the pipeline's seeded-hash order (as
     ``prompt_shards`` orders them before dealing): the bundled file is grouped by source, and
     64 neighbours from one source end together, in waves, where a mixed set does not."""
-    bundled = REPO / "src/draftline/data/prompts.jsonl"
-    records = [json.loads(line) for line in bundled.read_text().splitlines() if line.strip()]
-    prompts = [{"id": f"b{i:05d}", "messages": records[i % len(records)]["messages"]}
+    records = shipped_prompts()
+    prompts = [{"id": f"b{i:05d}", "messages": records[i % len(records)].messages}
                for i in range(n)]
     return sorted(prompts, key=lambda p: shard_key(p["id"], 0))
 
@@ -171,20 +168,21 @@ def main() -> None:
     parser.add_argument("--shards", type=int, nargs="+", default=[1, 4])
     parser.add_argument("--repetitions", type=int, default=3)
     parser.add_argument("--target", type=Path, default=None,
-                        help="an already built toy target dir (default: build one)")
+                        help="an already built toy target dir (default: the toy the tests "
+                             "build and cache)")
     args = parser.parse_args()
     concurrency = args.concurrency or json.loads(args.profile.read_text())["chosen_concurrency"]
 
-    config = load_config(REPO / "config" / "config.yaml")
+    config = default_config()
     work = Path(tempfile.mkdtemp(prefix="draftline-genbench-"))
-    target = args.target or build_toy_target(work / "target", config["target"]["toy"])
-    spec = spec_from_config(config["server"], str(target))
+    target = Path(target_or_cached_toy(args.target, config))
+    spec = server_spec(config["server"], target)
     settings = GenerateSettings.from_config(dict(config["generate"], max_tokens=args.max_tokens),
                                             concurrency)
     prompts = bundled_prompts(args.prompts)
     variants = ["raw aiohttp"] + [f"draftline, {n} shard(s)" for n in args.shards]
     runs: dict[str, list[dict]] = {v: [] for v in variants}
-    with ManagedServer(spec, work / "server.log") as server:
+    with serve(spec, work / "server.log") as server:
         asyncio.run(raw_run(server.endpoint, prompts[:64], settings))  # warm-up
         for rep in range(args.repetitions):
             order = variants[rep % len(variants):] + variants[:rep % len(variants)]

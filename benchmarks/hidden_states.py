@@ -241,8 +241,8 @@ def served(kind: str, target: Path, samples: list[list[int]], batch_tokens: int,
     from concurrent.futures import ThreadPoolExecutor
 
     import httpx
+    from benchlib.serving import serve
 
-    from draftline.serving.server import ManagedServer
     from draftline.stages.hidden.vllm_producer import VLLMProducer, producer_server_spec
 
     info = target_info(target)
@@ -260,7 +260,7 @@ def served(kind: str, target: Path, samples: list[list[int]], batch_tokens: int,
     args = list(spec.extra_args)
     at = args.index("--kv-transfer-config")
     spec = replace(spec, speculative_config=None, extra_args=tuple(args[:at] + args[at + 2:]))
-    with ManagedServer(spec, work / "server.log") as server, \
+    with serve(spec, work / "server.log") as server, \
             httpx.Client(timeout=600.0, headers={
                 "Authorization": f"Bearer {server.endpoint.api_key}"}) as client, \
             ThreadPoolExecutor(max_workers=16) as pool:  # as many as the producer sends

@@ -32,11 +32,9 @@ import sys
 import tempfile
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from profile_agreement import VllmBench, make_prompts, run_vllm_bench  # noqa: E402
-from targets import target_or_cached_toy  # noqa: E402
+from benchlib.inputs import default_config, question_prompts, target_or_cached_toy
+from benchlib.serving import serve, server_spec
+from benchlib.vllm_bench import VllmBench, run_vllm_bench
 
 METRICS = ("output_tok_s", "median_tpot_ms", "median_ttft_ms")
 
@@ -58,7 +56,7 @@ def agreement(endpoint, model_dir: str, levels: list[int], repeats: int, spec,
               log=print) -> dict:
     """Per level: every run of both tools, the medians (draftline's over the windows the
     server confirmed, ``confirmed`` of them, when there is one), and draftline / vllm ratios."""
-    prompts = make_prompts(256)
+    prompts = question_prompts(256)
     report = {}
     with VllmBench(workdir) as bench:
         for level in levels:
@@ -158,19 +156,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", type=Path)
     args = parser.parse_args(argv)
 
-    from draftline.core.config import load_config
-    from draftline.serving.server import ManagedServer, spec_from_config
-
-    config = load_config(REPO / "config" / "config.yaml", {})
+    config = default_config()
     model_dir = target_or_cached_toy(args.model, config)
     spec = bench_spec(args.max_tokens, args.temperature)
     with tempfile.TemporaryDirectory() as tmp, \
-            ManagedServer(spec_from_config(config["server"], model_dir),
-                          Path(tmp) / "server.log") as server:
+            serve(server_spec(config["server"], model_dir), Path(tmp) / "server.log") as server:
         report = agreement(server.endpoint, model_dir, args.levels, args.repeats, spec,
                            args.prompts_per_slot, args.warmup_s, args.measure_s, Path(tmp))
         with VllmBench(Path(tmp)) as bench:
-            same = {level: same_requests(bench, server.endpoint, model_dir, make_prompts(256),
+            same = {level: same_requests(bench, server.endpoint, model_dir, question_prompts(256),
                                          level, args.prompts_per_slot * level, spec)
                     for level in args.levels}
     for level, row in same.items():

@@ -40,13 +40,10 @@ import statistics
 import time
 from pathlib import Path
 
-from draftline.core.config import load_config
+from benchlib.inputs import default_config, folder_bytes
+
 from draftline.stages.hidden import extract_hidden_states
 from draftline.stages.train import train_draft
-
-
-def folder_bytes(path: Path) -> int:
-    return sum(p.stat().st_size for p in Path(path).rglob("*") if p.is_file())
 
 
 def weights_equal(a: Path, b: Path) -> bool:
@@ -239,7 +236,7 @@ def main() -> None:
         overrides["hidden.online.prefetch"] = args.prefetch
     if args.epoch_cache_bytes is not None:
         overrides["hidden.online.epoch_cache_bytes"] = args.epoch_cache_bytes
-    config = load_config(args.config, overrides)
+    config = default_config(args.config, overrides)
     result = run(args.results, args.out, config, args.repetitions, args.producer)
     (args.out / "online_benchmark.json").write_text(json.dumps(result, indent=1) + "\n")
     print(table(result))

@@ -30,12 +30,13 @@ import time
 
 import torch
 import torch.distributed as dist
-import train_step as ts  # benchmarks/train_step.py: the dims, the step's own imports
+from benchlib import training as ts  # the step's own imports and the dims, before draftline's
 from torch.distributed.tensor import DTensor, distribute_tensor
 
+import draftline.model as m
 from draftline.stages.train.distributed import Runtime, wrap_model
 
-m, optim = ts.m, ts.optim
+optim = ts.optim
 # A draft between the toy and Kimi's, whose Newton-Schulz a 2-core CPU runs in about a second.
 MID = {**ts.TOY, "hidden_size": 1024, "target_hidden_size": 1024, "num_attention_heads": 16,
        "num_key_value_heads": 16, "head_dim": 64, "intermediate_size": 2816,

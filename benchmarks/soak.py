@@ -42,10 +42,9 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from targets import target_or_cached_toy
+from benchlib.inputs import bundled_prompts, default_config, target_or_cached_toy
+from benchlib.serving import serve, server_spec
 
-REPO = Path(__file__).resolve().parents[1]
-BUNDLED_PROMPTS = REPO / "src/draftline/data/prompts.jsonl"
 NO_DECLINE_RATIO = 0.9
 DEFAULT_CONCURRENCY = 16
 
@@ -53,17 +52,11 @@ DEFAULT_CONCURRENCY = 16
 # ----------------------------------------------------------------------------- prompts and sinks
 
 
-def load_bundled_messages(path: Path = BUNDLED_PROMPTS) -> list[list[dict]]:
-    messages = []
-    for n, line in enumerate(path.read_text(encoding="utf-8").splitlines(), start=1):
-        if not line.strip():
-            continue
-        try:
-            messages.append(json.loads(line)["messages"])
-        except (json.JSONDecodeError, KeyError) as exc:
-            raise ValueError(f"{path}:{n}: not a prompt record with 'messages' ({exc})") from exc
+def load_bundled_messages() -> list[list[dict]]:
+    """The messages of the prompts shipped with draftline."""
+    messages = [p.messages for p in bundled_prompts()]
     if not messages:
-        raise ValueError(f"{path}: no prompts")
+        raise ValueError("the bundled prompts file has no prompts")
     return messages
 
 
@@ -438,11 +431,9 @@ def main(argv: list[str] | None = None) -> int:
     if not args.progress:
         # The bar would interleave with the window rows; the windows report the same counts.
         os.environ.setdefault("TQDM_DISABLE", "1")
-    from draftline.core.config import load_config
-    from draftline.serving.server import ManagedServer, spec_from_config
     from draftline.stages.generate import GenerateSettings
 
-    config = load_config(REPO / "config" / "config.yaml")
+    config = default_config()
     concurrency = chosen_concurrency(args)
     gen_cfg = dict(config["generate"], max_tokens=args.max_tokens)
     settings = GenerateSettings.from_config(gen_cfg, concurrency)
@@ -462,9 +453,9 @@ def main(argv: list[str] | None = None) -> int:
                                              args.api_key_env)
             else:
                 target = target_or_cached_toy(args.target, config)
-                spec = spec_from_config(config["server"], target)
+                spec = server_spec(config["server"], target)
                 t_start = time.monotonic()
-                server = stack.enter_context(ManagedServer(spec, work / "server.log"))
+                server = stack.enter_context(serve(spec, work / "server.log"))
                 print(f"server up in {time.monotonic() - t_start:.0f}s at {server.url} "
                       f"({target})", flush=True)
                 endpoint = server.endpoint

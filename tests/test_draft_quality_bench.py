@@ -156,11 +156,11 @@ def test_ratio_to_the_best_peer_row():
     assert dq.add_peer_ratios(rows, []) is None and rows[0]["vs_best_peer"] is None
 
 
-def test_peer_module_missing_is_a_skip(tmp_path, monkeypatch):
-    monkeypatch.setattr(dq, "REPO", tmp_path)
-    (tmp_path / "benchmarks").mkdir()
-    with pytest.raises(dq.PeerUnavailable, match="not there yet"):
-        dq.peer_module()
-    (tmp_path / "benchmarks" / "peer_speculators.py").write_text("import no_such_module\n")
-    with pytest.raises(dq.PeerUnavailable, match="does not import"):
-        dq.peer_module()
+def test_peer_rows_fingerprint_the_peer_trainers_code(tmp_path):
+    """A peer cell's code version covers the peer trainer (benchlib's, which the cells run);
+    a draftline cell's does not."""
+    ctx = _context(tmp_path)
+    assert dq.PEER_FILE.is_file()
+    peer = dq.cell_plan(ctx, dq.ROWS["peer lr=2e-2"], 0)[0]["code"]
+    assert peer == dq.code_version(dq.PEER_FILE)
+    assert peer != dq.cell_plan(ctx, {}, 0)[0]["code"] == dq.code_version()
