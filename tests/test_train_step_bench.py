@@ -253,7 +253,7 @@ def test_script_runs_where_only_torch_is_installed():
     client) may be missing there, and the script must still import training's step."""
     blocked = ["jsonschema", "httpx", "tqdm", "yaml", "snakemake", "rich", "click", "openai"]
     runner = (
-        "import runpy, sys\n"
+        "import os, runpy, sys\n"
         f"BLOCKED = {blocked!r}\n"
         "class Block:\n"
         "    def find_spec(self, name, path=None, target=None):\n"
@@ -261,6 +261,8 @@ def test_script_runs_where_only_torch_is_installed():
         "            raise ModuleNotFoundError(f'No module named {name!r}', name=name)\n"
         "sys.meta_path.insert(0, Block())\n"
         "sys.argv = sys.argv[1:]\n"
+        # the script's folder first on the path, as `python SCRIPT` puts it (run_path does not)
+        "sys.path.insert(0, os.path.dirname(os.path.abspath(sys.argv[0])))\n"
         "runpy.run_path(sys.argv[0], run_name='__main__')\n")
     script = str(ROOT / "benchmarks/train_step.py")
     done = subprocess.run([sys.executable, "-c", runner, script, "--memory-only", "--dims",
