@@ -295,5 +295,5 @@ def test_the_toys_demo_settings_reach_the_toy_only(tmp_path, monkeypatch):
         assert toy[section][key] == target_settings("toy")[section][key], f"{section}.{key}"
     assert toy["generate"]["max_tokens"] < own["generate"]["max_tokens"]
     # a key the user sets wins over the toy's own settings
-    assert load_config(overrides={"vocab.draft_vocab_size": 2048})["vocab"] == {
-        "draft_vocab_size": 2048}
+    assert load_config(overrides={"vocab.draft_vocab_size": 2048})["vocab"][
+        "draft_vocab_size"] == 2048

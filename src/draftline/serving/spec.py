@@ -66,7 +66,7 @@ class ServerSpec:
     host: str = "127.0.0.1"
     port: int | None = None
     tensor_parallel_size: int = 1
-    max_model_len: int = 1024
+    max_model_len: int | None = 1024  # None: the model's own context length
     max_num_seqs: int = 256
     dtype: str = "auto"
     reasoning_parser: str | None = None
@@ -100,10 +100,11 @@ class ServerSpec:
             "--host", self.host,
             "--port", str(port),
             "--tensor-parallel-size", str(self.tensor_parallel_size),
-            "--max-model-len", str(self.max_model_len),
             "--max-num-seqs", str(self.max_num_seqs),
             "--dtype", self.dtype,
         ]  # fmt: skip
+        if self.max_model_len is not None:
+            cmd += ["--max-model-len", str(self.max_model_len)]
         if self.revision:
             # the weights and the tokenizer (chat template) from the same commit
             cmd += ["--revision", self.revision, "--tokenizer-revision", self.revision]

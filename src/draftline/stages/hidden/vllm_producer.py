@@ -93,7 +93,7 @@ def producer_server_spec(target_dir: Path, capture_ids: list[int], spool_dir: Pa
                                            server_cfg)
     full = resolve_section("server", server_cfg)
     full = {**full, "extra_args": extra, "reasoning_parser": None,
-            "max_model_len": max(int(full["max_model_len"]), max_len + 1),
+            "max_model_len": max(int(full["max_model_len"] or 0), max_len + 1),
             # its connector frees the states a request at a time (server.env may say otherwise)
             "env": {**HEAP_REUSE_ENV, **(full.get("env") or {})}}
     # the run's key, like the shared servers: a private server is no more open than those
