@@ -14,6 +14,8 @@ from draftline.model import (
     FusedTTTAttention,
     TargetHead,
     acceptance_length_from,
+    accepted_runs,
+    answer_spans,
     apply_rotary,
     fused_attention_ok,
     init_draft_weights,
@@ -27,6 +29,8 @@ from draftline.model import (
     ttt_attention,
     ttt_attention_reference,
     ttt_loss,
+    walked_acceptance_counts,
+    walked_acceptance_lengths,
 )
 
 TINY = DraftConfig(hidden_size=32, target_hidden_size=32, num_attention_heads=4,
@@ -279,6 +283,83 @@ def test_simulated_acceptance_follows_the_greedy_path_only():
     assert m["cond_accuracy"] == pytest.approx([1 / 2, 1.0])
     assert m["simulated_acceptance_length"] == pytest.approx(1 + 1 / 2 + 1 / 2)
     assert m["simulated_acceptance_temperature"] == 0.0
+
+
+def _drafts_hitting(hits: list[list[bool]], length: int):
+    """(step logits, target log-probs) over D = 2 where the target's argmax is token 0 at
+    every row and the draft's step k at row i proposes 0 (right) where ``hits[i][k]``."""
+    steps = len(hits[0])
+    target_logp = _log([[0.9, 0.1]] * length)[None]  # [1, T, 2]
+    logits = [torch.tensor([[[2.0, 0.0] if i < len(hits) and hits[i][k] else [0.0, 2.0]
+                             for i in range(length)]]) for k in range(steps)]
+    return logits, target_logp
+
+
+def _walked(hits, loss_mask):
+    logits, target_logp = _drafts_hitting(hits, loss_mask.shape[1])
+    in_draft = torch.ones_like(loss_mask, dtype=torch.bool)
+    counts = walked_acceptance_counts(logits, target_logp, in_draft, loss_mask)
+    return walked_acceptance_lengths(counts), counts
+
+
+def test_a_draft_always_right_walks_k_plus_one_tokens_a_round():
+    """Prompt = positions 0-1, answer 2..10, K = 3. With 3 drafts: rows 1 (drafts 3-5, bonus
+    6) and 5 (drafts 7-9, bonus 10), 8 tokens in 2 rounds; with 1: rows 1, 3, 5, 7, 8 tokens in
+    4 rounds; with 2: rows 1, 4, 7 (drafts 9-10, bonus past the end), 9 in 3."""
+    loss_mask = torch.tensor([[0, 0] + [1] * 9 + [0, 0]])  # 2 pads after the answer
+    walked, counts = _walked([[True] * 3] * 13, loss_mask)
+    assert counts.tolist() == [[8.0, 9.0, 8.0], [4.0, 3.0, 2.0]]
+    assert walked == pytest.approx([2.0, 3.0, 4.0])
+
+
+def test_a_draft_right_only_at_its_first_step_walks_two_tokens_a_round():
+    loss_mask = torch.tensor([[0, 0] + [1] * 9 + [0, 0]])
+    walked, _ = _walked([[True, False, False]] * 13, loss_mask)
+    assert walked == pytest.approx([2.0, 2.0, 2.0])
+
+
+def test_the_walk_starts_rounds_where_the_server_does_not_at_every_position():
+    """Prompt = position 0, answer 1..10, K = 2; the draft is right at every step of even rows
+    and wrong at every step of odd ones. Per position: step 0 right at rows 0, 2, 4, 6, 8 of
+    the 9 rows 0..8 and step 1 right wherever step 0 was: 1 + 5/9 + 5/9 = 2.11.
+    Walking with 2 drafts: row 0 accepts 2 (3 tokens) -> row 3 accepts 0 (1) -> row 4 (3) ->
+    row 7 (1) -> row 8 drafts 10 and 11, 11 past the answer: 1 accepted (2) -> row 10 has
+    nothing left: 10 tokens in 5 rounds = 2.0. With 1 draft every round lands on an even
+    row: rows 0, 2, 4, 6, 8, 2 tokens each = 2.0 (per position 1 + 5/9)."""
+    length = 11
+    loss_mask = torch.tensor([[0] + [1] * 10])
+    hits = [[i % 2 == 0] * 2 for i in range(length)]
+    walked, counts = _walked(hits, loss_mask)
+    assert counts.tolist() == [[10.0, 10.0], [5.0, 5.0]]
+    assert walked == pytest.approx([2.0, 2.0])
+    logits, target_logp = _drafts_hitting(hits, length)
+    _, per_position = ttt_loss(logits, target_logp, torch.ones(1, length, dtype=torch.bool),
+                               loss_mask, decay=1.0)
+    m = metrics_from_counts(per_position)
+    assert m["simulated_acceptance_length_by_num_drafts"] == pytest.approx(
+        [1 + 5 / 9, 1 + 10 / 9])
+
+
+def test_accepted_runs_stop_at_the_first_miss_an_out_of_vocab_argmax_or_the_answers_end():
+    """Row i's run counts steps k whose prediction of token i+2+k is the target's argmax at
+    row i+1+k, in order, up to the first that is not (or past the answer)."""
+    tgt = [[0.9, 0.1]] * 4 + [[0.1, 0.9]] + [[0.9, 0.1]] * 3  # row 4's argmax is token 1
+    target_logp = _log(tgt)[None]  # [1, 8, 2]
+    zero, one = [2.0, 0.0], [0.0, 2.0]
+    step0 = torch.tensor([[zero, zero, one, zero, zero, zero, zero, zero]])
+    step1 = torch.tensor([[zero, zero, zero, one, zero, zero, zero, zero]])
+    in_draft = torch.tensor([[True] * 6 + [False, True]])  # row 6's argmax is not a draft token
+    loss_mask = torch.tensor([[0, 1, 1, 1, 1, 1, 1, 1]])
+    runs = accepted_runs([step0, step1], target_logp, in_draft, loss_mask)
+    # row 0: steps 0, 1 vs rows 1, 2 -> 2; row 1: step 1 vs row 3 -> 2; row 2: step 0
+    # proposes 1 -> 0; row 3: step 0 vs row 4 (argmax 1) -> 0; row 4: step 0 right, step 1 vs
+    # row 6 (out of vocab) -> 1; row 5: step 0 vs row 6 -> 0; row 6: token 9 is past the end
+    assert runs.tolist() == [[2, 2, 0, 0, 1, 0, 0, 0]]
+
+
+def test_each_answer_of_a_sample_is_walked_on_its_own():
+    assert answer_spans([False, True, True, False, False, True]) == [(1, 2), (5, 5)]
+    assert answer_spans([False, False]) == []
 
 
 def test_loss_gradient_is_zero_on_masked_rows():

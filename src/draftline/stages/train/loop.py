@@ -25,6 +25,7 @@ from draftline.core.target import read_teacher_config
 from draftline.dflash import DFlashDraft, block_loss, sample_anchors
 from draftline.model import (
     COUNT_KEYS,
+    WALK_KEYS,
     acceptance_length_from,
     compile_pointwise,
     metrics_from_counts,
@@ -33,6 +34,8 @@ from draftline.model import (
     sampled_acceptance_counts,
     teacher_at_temperature,
     ttt_loss,
+    walked_acceptance_counts,
+    walked_acceptance_lengths,
 )
 from draftline.stages.hidden.store import HiddenStates
 from draftline.stages.train.checkpoint import (
@@ -57,7 +60,7 @@ from draftline.stages.train.distributed import (
 )
 from draftline.stages.train.draft import build_draft, check_inputs
 from draftline.stages.train.lr_search import measured_lr
-from draftline.stages.train.metrics import RunLog, train_record
+from draftline.stages.train.metrics import RunLog, acceptance_score, train_record
 from draftline.stages.train.optim import build_optimizer, lr_factor, warmup_steps
 from draftline.stages.train.signals import StopRequest
 
@@ -231,8 +234,7 @@ def run(rt: Runtime, store, vocab_map: Path, target_dir: Path, out_dir: Path,
                     log.write(result, "eval")
                     trainer["last_eval"] = result
                     best = trainer["best"]
-                    if best is None or (result["simulated_acceptance_length"]
-                                        > best["simulated_acceptance_length"]):
+                    if best is None or acceptance_score(result) > acceptance_score(best):
                         trainer["best"] = result
                         save_best(state_root, model, draft_cfg, {**result, **meta}, rt)
 
@@ -275,16 +277,19 @@ def run_micro_batch(model, head, batch: dict, cfg: dict, rt: Runtime):
     ``train.teacher_head`` names (a DFlash draft: its blocks, ``train.anchors`` a sample)."""
     if is_dflash(model):
         return dflash_micro_batch(model, head, batch, cfg, rt, cfg["anchors"])
-    loss, counts, _ = forward_micro_batch(model, head, batch, cfg, rt,
-                                          full_teacher=cfg["teacher_head"] == "full")
+    loss, counts, _, _ = forward_micro_batch(model, head, batch, cfg, rt,
+                                             full_teacher=cfg["teacher_head"] == "full")
     return loss, counts
 
 
 def forward_micro_batch(model, head, batch: dict, cfg: dict, rt: Runtime,
-                        temperatures: tuple[float, ...] = (), full_teacher: bool = True):
+                        temperatures: tuple[float, ...] = (), full_teacher: bool = True,
+                        walk: bool = False):
     """One micro-batch: (loss, counts ``[6, K]``, acceptance counts ``[len(temperatures), 2,
     2, K]`` of a draft served at each temperature, greedy (``sampled_acceptance_counts``) then
-    probabilistic (``probabilistic_acceptance_counts``))."""
+    probabilistic (``probabilistic_acceptance_counts``), and with ``walk`` the counts of
+    walking its answers as a temperature-0 server drafts (``walked_acceptance_counts``, ``[2,
+    K]``; else None))."""
     cuda = rt.device.type == "cuda"
     dtype = torch.bfloat16 if cuda else torch.float32
     aux = batch["aux"].to(rt.device, dtype, non_blocking=True)  # [B, T, 3Ht]
@@ -307,7 +312,9 @@ def forward_micro_batch(model, head, batch: dict, cfg: dict, rt: Runtime,
             served_acceptance_counts(logits, head.logp_at_temperature(final, t), input_ids,
                                      loss_mask, head.draft_ids, t)
             for t in temperatures]) if temperatures else None
-    return loss, counts, accepted
+        walked = (walked_acceptance_counts(logits, target_logp, target_in_draft, loss_mask)
+                  if walk else None)
+    return loss, counts, accepted, walked
 
 
 def is_dflash(model) -> bool:
@@ -350,8 +357,11 @@ def served_acceptance_counts(logits, target_logp_t, input_ids, loss_mask, draft_
 
 
 def evaluate(model, head, data, cfg: dict, rt: Runtime) -> dict:
-    """Metrics over the whole eval split; micro-batches are spread over the ranks. Beside the
-    temperature-0 figures, the simulated acceptance of a draft served at each
+    """Metrics over the whole eval split; micro-batches are spread over the ranks. The
+    headline is ``walked_acceptance_length``: every eval answer walked the way a
+    temperature-0 server drafts it (``draftline.model.walked_acceptance_counts``), after 1..K
+    drafts in ``walked_acceptance_length_by_num_drafts``. Beside it the per-position figures
+    (``metrics_from_counts``) and the simulated acceptance of a draft served at each
     ``train.eval_temperatures``, per temperature after 1..K drafts: greedy
     (``simulated_acceptance_length_at``) and probabilistic draft sampling
     (``simulated_acceptance_length_probabilistic_at``)."""
@@ -360,16 +370,22 @@ def evaluate(model, head, data, cfg: dict, rt: Runtime) -> dict:
     temperatures = tuple(cfg["eval_temperatures"])
     counts = torch.zeros(len(COUNT_KEYS), cfg["ttt_steps"], dtype=torch.float64)
     accepted = torch.zeros(len(temperatures), 2, 2, cfg["ttt_steps"], dtype=torch.float64)
+    walked = torch.zeros(len(WALK_KEYS), cfg["ttt_steps"], dtype=torch.float64)
     model.eval()
     with torch.no_grad():
         for batch, keep in data.eval_batches():
-            _, c, a = forward_micro_batch(model, head, batch, cfg, rt, temperatures)
+            _, c, a, w = forward_micro_batch(model, head, batch, cfg, rt, temperatures,
+                                             walk=True)
             if keep:
                 counts += c
+                walked += w
                 if a is not None:
                     accepted += a
     model.train()
     metrics = metrics_from_counts(all_reduce_sum(counts, rt))
+    by_drafts = walked_acceptance_lengths(all_reduce_sum(walked, rt))
+    metrics["walked_acceptance_length"] = by_drafts[-1]
+    metrics["walked_acceptance_length_by_num_drafts"] = by_drafts
     accepted = all_reduce_sum(accepted, rt)
     for key, method in (("simulated_acceptance_length_at", 0),
                         ("simulated_acceptance_length_probabilistic_at", 1)):

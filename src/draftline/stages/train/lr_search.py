@@ -30,6 +30,7 @@ import shutil
 from pathlib import Path
 
 from draftline.core.atomic import write_json
+from draftline.stages.train.metrics import acceptance_score
 from draftline.stages.train.optim import warmup_steps
 
 SEARCH_DIR, CHOICE_FILE = "lr-search", "choice.json"
@@ -50,8 +51,9 @@ def probe_config(cfg: dict, lr: float, steps: int, total: int) -> dict:
 
 
 def choose(scores: list[dict]) -> dict:
-    """The probe with the highest simulated acceptance; a tie goes to the smaller rate."""
-    return max(scores, key=lambda s: (round(s["simulated_acceptance_length"], 6), -s["lr"]))
+    """The probe with the highest walked acceptance (``acceptance_score``, the figure training
+    keeps its best weights by); a tie goes to the smaller rate."""
+    return max(scores, key=lambda s: (round(acceptance_score(s), 6), -s["lr"]))
 
 
 def measured_lr(train_probe, cfg: dict, total: int, out_dir: Path, run_id: str,
@@ -80,10 +82,11 @@ def search_lr(train_probe, cfg: dict, total: int, out_dir: Path) -> dict:
     for lr in sorted(search["candidates"]):
         record = train_probe(probe_config(cfg, lr, steps, total), root / f"lr={lr:g}")
         scores.append({"lr": lr,
+                       "walked_acceptance_length": record.get("walked_acceptance_length"),
                        "simulated_acceptance_length": record["simulated_acceptance_length"],
                        "loss": record["loss"], "accuracy": record["accuracy"]})
     best = choose(scores)
     scale = math.sqrt(steps / total)
     return {"lr": best["lr"] * scale, "probe_lr": best["lr"], "horizon_scale": scale,
             "candidates": sorted(search["candidates"]), "probe_steps": steps, "of_steps": total,
-            "score": "simulated_acceptance_length (eval split)", "probes": scores}
+            "score": "walked_acceptance_length (eval split)", "probes": scores}

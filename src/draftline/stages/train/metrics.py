@@ -14,6 +14,15 @@ from draftline.stages.train.distributed import Runtime
 log = logging.getLogger(__name__)
 
 
+def acceptance_score(record: dict) -> float:
+    """The figure an evaluation is ranked by (best weights, ``train.lr: auto``'s probes): the
+    walked acceptance length, the tokens per round of a temperature-0 server drafting the
+    eval answers (``draftline.model.walked_acceptance_counts``). A record without it (written
+    before the walk was measured) ranks by its per-position ``simulated_acceptance_length``."""
+    walked = record.get("walked_acceptance_length")
+    return record["simulated_acceptance_length"] if walked is None else walked
+
+
 def train_record(step, epoch, scheduler, totals, counts, grad_norm, elapsed, rt) -> dict:
     """The metrics of one optimizer step; ``totals`` is [loss, tokens] summed over the ranks,
     ``counts`` the summed ``ttt_loss`` counts."""
