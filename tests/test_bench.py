@@ -5,6 +5,7 @@ import json
 import pytest
 
 from draftline.stages.bench import (
+    PER_POSITION_NOTE,
     BenchError,
     acceptance_fields,
     best_config,
@@ -107,6 +108,27 @@ def test_simulated_acceptance_is_the_training_evaluation_figure():
     assert simulated_acceptance(eval_json, 4) is None  # not simulated that deep
 
 
+def test_the_t0_simulation_is_the_walk_with_the_per_position_figure_beside_it():
+    """At T = 0 the gap holds the walked figure (the eval answers drafted as the server drafts
+    them); the per-position one is a second column and no longer explains the gap."""
+    eval_json = {"walked_acceptance_length_by_num_drafts": [1.7, 2.1, 2.3],
+                 "simulated_acceptance_length_by_num_drafts": [1.8, 2.28, 2.52]}
+    assert simulated_acceptance(eval_json, 3) == pytest.approx(2.3)
+    rows = [_row("eagle3-k3", 1, 0, 10, 5, drafts=100, accepted=125)]
+    configs = [{"name": "eagle3-k3", "num_speculative_tokens": 3}]
+    (gap,) = train_serve_gap(rows, configs, eval_json, log=print)
+    assert gap["simulated"] == 2.3 and gap["simulated_per_position"] == 2.52
+    assert gap["serving"] == 2.25 and gap["gap_pct"] == pytest.approx(-2.17, abs=0.01)
+    assert gap["note"] is None
+    text = summary_markdown({"summary": [], "num_prompts": 8, "repetitions": 1,
+                             "train_serve_gap": [gap]})
+    assert "| eagle3-k3 | 0 | 2.3 | 2.52 | 2.25 | -2.2 |" in text
+    # an evaluation without the walk: the per-position figure, with its reason below -5%
+    (old,) = train_serve_gap(rows, configs, {k: v for k, v in eval_json.items()
+                                             if not k.startswith("walked")}, log=print)
+    assert old["simulated"] == 2.52 and old["note"] == PER_POSITION_NOTE
+
+
 def test_train_serve_gap_warns_over_ten_percent():
     rows = [_row("eagle3-k1", 1, 0, 10, 5, drafts=100, accepted=50)]
     configs = [{"name": "eagle3-k1", "num_speculative_tokens": 1}]
@@ -158,7 +180,7 @@ def test_train_serve_gap_has_a_row_per_served_temperature():
     assert "depends on the concurrency" in marked[0.7]["note"] and not marked[0.7]["warning"]
     text = summary_markdown({"summary": [], "num_prompts": 8, "repetitions": 1,
                              "train_serve_gap": list(marked.values())})
-    assert "| eagle3-k1 | 0.7 | 1.5 | 1.4 | -6.7 | served acceptance depends" in text
+    assert "| eagle3-k1 | 0.7 | 1.5 | - | 1.4 | -6.7 | served acceptance depends" in text
 
 
 def test_eval_prompts_are_the_eval_split_only(tmp_path):
