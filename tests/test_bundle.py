@@ -576,6 +576,27 @@ def test_model_card_shows_how_the_learning_rate_was_chosen(results):
     assert "| 0.02 | 2.73 | yes |" in readme and "| 0.01 | 2.41 |  |" in readme
 
 
+def test_model_card_leads_with_the_walked_acceptance_and_says_what_each_figure_is(results):
+    eval_path = results / "draft" / "eval.json"
+    choice = {"lr": 0.01, "probe_lr": 0.01, "horizon_scale": 0.5, "candidates": [0.01, 0.02],
+              "probe_steps": 16, "of_steps": 64,
+              "probes": [{"lr": 0.01, "walked_acceptance_length": 2.31,
+                          "simulated_acceptance_length": 2.41},
+                         {"lr": 0.02, "walked_acceptance_length": 2.22,
+                          "simulated_acceptance_length": 2.73}]}
+    write_json(eval_path, {**json.loads(eval_path.read_text()), "lr_choice": choice,
+                           "walked_acceptance_length": 2.3125,
+                           "walked_acceptance_length_by_num_drafts": [1.6, 2.1, 2.3125]})
+    build(results)
+    readme = (results / "bundle" / "README.md").read_text()
+    assert "| walked_acceptance_length | 2.312 |" in readme
+    assert "| simulated_acceptance_length | 2.438 |" in readme  # the per-position one beside
+    assert "walked_acceptance_length is the tokens per round a server would get at T=0" in readme
+    assert "averages a round started at every answer position" in readme
+    # the probes are ranked by the walk: 0.01 wins on 2.31 though 0.02 has the higher 2.73
+    assert "| 0.01 | 2.31 | yes |" in readme and "| 0.02 | 2.22 |  |" in readme
+
+
 def _command(readme: str, first: str) -> list[str]:
     block = readme.split(first, 1)[1].split("```", 1)[0]
     return shlex.split(first + block.replace("\\\n", " "))

@@ -390,15 +390,15 @@ def _variants(card: Card, facts: dict) -> None:
 
     main_eval = facts.get("eval") or {}
     rows = [[f"{MAIN} (this draft)", family_of(facts.get("draft_config") or {}), ".",
-             facts["draft_parameters"], main_eval.get("simulated_acceptance_length")]]
+             facts["draft_parameters"], walked_acceptance(main_eval)]]
     rows += [[v["name"], family_of(v["config"]), v["folder"], v["parameters"],
-              (v["eval"] or {}).get("simulated_acceptance_length")] for v in variants]
+              walked_acceptance(v["eval"] or {})] for v in variants]
     card.add(Heading(2, "Draft variants"),
              Para("Further drafts trained in the same run, on the same states with the same "
                   "settings but the draft keys each changes (train.variants); each is a "
                   "checkpoint vLLM serves, in its own folder of this bundle."),
              Table(["draft", "family", "folder", "trainable parameters",
-                    "simulated acceptance length"], rows))
+                    "simulated acceptance length (walked, T=0)"], rows))
     chosen = (facts.get("bench_results") or {}).get("variants") or []
     if chosen:
         card.add(Para("What to serve, per concurrency: the fastest of these drafts (median "
@@ -515,11 +515,12 @@ def _learning_rate(card: Card, ev: dict) -> None:
         return
     card.add(Para(f"Learning rate {fmt(choice['lr'])}, measured (train.lr auto): each candidate "
                   f"trained {choice['probe_steps']} of the run's {choice['of_steps']} steps "
-                  "from the same start, scored by simulated acceptance length on the eval "
+                  "from the same start, scored by its simulated acceptance length (the "
+                  "eval answers walked as a T=0 server drafts them) on the eval "
                   f"split; the best, {fmt(choice['probe_lr'])}, times sqrt(probe steps / run "
                   f"steps) = {fmt(choice['horizon_scale'])}."),
-             Table(["lr", "simulated acceptance length", "best"],
-                   [[fmt(p["lr"]), p["simulated_acceptance_length"],
+             Table(["lr", "simulated acceptance length (walked, T=0)", "best"],
+                   [[fmt(p["lr"]), walked_acceptance(p),
                      "yes" if p["lr"] == choice["probe_lr"] else ""] for p in choice["probes"]]))
 
 
@@ -527,14 +528,32 @@ def _evaluation(card: Card, facts: dict) -> None:
     ev = facts["eval"]
     scalars = [[k, v] for k, v in ev.items() if not isinstance(v, (list, dict))]
     card.add(Heading(2, "Evaluation"),
-             Para("On the held-out split, against the target's own tokens (training/eval.json)."),
-             Table(["metric", "value"], scalars))
+             Para("On the held-out split, against the target's own tokens (training/eval.json)."))
+    if "walked_acceptance_length" in ev:
+        card.add(Para("walked_acceptance_length is the tokens per round a server would get at "
+                      "T=0, the figure the best weights were chosen by: each eval answer drafted "
+                      "the way vLLM drafts it, a round of ttt_steps draft tokens after the first "
+                      "answer token, its longest prefix equal to the target's greedy tokens "
+                      "accepted plus the target's next token, the next round after them "
+                      "(walked_acceptance_length_by_num_drafts: with 1..ttt_steps drafts a "
+                      "round). simulated_acceptance_length averages a round started at every "
+                      "answer position instead (1 + sum_k prod_{j<=k} cond_accuracy_j); the "
+                      "server starts no round inside an accepted run, so where a draft's "
+                      "misses cluster the two differ."))
+    card.add(Table(["metric", "value"], scalars))
     steps = [k for k, v in ev.items() if isinstance(v, list) and v
              and all(isinstance(x, (int, float)) for x in v) and k != "layer_ids"]
     if steps:
         n = max(len(ev[k]) for k in steps)
         rows = [[i + 1] + [ev[k][i] if i < len(ev[k]) else "" for k in steps] for i in range(n)]
         card.add(Para("Per draft step:"), Table(["step"] + steps, rows))
+
+
+def walked_acceptance(ev: dict) -> float | None:
+    """An evaluation's headline acceptance: the walked one (``walked_acceptance_length``),
+    or the per-position one of an evaluation made without the walk."""
+    walked = ev.get("walked_acceptance_length")
+    return ev.get("simulated_acceptance_length") if walked is None else walked
 
 
 def _benchmark(card: Card, facts: dict) -> None:
