@@ -17,7 +17,7 @@ from draftline.stages.train.lr_search import (
 from draftline.stages.train.optim import lr_factor
 
 # 12-step probes of three rates 100x apart: on these states, with AdamW and no norm before fc,
-# only the middle one learns anything in 12 steps (simulated acceptance 1.04 against 1.0)
+# only the middle one learns anything in 12 steps (simulated acceptance above 1.0, the others 1.0)
 AUTO = {**SMALL, "lr": "auto", "max_steps": 24, "eval_every": 6, "optimizer": "adamw",
         "draft": {"norm_before_fc": False},
         "lr_search": {"candidates": [1e-1, 1e-5, 1e-3], "probe_fraction": 0.5,
@@ -33,6 +33,12 @@ def test_probe_steps_and_config():
         (0.01, 10, 2, 10)
 
 
+def test_choice_is_the_walked_acceptance_not_the_per_position_one():
+    scores = [{"lr": 0.01, "walked_acceptance_length": 2.4, "simulated_acceptance_length": 2.9},
+              {"lr": 0.02, "walked_acceptance_length": 2.5, "simulated_acceptance_length": 2.7}]
+    assert choose(scores)["lr"] == 0.02
+
+
 def test_choice_is_the_best_score_and_a_tie_goes_to_the_smaller_rate():
     scores = [{"lr": 0.01, "simulated_acceptance_length": 2.5},
               {"lr": 0.02, "simulated_acceptance_length": 2.7},
@@ -43,7 +49,7 @@ def test_choice_is_the_best_score_and_a_tie_goes_to_the_smaller_rate():
 def test_auto_rate_is_measured_recorded_and_deterministic(draft_inputs, tmp_path):
     first = run(draft_inputs, tmp_path / "a", AUTO)
     choice = first["lr_choice"]
-    probes = {p["lr"]: p["simulated_acceptance_length"] for p in choice["probes"]}
+    probes = {p["lr"]: p["walked_acceptance_length"] for p in choice["probes"]}
     assert list(probes) == [1e-5, 1e-3, 1e-1] and choice["probe_steps"] == 12
     assert choice["probe_lr"] == 1e-3 and probes[1e-3] > max(probes[1e-5], probes[1e-1])
     # 12-step probes for a 24-step run: the winner's rate x sqrt(12 / 24)

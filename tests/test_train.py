@@ -96,11 +96,13 @@ def test_training_learns_and_writes_its_outputs(draft_inputs, tmp_path):
                   if torch.cuda.is_available() else {"device": "cpu", "gpus": {}})
     assert saved["machine"] == {"training": trained_on, "hidden_states": None}
     assert len(saved["accuracy"]) == 3 and len(saved["cond_accuracy"]) == 3
-    best = max(eval_rows, key=lambda r: r["simulated_acceptance_length"])
-    assert saved["simulated_acceptance_length"] == best["simulated_acceptance_length"]
-    assert saved["best_step"] == min(r["step"] for r in eval_rows
-                                     if r["simulated_acceptance_length"] == best[
-                                         "simulated_acceptance_length"])
+    # the best weights are the evaluation with the highest walked acceptance (the first of a tie)
+    walked = [r["walked_acceptance_length"] for r in eval_rows]
+    assert all(1.0 <= w <= 4.0 for w in walked)  # K = 3: at most 3 drafts and a bonus a round
+    assert all(r["walked_acceptance_length_by_num_drafts"][-1] == r["walked_acceptance_length"]
+               and len(r["walked_acceptance_length_by_num_drafts"]) == 3 for r in eval_rows)
+    assert saved["walked_acceptance_length"] == max(walked)
+    assert saved["best_step"] == eval_rows[walked.index(max(walked))]["step"]
     assert (out / "best" / "model.safetensors").exists()
     assert json.loads((out / "best" / "best.json").read_text())["step"] == saved["best_step"]
     assert "embed_tokens.weight" not in load_file(str(out / "best" / "model.safetensors"))
@@ -288,6 +290,8 @@ def test_two_processes_reach_the_weights_of_one(draft_inputs, tmp_path, strategy
         torch.testing.assert_close(two[name], one[name], atol=1e-5, rtol=1e-4)
     assert multi["simulated_acceptance_length"] == pytest.approx(
         single["simulated_acceptance_length"], abs=1e-6)
+    assert multi["walked_acceptance_length_by_num_drafts"] == pytest.approx(
+        single["walked_acceptance_length_by_num_drafts"], abs=1e-6)
     assert multi["accuracy"] == pytest.approx(single["accuracy"], abs=1e-6)
     assert [r["step"] for r in records(tmp_path / strategy, "train")] == list(range(1, 7))
 
