@@ -107,6 +107,11 @@ def test_the_loss_scores_slot_j_against_the_token_at_anchor_plus_j_with_decayed_
     metrics = metrics_from_counts(counts)
     assert metrics["cond_accuracy"] == [1.0, 0.0, 0.0]  # slot 3 is not eligible after a miss
     assert metrics["simulated_acceptance_length"] == 2.0
+    # the round's accepted run, for the walk: slot 1 right, slot 2 wrong -> 1; all right -> 3
+    assert block_loss(wrong, lm_head, ids, loss_mask, anchors, valid, argmax, 0.5,
+                      with_runs=True)[2].tolist() == [[1]]
+    assert block_loss(states, lm_head, ids, loss_mask, anchors, valid, argmax, 0.5,
+                      with_runs=True)[2].tolist() == [[3]]
 
 
 # ----------------------------------------------------------------------------- export
@@ -330,10 +335,16 @@ def test_evaluation_scores_every_anchor_in_passes_of_train_anchors(draft_inputs)
     rt = Runtime(rank=0, world=1, local_rank=0, device=torch.device("cpu"), owns_group=False)
     cfg = {"loss_decay": 0.8}
     with torch.no_grad():
-        _, whole = dflash_micro_batch(model, head, batch, {**cfg, "anchors": 10_000}, rt, None)
-        _, parts = dflash_micro_batch(model, head, batch, {**cfg, "anchors": 3}, rt, None)
+        _, whole, walked = dflash_micro_batch(model, head, batch, {**cfg, "anchors": 10_000},
+                                              rt, None)
+        _, parts, walked_parts = dflash_micro_batch(model, head, batch, {**cfg, "anchors": 3},
+                                                    rt, None)
     torch.testing.assert_close(parts, whole)
+    torch.testing.assert_close(walked_parts, walked)
     assert whole[0].sum() > 3 * 3  # more blocks than one pass of 3 holds
+    # the walk: a round per answer at least, and at most a block's tokens a round
+    answers = int((batch["loss_mask"].sum(1) > 2).sum())
+    assert (walked[1] >= answers).all() and (walked[0] <= 4 * walked[1]).all()
 
 
 def iter_batches(inputs: dict):

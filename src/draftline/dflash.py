@@ -307,7 +307,7 @@ def sample_anchors(loss_mask: torch.Tensor, per_sample: int | None,
 
 def block_loss(states: torch.Tensor, lm_head: torch.Tensor, input_ids: torch.Tensor,
                loss_mask: torch.Tensor, anchors: torch.Tensor, valid: torch.Tensor,
-               target_argmax: torch.Tensor, decay: float):
+               target_argmax: torch.Tensor, decay: float, with_runs: bool = False):
     """The DFlash objective and the acceptance counts of its blocks.
 
     states ``[Bs, A, B, H]`` (``DFlashDraft``'s), lm_head ``[V, H]`` (the target's),
@@ -320,7 +320,11 @@ def block_loss(states: torch.Tensor, lm_head: torch.Tensor, input_ids: torch.Ten
     ``metrics_from_counts`` reads both): slot j is correct when the draft's argmax is the
     target's; the chain follows one served round at temperature 0: slot j is eligible when
     slots 1..j-1 were correct and the answer up to a + j - 1 is the target's greedy path
-    (the context the server would hold)."""
+    (the context the server would hold).
+
+    ``with_runs`` adds a third result, ``[Bs, A]``: the accepted run of the round anchored at
+    each anchor (slots right in order from slot 1, up to the first that is not or that falls
+    past the answer), what ``draftline.model.walk_counts`` walks."""
     length = input_ids.shape[1]
     block = states.shape[2]
     on_path = torch.zeros_like(loss_mask, dtype=torch.bool)  # token p is argmax at p - 1
@@ -329,6 +333,8 @@ def block_loss(states: torch.Tensor, lm_head: torch.Tensor, input_ids: torch.Ten
     loss_sum = states.new_zeros((), dtype=torch.float32)
     weight_sum = states.new_zeros((), dtype=torch.float32)
     per_slot = []
+    alive = valid.clone()  # slots 1..j-1 of the block all right
+    runs = torch.zeros_like(anchors)
     for j in range(1, block):
         where = (anchors + j).clamp(max=length - 1)  # [Bs, A]
         scored = valid & (anchors + j < length) & loss_mask.gather(1, where).bool()
@@ -342,9 +348,12 @@ def block_loss(states: torch.Tensor, lm_head: torch.Tensor, input_ids: torch.Ten
         correct = scored & (logits.argmax(-1) == target_argmax.gather(1, where - 1))
         eligible = scored & chain
         chain = eligible & correct & on_path.gather(1, where)
+        alive = alive & correct
+        runs = runs + alive
         stats = (scored.sum(), scored.sum(), correct.sum(), eligible.sum(),
                  (eligible & correct).sum(), ce.detach().sum())
         per_slot.append(torch.stack([s.double() for s in stats]))
     counts = torch.stack(per_slot, dim=1).cpu()  # [len(COUNT_KEYS), K]
     assert counts.shape[0] == len(COUNT_KEYS)
-    return loss_sum / weight_sum.clamp(min=1), counts
+    loss = loss_sum / weight_sum.clamp(min=1)
+    return (loss, counts, runs) if with_runs else (loss, counts)

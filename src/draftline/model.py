@@ -1135,12 +1135,19 @@ def walked_acceptance_counts(step_logits: list[torch.Tensor], target_logp: torch
     the batch as a temperature-0 server drafting n = 1..K tokens a round does
     (:func:`walk_answer` over :func:`accepted_runs`). Summed over batches and processes,
     tokens / rounds is the walked acceptance length (:func:`walked_acceptance_lengths`)."""
-    runs = accepted_runs(step_logits, target_logp, target_in_draft, loss_mask).cpu().tolist()
+    runs = accepted_runs(step_logits, target_logp, target_in_draft, loss_mask)
+    return walk_counts(runs, loss_mask, len(step_logits))
+
+
+def walk_counts(runs: torch.Tensor, loss_mask: torch.Tensor, max_drafts: int) -> torch.Tensor:
+    """``[len(WALK_KEYS), max_drafts]`` float64: :func:`walk_answer` over every answer of the
+    batch with 1..``max_drafts`` drafts a round; runs ``[B, T]`` as :func:`accepted_runs`'
+    (the run of the round whose bonus token sits at row + 1), loss_mask ``[B, T]``."""
     masks = loss_mask.bool().cpu().tolist()
-    counts = torch.zeros(len(WALK_KEYS), len(step_logits), dtype=torch.float64)
-    for row_runs, mask in zip(runs, masks, strict=True):
+    counts = torch.zeros(len(WALK_KEYS), max_drafts, dtype=torch.float64)
+    for row_runs, mask in zip(runs.cpu().tolist(), masks, strict=True):
         for first, last in answer_spans(mask):
-            for n in range(1, len(step_logits) + 1):
+            for n in range(1, max_drafts + 1):
                 tokens, rounds = walk_answer(row_runs, first, last, n)
                 counts[0, n - 1] += tokens
                 counts[1, n - 1] += rounds

@@ -34,6 +34,7 @@ from draftline.model import (
     sampled_acceptance_counts,
     teacher_at_temperature,
     ttt_loss,
+    walk_counts,
     walked_acceptance_counts,
     walked_acceptance_lengths,
 )
@@ -276,7 +277,8 @@ def run_micro_batch(model, head, batch: dict, cfg: dict, rt: Runtime):
     """Forward one training micro-batch: (loss, counts ``[6, K]``), with the teacher
     ``train.teacher_head`` names (a DFlash draft: its blocks, ``train.anchors`` a sample)."""
     if is_dflash(model):
-        return dflash_micro_batch(model, head, batch, cfg, rt, cfg["anchors"])
+        loss, counts, _ = dflash_micro_batch(model, head, batch, cfg, rt, cfg["anchors"])
+        return loss, counts
     loss, counts, _, _ = forward_micro_batch(model, head, batch, cfg, rt,
                                              full_teacher=cfg["teacher_head"] == "full")
     return loss, counts
@@ -324,10 +326,11 @@ def is_dflash(model) -> bool:
 
 def dflash_micro_batch(model, head, batch: dict, cfg: dict, rt: Runtime,
                        anchors_per_sample: int | None):
-    """A DFlash draft's micro-batch: (loss, counts ``[6, B - 1]``) over up to
-    ``anchors_per_sample`` blocks of each sample, or (None, as evaluation scores) over every
-    anchor, ``train.anchors`` blocks a pass (the attention holds [anchors, block, context]
-    scores a pass)."""
+    """A DFlash draft's micro-batch: (loss, counts ``[6, B - 1]``, None) over up to
+    ``anchors_per_sample`` blocks of each sample, or (None, counts, walk counts ``[2, B -
+    1]``) as evaluation scores them, over every anchor (``draftline.model.walk_counts``: the
+    round anchored at a is the row a - 1 of an EAGLE unroll), ``train.anchors`` blocks a pass
+    (the attention holds [anchors, block, context] scores a pass)."""
     cuda = rt.device.type == "cuda"
     dtype = torch.bfloat16 if cuda else torch.float32
     aux = batch["aux"].to(rt.device, dtype, non_blocking=True)  # [Bs, S, n*Ht]
@@ -335,6 +338,11 @@ def dflash_micro_batch(model, head, batch: dict, cfg: dict, rt: Runtime,
     input_ids = batch["input_ids"].to(rt.device, non_blocking=True)  # [Bs, S]
     loss_mask = batch["loss_mask"].to(rt.device, non_blocking=True)  # [Bs, S]
     anchors, valid = sample_anchors(loss_mask, anchors_per_sample)  # [Bs, A] each
+    every_anchor = anchors_per_sample is None
+    # [Bs, S + 1]: the run of the round anchored at a sits at row a - 1; padded anchors (and
+    # an anchor at 0, which no row precedes) write to the extra last column
+    runs = torch.zeros(input_ids.shape[0], input_ids.shape[1] + 1, dtype=torch.long,
+                       device=input_ids.device)
     amp = torch.autocast("cuda", dtype=torch.bfloat16) if cuda else contextlib.nullcontext()
     with amp:
         _, _, target_argmax = head(final, with_argmax=True)  # [Bs, S]
@@ -342,10 +350,17 @@ def dflash_micro_batch(model, head, batch: dict, cfg: dict, rt: Runtime,
         for first in range(0, anchors.shape[1], cfg["anchors"]):
             part = slice(first, first + cfg["anchors"])
             states = model(aux, input_ids, anchors[:, part])  # [Bs, a, B, H]
-            loss, c = block_loss(states, head.lm_head, input_ids, loss_mask, anchors[:, part],
-                                 valid[:, part], target_argmax, cfg["loss_decay"])
+            loss, c, run = block_loss(states, head.lm_head, input_ids, loss_mask,
+                                      anchors[:, part], valid[:, part], target_argmax,
+                                      cfg["loss_decay"], with_runs=True)
             counts = counts + c
-    return loss, counts
+            if every_anchor:
+                ok = valid[:, part] & (anchors[:, part] > 0)
+                rows = torch.where(ok, anchors[:, part] - 1, input_ids.shape[1])
+                runs.scatter_(1, rows, run)
+    if not every_anchor:
+        return loss, counts, None
+    return None, counts, walk_counts(runs[:, :-1], loss_mask, model.cfg.block_size - 1)
 
 
 def served_acceptance_counts(logits, target_logp_t, input_ids, loss_mask, draft_ids,
@@ -398,11 +413,17 @@ def evaluate_dflash(model, head, data, cfg: dict, rt: Runtime) -> dict:
     """A DFlash draft's metrics over the whole eval split: every anchor of every sample, the
     temperature-0 figures (its served temperatures above 0 are not simulated)."""
     counts = torch.zeros(len(COUNT_KEYS), model.cfg.block_size - 1, dtype=torch.float64)
+    walked = torch.zeros(len(WALK_KEYS), model.cfg.block_size - 1, dtype=torch.float64)
     model.eval()
     with torch.no_grad():
         for batch, keep in data.eval_batches():
-            _, c = dflash_micro_batch(model, head, batch, cfg, rt, None)
+            _, c, w = dflash_micro_batch(model, head, batch, cfg, rt, None)
             if keep:
                 counts += c
+                walked += w
     model.train()
-    return metrics_from_counts(all_reduce_sum(counts, rt))
+    metrics = metrics_from_counts(all_reduce_sum(counts, rt))
+    by_drafts = walked_acceptance_lengths(all_reduce_sum(walked, rt))
+    metrics["walked_acceptance_length"] = by_drafts[-1]
+    metrics["walked_acceptance_length_by_num_drafts"] = by_drafts
+    return metrics

@@ -4,7 +4,8 @@ Each candidate of ``train.lr_search.candidates`` trains a draft from the run's o
 weights (same seed, same batches) for a short probe: ``probe_fraction`` of the run's optimizer
 steps, at least ``min_probe_steps``, with the run's schedule compressed to the probe (warm-up
 shortened in proportion, decay to 0 at its last step). Each probe is scored on the eval split
-by the simulated acceptance length, the figure training keeps its best weights by; the best
+by the walked acceptance length (``acceptance_score``: the eval answers drafted the way a
+temperature-0 server drafts them), the figure training keeps its best weights by; the best
 candidate wins (a tie goes to the smaller rate). A probe is shorter than the run, and the
 best peak rate falls as a run gets longer: the run trains from the start at the winner's rate
 times sqrt(probe steps / run steps), the 1/sqrt(steps) horizon scaling of a step size.
