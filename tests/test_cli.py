@@ -13,7 +13,7 @@ import sys
 
 import pytest
 import yaml
-from conftest import CONFIG, requires_vllm
+from conftest import requires_vllm, toy_run_config
 from safetensors.numpy import load_file
 
 from draftline.cli import COMMANDS
@@ -35,7 +35,7 @@ def test_every_stage_subcommand_runs_once_on_the_toy(vllm_server, trained_eagle_
     serving stages reach the session's servers (server.mode external, bench.endpoints), the
     hidden states come from the hf backend, so no server is started here."""
     root = tmp_path / "results"
-    cfg = merged(yaml.safe_load(CONFIG.read_text()), {
+    cfg = merged(toy_run_config(), {
         "results": str(root),
         "target": {"toy": {"train_steps": 5}},
         "prompts": {"max_samples": 12, "num_shards": 2},
