@@ -39,12 +39,14 @@ def test_bench_measurement_agrees_with_vllm_bench_serve(vllm_server, tmp_path):
     more. And draftline's own client, over one benchmark window, is held against the engine's
     TPOT for the requests of that same window: it agrees, or the window was measured again and
     marked (tokens read in bursts)."""
-    from latency_agreement import VllmBench, bench_spec, make_prompts, same_requests
+    from benchlib.inputs import question_prompts
+    from benchlib.vllm_bench import VllmBench
+    from latency_agreement import bench_spec, same_requests
 
     from draftline.stages.bench import CLIENT_SERVER_TPOT_TOLERANCE, measure_level
 
     spec = bench_spec(max_tokens=64, temperature=0.0)
-    prompts = make_prompts(256)
+    prompts = question_prompts(256)
     with VllmBench(tmp_path) as bench:
         for level in (1, 8):
             row = same_requests(bench, vllm_server.endpoint, vllm_server.spec.model, prompts,
