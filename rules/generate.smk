@@ -17,6 +17,7 @@ rule generate:
         serving_container()
     params:
         generate=config["generate"],
+        eval_fraction=config["dataset"]["eval_fraction"],
         server=server_params(),
         model=target_path,
         revision=config["target"]["revision"],

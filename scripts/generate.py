@@ -14,4 +14,5 @@ with logged(snakemake.log[0]):
         profile_json=snakemake.input.profile or None,
         trust_remote_code=snakemake.params.server["trust_remote_code"],
         revision=snakemake.params.revision,
+        eval_fraction=snakemake.params.eval_fraction,
     )

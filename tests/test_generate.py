@@ -24,6 +24,7 @@ from draftline.stages.generate import (
     failure_kind,
     generate_shard,
     generate_shards,
+    request_body,
     resolve_concurrency,
     was_resent,
 )
@@ -658,3 +659,39 @@ def test_server_settings_that_shape_answers_are_in_the_fingerprint():
     for change in ({"max_num_seqs": 64}, {"nice": 0}):  # the pace, not the answer
         assert fingerprint({**base, **change}) == reference, change
     assert answer_server_settings({**base, "mode": "external"}) == {}
+
+
+def test_the_eval_splits_prompts_are_answered_at_the_eval_temperature():
+    """The eval split's answers are the target's greedy ones (``generate.eval_temperature``
+    0), what a temperature-0 server emits: training's walk over them is that server's drafting.
+    The split is the dataset's, by id; the rest keep ``generate.temperature``."""
+    from draftline.core.split import is_eval
+
+    settings = GenerateSettings.from_config({"temperature": 0.7, "eval_temperature": 0.0},
+                                            concurrency=4, eval_fraction=0.3)
+    ids = [f"p{i}" for i in range(200)]
+    asked = {i: request_body([{"role": "user", "content": "hi"}], settings, i, "m")["temperature"]
+             for i in ids}
+    assert {asked[i] for i in ids if is_eval(i, 0.3)} == {0.0}
+    assert {asked[i] for i in ids if not is_eval(i, 0.3)} == {0.7}
+    assert 30 <= sum(t == 0.0 for t in asked.values()) <= 90
+    sampled_alike = GenerateSettings.from_config({"temperature": 0.7, "eval_temperature": None},
+                                                 concurrency=4, eval_fraction=0.3)
+    assert {sampled_alike.temperature_for(i) for i in ids} == {0.7}
+
+
+def test_a_new_eval_temperature_asks_the_eval_prompts_again_and_keeps_the_rest():
+    from draftline.core.split import is_eval
+
+    prompts = [Prompt(f"p{i}", [{"role": "user", "content": f"q{i}"}]) for i in range(40)]
+    endpoint = [Endpoint("http://127.0.0.1:1/v1", "t")]
+
+    def fingerprints(eval_temperature):
+        settings = GenerateSettings.from_config(
+            {"temperature": 0.7, "eval_temperature": eval_temperature}, 4, eval_fraction=0.3)
+        return prompt_fingerprints(prompts, settings, endpoint, {"model": "t"})
+
+    greedy, sampled = fingerprints(0.0), fingerprints(None)
+    changed = {p.id for p in prompts if greedy[p.id] != sampled[p.id]}
+    assert changed and changed == {p.id for p in prompts if is_eval(p.id, 0.3)}
+    assert fingerprints(0.7) == sampled  # the eval split sampled as the rest: the same answers

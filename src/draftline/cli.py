@@ -73,7 +73,8 @@ def cmd_generate(cfg: dict, lay: Layout, args) -> None:
                        server_cfg=cfg["server"], model=target_model(cfg),
                        state_dir=lay.servers, profile_json=lay.profile_json,
                        trust_remote_code=cfg["target"]["trust_remote_code"],
-                       revision=cfg["target"]["revision"])
+                       revision=cfg["target"]["revision"],
+                       eval_fraction=cfg["dataset"]["eval_fraction"])
 
 
 def cmd_dataset(cfg: dict, lay: Layout, args) -> None:

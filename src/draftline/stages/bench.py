@@ -146,7 +146,7 @@ CONCURRENCY_REASON = (
 
 def eval_prompts(response_files: list[Path], eval_fraction: float, limit: int) -> list[Prompt]:
     """Prompts of the eval split (never trained on), in a stable order."""
-    from draftline.stages.dataset import split_of
+    from draftline.core.split import split_of
     from draftline.stages.responses import iter_response_records
 
     prompts = [Prompt(id=rec["id"], messages=rec["messages"][:-1])

@@ -37,13 +37,12 @@ Truncation policy
 
 Split
     A sample goes to ``eval`` iff ``sha256(id)`` (first 8 bytes, big endian) mod 10**6 is below
-    ``eval_fraction * 10**6``. The split depends on the id alone, so adding or removing samples
-    never moves the others.
+    ``eval_fraction * 10**6`` (``draftline.core.split``). The split depends on the id alone, so
+    adding or removing samples never moves the others.
 """
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 import shutil
@@ -59,12 +58,11 @@ from draftline.core.atomic import atomic_dir
 from draftline.core.hub import hub_revision, pretrained_kwargs
 from draftline.core.layout import DATASET_STATS
 from draftline.core.records import RecordError
+from draftline.core.split import SPLITS, is_eval, split_of
 from draftline.stages.responses import iter_response_records
 
 log = logging.getLogger(__name__)
 
-SPLITS = ("train", "eval")
-HASH_BUCKETS = 1_000_000
 UNFINISHED_REASONS = frozenset({"length", "abort"})
 TRUNCATION_POLICY = (
     "keep the first max_length tokens (prompt first, never shortened); drop the sample when "
@@ -75,20 +73,6 @@ _MAX_LISTED_IDS = 20
 
 class RenderError(ValueError):
     """The chat template could not render a record into prompt + completion."""
-
-
-# ----------------------------------------------------------------------------- split
-
-
-def is_eval(sample_id: str, eval_fraction: float) -> bool:
-    """Deterministic split by id hash: adding samples never moves existing ones."""
-    digest = hashlib.sha256(sample_id.encode("utf-8")).digest()
-    bucket = int.from_bytes(digest[:8], "big") % HASH_BUCKETS
-    return bucket < round(eval_fraction * HASH_BUCKETS)
-
-
-def split_of(sample_id: str, eval_fraction: float) -> str:
-    return "eval" if is_eval(sample_id, eval_fraction) else "train"
 
 
 # ----------------------------------------------------------------------------- reading

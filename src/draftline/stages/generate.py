@@ -60,6 +60,7 @@ from draftline.core.atomic import write_json, write_jsonl
 from draftline.core.hub import hub_revision
 from draftline.core.machine import serving_machine
 from draftline.core.records import Prompt, read_shard
+from draftline.core.split import is_eval
 from draftline.serving.endpoint_clients import EndpointPool, ServerSampler, StatusError
 from draftline.serving.loadgen import request_seed
 from draftline.serving.server import Endpoint, served_version
@@ -95,6 +96,11 @@ class EndpointsDown(RuntimeError):
 class GenerateSettings:
     concurrency: int
     temperature: float = 0.7
+    # the eval split's answers (dataset.eval_fraction of the prompts, by id) at this temperature
+    # instead: at 0 they are the target's greedy answers, what a temperature-0 server emits, so
+    # that training's walk over them is the server's drafting (None: sampled like the rest)
+    eval_temperature: float | None = None
+    eval_fraction: float = 0.0
     top_p: float = 0.95
     max_tokens: int = 2048
     seed: int = 0
@@ -107,10 +113,19 @@ class GenerateSettings:
     backoff_cap_s: float = 30.0
 
     @classmethod
-    def from_config(cls, gen_cfg: dict, concurrency: int) -> GenerateSettings:
-        keys = ("temperature", "top_p", "max_tokens", "seed", "chat_template_kwargs",
-                "multi_turn", "max_retries", "request_timeout_s", "endpoint_down_timeout_s")
-        return cls(concurrency=concurrency, **{k: gen_cfg[k] for k in keys if k in gen_cfg})
+    def from_config(cls, gen_cfg: dict, concurrency: int,
+                    eval_fraction: float = 0.0) -> GenerateSettings:
+        keys = ("temperature", "eval_temperature", "top_p", "max_tokens", "seed",
+                "chat_template_kwargs", "multi_turn", "max_retries", "request_timeout_s",
+                "endpoint_down_timeout_s")
+        return cls(concurrency=concurrency, eval_fraction=eval_fraction,
+                   **{k: gen_cfg[k] for k in keys if k in gen_cfg})
+
+    def temperature_for(self, prompt_id: str) -> float:
+        """The temperature of this prompt's answer: ``eval_temperature`` in the eval split."""
+        if self.eval_temperature is not None and is_eval(prompt_id, self.eval_fraction):
+            return self.eval_temperature
+        return self.temperature
 
 
 def request_body(messages: list[dict], settings: GenerateSettings, prompt_id: str,
@@ -119,7 +134,7 @@ def request_body(messages: list[dict], settings: GenerateSettings, prompt_id: st
     body = {
         "model": model,
         "messages": messages,
-        "temperature": settings.temperature,
+        "temperature": settings.temperature_for(prompt_id),
         "top_p": settings.top_p,
         "max_tokens": settings.max_tokens,
         "seed": request_seed(settings.seed, prompt_id),  # as the profile and benchmark seed
@@ -743,16 +758,18 @@ def _count(values: Iterable) -> dict:
 def generate_responses(prompt_files: list, out_files: list, errors_files: list,
                        summary_files: list, gen_cfg: dict, server_cfg: dict, model: str,
                        state_dir: Path, profile_json: Path | None = None,
-                       trust_remote_code: bool = False,
-                       revision: str | None = None) -> list[dict]:
+                       trust_remote_code: bool = False, revision: str | None = None,
+                       eval_fraction: float = 0.0) -> list[dict]:
     """The generate stage, all shards in one run: resolve concurrency, get endpoints (shared or
-    external), answer every shard's prompts through one pool (``generate_shards``)."""
+    external), answer every shard's prompts through one pool (``generate_shards``);
+    ``eval_fraction`` (``dataset.eval_fraction``) names the prompts answered at
+    ``generate.eval_temperature``."""
     from draftline.serving.server import endpoints_for
 
     job_start = this_process_start_time()
     revision = hub_revision(model, revision)  # refused for a local directory, before any work
     concurrency = resolve_concurrency(gen_cfg["concurrency"], profile_json)
-    settings = GenerateSettings.from_config(gen_cfg, concurrency)
+    settings = GenerateSettings.from_config(gen_cfg, concurrency, eval_fraction)
     shards = [ShardFiles.of(*files) for files in zip(prompt_files, out_files, errors_files,
                                                      summary_files, strict=True)]
     with endpoints_for(server_cfg, model, Path(state_dir), trust_remote_code,

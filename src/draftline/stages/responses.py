@@ -41,6 +41,9 @@ class AnswerSettings(Protocol):
 
     temperature: float
     top_p: float
+
+    def temperature_for(self, prompt_id: str) -> float: ...
+
     max_tokens: int
     seed: int
     chat_template_kwargs: dict
@@ -129,12 +132,14 @@ def answer_server_settings(server_cfg: dict) -> dict:
     return {key: server_cfg.get(key) for key in ANSWER_SERVER_KEYS}
 
 
-def settings_fingerprint(settings: AnswerSettings, served_model: str, target: dict) -> str:
-    """Everything but the prompt that determines an answer (not concurrency, retries, ...)."""
+def settings_fingerprint(settings: AnswerSettings, served_model: str, target: dict,
+                         temperature: float | None = None) -> str:
+    """Everything but the prompt that determines an answer (not concurrency, retries, ...);
+    ``temperature`` the prompt's own where it is not ``settings.temperature``."""
     answer_settings = {
         "target": target,
         "served_model": served_model,
-        "temperature": settings.temperature,
+        "temperature": settings.temperature if temperature is None else temperature,
         "top_p": settings.top_p,
         "max_tokens": settings.max_tokens,
         "seed": settings.seed,
@@ -152,10 +157,18 @@ def record_fingerprint(settings_fp: str, messages: list[dict]) -> str:
 
 def prompt_fingerprints(prompts: list[Prompt], settings: AnswerSettings,
                         endpoints: list[Endpoint], target: dict) -> dict[str, str]:
-    """The fingerprint each prompt's kept answer must carry."""
-    served = sorted({ep.model for ep in endpoints})
-    settings_fp = settings_fingerprint(settings, ",".join(served), target)
-    return {p.id: record_fingerprint(settings_fp, p.messages) for p in prompts}
+    """The fingerprint each prompt's kept answer must carry (with its own temperature: an eval
+    prompt's answer is kept only while ``generate.eval_temperature`` is what it was)."""
+    served = ",".join(sorted({ep.model for ep in endpoints}))
+    by_temperature = {}
+    fingerprints = {}
+    for p in prompts:
+        temperature = settings.temperature_for(p.id)
+        if temperature not in by_temperature:
+            by_temperature[temperature] = settings_fingerprint(settings, served, target,
+                                                               temperature)
+        fingerprints[p.id] = record_fingerprint(by_temperature[temperature], p.messages)
+    return fingerprints
 
 
 # ----------------------------------------------------------------------------- the kept files
