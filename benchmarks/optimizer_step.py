@@ -33,7 +33,8 @@ import torch.distributed as dist
 from benchlib import training as ts  # the step's own imports and the dims, before draftline's
 from torch.distributed.tensor import DTensor, distribute_tensor
 
-import draftline.model as m
+import draftline.drafts as m
+from draftline.drafts import registry
 from draftline.stages.train.distributed import Runtime, wrap_model
 
 optim = ts.optim
@@ -57,7 +58,8 @@ def build(cfg: m.DraftConfig, device: torch.device, strategy: str | None):
         model = m.Eagle3Draft(cfg, torch.randn(cfg.vocab_size, cfg.hidden_size))
     if strategy == "fsdp":
         wrap_model(model, strategy, Runtime(dist.get_rank(), dist.get_world_size(), 0, device,
-                                            owns_group=False))
+                                            owns_group=False),
+                   registry.for_draft(None).FSDP_UNITS)
     optimizer = optim.build_optimizer(model, {**ts.TRAIN, "optimizer": "muon",
                                               "strategy": strategy or "ddp"})
     return model, optimizer

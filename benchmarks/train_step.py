@@ -10,10 +10,10 @@ One micro-batch of ``--batch`` rows of ``--tokens`` tokens, already on the devic
 host-to-device copy of the hidden states is not timed). Attention implementations, measured
 in the same run on the same weights:
 
-* ``diagonal``       - what training uses (draftline.model.ttt_attention): the causal part on
+* ``diagonal``       - what training uses (draftline.drafts.ttt.ttt_attention): the causal part on
   the fused flash kernel, the k diagonal scores joined through the log-sum-exp (falls back to
   the eager reference where the fused path fails its check: the table says which ran);
-* ``diagonal-eager`` - draftline.model.ttt_attention_reference: [T, T] causal scores plus
+* ``diagonal-eager`` - draftline.drafts.ttt.ttt_attention_reference: [T, T] causal scores plus
   [T, k] diagonal scores, one softmax (materialises the [T, T] probabilities);
 * ``dense``          - the baseline defined here: all steps' keys concatenated,
   [T, T*(k+1)] scores with a boolean mask (causal on step 0's block, diagonal elsewhere);
@@ -68,7 +68,7 @@ from benchlib.training import (  # noqa: F401 (the peer harness imports these fr
     run_micro_batch,
 )
 
-import draftline.model as m
+import draftline.drafts as m
 
 TEACHER_HEADS = ("full", "draft_rows")  # train.teacher_head
 POINTWISE = ("eager", "compiled")  # train.compile false / true
@@ -233,9 +233,9 @@ def memory_model(cfg: m.DraftConfig, batch: int, tokens: int, steps_k: int,
       lm_head    its input: W*H
       attention  step 0: q, k, v, out (4 * W*Q) and the fp32 log-sum-exp; step s >= 1: q, out
                  and the step's own k and v (4 * W*Q: later steps save the same k and v
-                 again, draftline.model.FusedTTTAttention), the joint log-sum-exp and the
+                 again, draftline.drafts.ttt.FusedTTTAttention), the joint log-sum-exp and the
                  diagonal probabilities (4 * nh * (1 + s))
-      loss       the step's logits (W*D; draftline.model.DraftKL recomputes the softmax)
+      loss       the step's logits (W*D; draftline.drafts.losses.DraftKL recomputes the softmax)
     Per token, once: aux (3H), final (H) and ids; the teacher's fp32 log-probs (4D) and
     probabilities (4D, a view of which every step's loss saves). The teacher head itself runs
     in chunks of TEACHER_CHUNK_ROWS rows before the unroll (a transient of rows * V at 2 B

@@ -22,7 +22,8 @@ import torch.distributed as dist
 from safetensors.torch import save_file
 from torch.distributed.tensor import DTensor, distribute_tensor
 
-import draftline.model as m
+import draftline.drafts as m
+from draftline.drafts import registry
 from draftline.stages.train import optim
 from draftline.stages.train.distributed import Runtime, wrap_model
 
@@ -75,7 +76,8 @@ def main(out: Path) -> None:
 
     optim.newton_schulz = counted
     models = {"ddp": toy_draft(), "fsdp": toy_draft()}
-    wrap_model(models["fsdp"], "fsdp", Runtime(rank, world, 0, torch.device("cpu"), False))
+    wrap_model(models["fsdp"], "fsdp", Runtime(rank, world, 0, torch.device("cpu"), False),
+               registry.for_draft(None).FSDP_UNITS)
     for strategy, model in models.items():
         calls[strategy] = []
         optimizer = build(model, dist.group.WORLD if strategy == "ddp" else None)

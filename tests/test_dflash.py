@@ -14,8 +14,8 @@ import torch
 from conftest import requires_vllm
 from safetensors.torch import load_file
 
-from draftline.dflash import block_loss, sample_anchors
-from draftline.model import metrics_from_counts
+from draftline.drafts.acceptance import metrics_from_counts
+from draftline.drafts.dflash.train import block_loss, sample_anchors
 from draftline.stages.export import export_draft
 from draftline.stages.train.checkpoint import DRAFT_CONFIG_FILE, save_weights
 from draftline.stages.train.draft import build_draft
@@ -259,7 +259,7 @@ def test_the_kimi_configs_dflash_variant_builds_the_draft_its_comment_costs():
     import yaml
 
     from draftline.core.config import load_config
-    from draftline.dflash import DFlashConfig
+    from draftline.drafts.dflash.config import DFlashConfig
     from draftline.plan import KNOWN_TARGETS, draft_params
 
     text = (Path(__file__).parents[1] / "config" / "kimi-k2.5.yaml").read_text()
@@ -327,8 +327,8 @@ def test_a_dflash_draft_trains_under_fsdp_on_two_processes(draft_inputs, tmp_pat
 
 def test_evaluation_scores_every_anchor_in_passes_of_train_anchors(draft_inputs):
     """Evaluation counts the same blocks whatever train.anchors bounds a pass to."""
+    from draftline.drafts.dflash.train import block_micro_batch as dflash_micro_batch
     from draftline.stages.train import Runtime
-    from draftline.stages.train.loop import dflash_micro_batch
 
     model, head, _ = random_dflash(draft_inputs)
     batch = next(iter_batches(draft_inputs))

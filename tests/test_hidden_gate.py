@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from draftline.core.target import load_target_tensors, read_target_config, text_config
-from draftline.model import TargetHead
+from draftline.drafts import TargetHead
 from draftline.stages.hidden.gate import HiddenStateGateError, check_final_states, in_nucleus
 
 PROMPT, ANSWER = 12, 40

@@ -7,8 +7,8 @@ import math
 import pytest
 import torch
 
-import draftline.model as model_module
-from draftline.model import (
+import draftline.drafts.ttt as ttt_module
+from draftline.drafts import (
     DraftConfig,
     Eagle3Draft,
     FusedTTTAttention,
@@ -18,7 +18,6 @@ from draftline.model import (
     answer_spans,
     apply_rotary,
     fused_attention_ok,
-    init_draft_weights,
     metrics_from_counts,
     on_greedy_path,
     probabilistic_acceptance_counts,
@@ -32,6 +31,7 @@ from draftline.model import (
     walked_acceptance_counts,
     walked_acceptance_lengths,
 )
+from draftline.drafts.eagle3.model import init as init_draft_weights
 
 TINY = DraftConfig(hidden_size=32, target_hidden_size=32, num_attention_heads=4,
                    num_key_value_heads=2, head_dim=8, intermediate_size=48, rms_norm_eps=1e-6,
@@ -90,7 +90,7 @@ def test_fused_path_passes_its_check_in_half_precision(dtype):
     """Training on CUDA runs attention in bf16 (autocast): the check must accept the fused
     kernel there. Compared with the bf16 reference, whose rounding differs by as much as the
     kernel's own, a correct kernel was refused and training fell back to eager attention."""
-    assert model_module._check_fused(torch.device("cpu"), dtype, 128)
+    assert ttt_module._check_fused(torch.device("cpu"), dtype, 128)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -104,7 +104,7 @@ def test_fused_check_refuses_a_kernel_with_a_wrong_gradient(dtype, monkeypatch):
         return dq, dk_ctx, dv_ctx, *(g * 0.5 for g in diag[:steps]), *diag[steps:]
 
     monkeypatch.setattr(FusedTTTAttention, "backward", staticmethod(wrong_backward))
-    assert not model_module._check_fused(torch.device("cpu"), dtype, 128)
+    assert not ttt_module._check_fused(torch.device("cpu"), dtype, 128)
 
 
 def test_fused_attention_saves_the_diagonal_keys_without_copies():
@@ -738,7 +738,7 @@ def test_an_mla_draft_beside_a_target_without_mla_is_refused_before_any_job(tmp_
 def test_compiled_norms_and_mlps_give_the_eager_loss_and_gradients():
     """``train.compile`` fuses each norm's and MLP's pointwise chain; the training loss and every
     gradient stay the eager ones, at a second sample length too (dynamic shapes)."""
-    from draftline.model import compile_pointwise
+    from draftline.drafts import compile_pointwise
     from draftline.stages.train.distributed import Runtime
     from draftline.stages.train.loop import resolve_train_cfg, run_micro_batch
 

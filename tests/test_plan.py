@@ -218,11 +218,11 @@ def test_a_p_eagle_draft_counts_its_mask_state():
 
 def test_an_mla_draft_counts_its_latent_attention():
     """train.draft.arch deepseek_mla at Kimi-K2.5's sizes: the benchmark's parameter count
-    (draftline.model's shapes), not the Llama layer's."""
+    (draftline.drafts.eagle3.model's shapes), not the Llama layer's."""
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
     import train_step
 
-    from draftline.model import DraftConfig
+    from draftline.drafts import DraftConfig
     from draftline.plan import KNOWN_TARGETS, draft_params
 
     kimi = KNOWN_TARGETS["moonshotai/kimi-k2.5"]

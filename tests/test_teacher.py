@@ -60,7 +60,7 @@ def teacher_and_hf_logp(model, target_dir: Path, tensors: dict | None = None):
     """(teacher log-probs, HF log-probs) over the full vocab for one random sequence; the
     teacher's norm and lm_head as training loads them from ``target_dir`` unless given."""
     from draftline.core.target import read_target_config
-    from draftline.model import DraftConfig, TargetHead
+    from draftline.drafts import DraftConfig, TargetHead
     from draftline.stages.train import load_target_tensors
 
     vocab = model.config.vocab_size

@@ -12,7 +12,7 @@ import pytest
 import torch
 import yaml
 
-import draftline.model as m
+import draftline.drafts as m
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))

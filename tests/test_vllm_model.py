@@ -21,7 +21,7 @@ import torch
 from conftest import DRAFT_ARCHITECTURE, requires_vllm
 from safetensors.torch import load_file, save_file
 
-from draftline.model import DraftConfig, TTTCache, shift_left
+from draftline.drafts import DraftConfig, TTTCache, shift_left
 from draftline.stages.export import export_draft
 from draftline.stages.train.checkpoint import DRAFT_CONFIG_FILE, save_weights
 from draftline.stages.train.draft import build_draft

@@ -25,6 +25,7 @@ from draftline.core import variants
 from draftline.core.builtin_targets import builtin_target
 from draftline.core.layout import Layout
 from draftline.core.target import DTYPE_SIZES, NUM_AUX_LAYERS, text_config
+from draftline.drafts import registry
 from draftline.stages.hidden.online import online_cfg
 
 # ----------------------------------------------------------------------------- assumptions
@@ -140,32 +141,10 @@ MLA_KEYS = ("q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim
 
 
 def draft_params(dims: dict, draft_vocab: int, architecture: dict | None = None) -> int:
-    """Trainable parameters of the one-layer EAGLE-3 draft (embedding shared, not counted);
-    ``architecture`` is ``train.draft`` (null entries keep the target's sizes)."""
-    arch = {k: v for k, v in (architecture or {}).items() if v is not None}
-    h = dims["hidden_size"]
-    heads = arch.get("num_attention_heads", dims.get("num_heads", 1))
-    head_dim = arch.get("head_dim", h // dims.get("num_heads", 1))
-    kv = arch.get("num_key_value_heads", dims.get("num_kv_heads", heads))
-    attention = 2 * h * heads * head_dim + 2 * (2 * h * kv * head_dim) + heads * head_dim * h
-    if arch.get("arch") == "deepseek_mla":  # low-rank q, one k/v latent, per-head expansion
-        mla = {key: arch.get(key, dims.get(key)) for key in MLA_KEYS}
-        if all(mla.values()):
-            qk = mla["qk_nope_head_dim"] + mla["qk_rope_head_dim"]
-            attention = (2 * h * (mla["q_lora_rank"] + mla["kv_lora_rank"]
-                                  + mla["qk_rope_head_dim"])
-                         + mla["q_lora_rank"] * heads * qk
-                         + mla["kv_lora_rank"] * heads * (mla["qk_nope_head_dim"]
-                                                          + mla["v_head_dim"])
-                         + heads * mla["v_head_dim"] * h)
-    mlp = 3 * h * arch.get("intermediate_size", dims.get("intermediate_size", 4 * h))
-    if arch.get("drafting") == "dflash":  # fc, its norm and the final one; no lm_head (shared)
-        gqa = h * heads * head_dim * 2 + 2 * h * kv * head_dim  # q, o; k, v (one input each)
-        layers = dflash_layers(arch)
-        return 3 * h * h + 2 * h + layers * (gqa + head_dim + mlp + 2 * h) + head_dim
-    mask_hidden = 3 * h if arch.get("drafting") == "parallel" else 0  # P-EAGLE's mask state
-    # fc, attention, mlp, lm_head, norms
-    return 3 * h * h + attention + mlp + draft_vocab * h + 4 * h + mask_hidden
+    """Trainable parameters of the draft (embedding shared, not counted); ``architecture`` is
+    ``train.draft`` (null entries keep the target's sizes). Its family counts them
+    (``draftline.drafts.registry.trainable_params``)."""
+    return registry.trainable_params(dims, draft_vocab, architecture)
 
 
 def _token_counts(config: dict, measured: dict) -> tuple[int, int, int, str]:
@@ -394,39 +373,17 @@ def _train_row(stage: str, train: dict, config: dict, measured: dict, dims: dict
                 draft_params=params, checkpoint_bytes=checkpoint, state_bytes=state)
 
 
-def dflash_layers(draft: dict) -> int:
-    """A DFlash draft's layers: train.draft.num_layers, else draftline.dflash's default."""
-    from draftline.dflash import DEFAULT_LAYERS
-
-    return draft.get("num_layers") or DEFAULT_LAYERS
-
-
 def draft_passes(train: dict, sample_tokens: float) -> tuple[float, str]:
     """How many one-layer passes over a sample's tokens a training step costs (assumed, for
-    the time estimate): an EAGLE-3 draft's unroll steps; a DFlash draft's layers, each over
-    the context and the blocks (anchors x block_size tokens a sample)."""
+    the time estimate), as the draft's family says: an EAGLE-3 draft's unroll steps; a DFlash
+    draft's layers, each over the context and the blocks."""
     draft = train.get("draft") or {}
-    if draft.get("drafting") != "dflash":
-        return float(train["ttt_steps"]), f"ttt_steps {train['ttt_steps']}"
-    block_tokens = min(train["anchors"], sample_tokens) * draft["block_size"]
-    # each layer projects the whole context (keys, values) and runs the blocks through
-    passes = dflash_layers(draft) * (1.0 + block_tokens / max(sample_tokens, 1.0))
-    return passes, (f"{dflash_layers(draft)} layer(s) over the context and {train['anchors']} "
-                    f"anchors x block {draft['block_size']} a sample: {passes:.1f} passes")
+    return registry.for_draft(draft).train_passes(train, draft, sample_tokens)
 
 
 def drafting_name(architecture: dict | None) -> str:
-    """The draft's family as the benchmark labels it (``bench_variants.family``): P-EAGLE
-    (train.draft.drafting parallel), EAGLE-3.1 (fc_norm or norm_output) or EAGLE-3, with MLA
-    attention or not (train.draft.arch). The same unroll trains each, at one cost."""
-    architecture = architecture or {}
-    if architecture.get("drafting") == "dflash":
-        return (f"DFlash ({dflash_layers(architecture)} layer(s), block "
-                f"{architecture.get('block_size', 16)})")
-    name = ("P-EAGLE" if architecture.get("drafting") == "parallel" else
-            "EAGLE-3.1" if architecture.get("fc_norm") or architecture.get("norm_output") else
-            "EAGLE-3")
-    return name + (" MLA" if architecture.get("arch") == "deepseek_mla" else "")
+    """The draft's family as the benchmark labels it (``draftline.drafts.registry.label``)."""
+    return registry.label(architecture)
 
 
 def lr_probe_share(train: dict) -> float:

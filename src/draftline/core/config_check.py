@@ -4,9 +4,10 @@ The one semantic check of a config, after the schema has filled the defaults:
 ``draftline.core.config`` runs it for the CLI and the tests, and ``rules/common.smk`` runs it at
 Snakefile parse time, before any job. Standard library only, with its siblings ``hub``,
 ``target``, ``builtin_targets`` and ``variants`` (which are too) and, for a variant's draft
-keys, jsonschema and PyYAML (Snakemake's own dependencies): the workflow loads this file by its
-path, where the draftline package may not be installed (an orchestrator with Snakemake only),
-and then loads its siblings the same way.
+keys, jsonschema and PyYAML (Snakemake's own dependencies), and ``draftline.drafts.registry``
+for the draft families' checks (standard library only, it too): the workflow loads this file
+by its path, where the draftline package may not be installed (an orchestrator with Snakemake
+only), and then loads its siblings and the registry the same way.
 """
 
 from __future__ import annotations
@@ -16,22 +17,27 @@ import json
 from pathlib import Path
 from typing import Any
 
+
+def _by_path(name: str, folder: str = "core"):
+    path = Path(__file__).parents[1] / folder / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(f"_draftline_{name}", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 if __package__ == "draftline.core":
     from draftline.core import builtin_targets, hub, secret_names, variants
     from draftline.core import target as target_module
 else:  # loaded by its path (rules/common.smk): its siblings are loaded by theirs
-
-    def _sibling(name: str):
-        path = Path(__file__).with_name(f"{name}.py")
-        spec = importlib.util.spec_from_file_location(f"_draftline_{name}", path)
-        module = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(module)
-        return module
-
-    hub, target_module = _sibling("hub"), _sibling("target")
-    builtin_targets = _sibling("builtin_targets")
-    secret_names = _sibling("secret_names")
-    variants = _sibling("variants")
+    hub, target_module = _by_path("hub"), _by_path("target")
+    builtin_targets = _by_path("builtin_targets")
+    secret_names = _by_path("secret_names")
+    variants = _by_path("variants")
+# The draft families' facts and checks, by path either way: an import would put every family's
+# torch modules (the registry names them) in the code of each stage that checks a config
+# (draftline.core.codehash), and a change to a draft's model would redo the target and data.
+registry = _by_path("registry", "drafts")
 
 SCHEMA_PATH = Path(__file__).parents[1] / "schemas" / "config.schema.yaml"
 
@@ -57,8 +63,7 @@ def check_semantics(config: dict[str, Any], base: Path | None = None) -> None:
     check_local_target_head(None if builtin else base / target)
     _check_variants(config)
     _check_mla_draft_has_an_mla_target(config, base)
-    _check_parallel_drafting_is_llama(config)
-    _check_dflash(config)
+    _check_draft_families(config)
     _check_revision(config, base)
     toy = config["target"]["toy"]
     if toy["hidden_size"] % toy["num_heads"]:
@@ -212,41 +217,12 @@ def _check_mla_draft_has_an_mla_target(config: dict, base: Path) -> None:
             "(it sizes the draft's MLA attention by the target's heads): use arch llama")
 
 
-def _check_parallel_drafting_is_llama(config: dict) -> None:
-    """vLLM 0.32 drafts in parallel from the draft's mask_hidden state, which only its Llama
-    EAGLE-3 class (llama_eagle3.py) has: the proposer reads ``model.mask_hidden``, and
-    Eagle3DeepseekV3ForCausalLM (deepseek_eagle3.py) defines none."""
-    for key, draft in variants.drafts(config["train"]):
-        if draft["drafting"] == "parallel" and draft["arch"] == "deepseek_mla":
-            raise ConfigError(
-                f"config key '{key}.drafting': vLLM serves parallel drafting (P-EAGLE) only with "
-                "the Llama draft (Eagle3LlamaForCausalLM holds its mask_hidden state; the MLA "
-                "draft's class has none): use arch llama, or drafting autoregressive")
-
-
-def _check_dflash(config: dict) -> None:
-    """A DFlash draft is vLLM's Qwen3-layer DFlashQwen3ForCausalLM: no MLA; it names a layer by
-    its output (so no aux id 0, the embeddings); it was trained on blocks of block_size, so
-    it serves at most block_size - 1 drafts. Only DFlash has more than one layer."""
-    layer_ids = config["hidden"]["layer_ids"] or []
-    for key, draft in variants.drafts(config["train"]):
-        if draft["drafting"] != "dflash":
-            if draft["num_layers"] not in (None, 1):
-                raise ConfigError(f"config key '{key}.num_layers': vLLM's EAGLE-3 drafts have "
-                                  "one layer; more are for drafting dflash")
-            continue
-        if draft["arch"] != "llama":
-            raise ConfigError(f"config key '{key}.arch': a DFlash draft has vLLM's Qwen3 "
-                              "attention (DFlashQwen3ForCausalLM): use arch llama")
-        if 0 in layer_ids:
-            raise ConfigError(f"config key 'hidden.layer_ids': {layer_ids} include 0 (the "
-                              f"embeddings), which the DFlash draft of {key} cannot read")
-        longest = max(config["bench"]["num_speculative_tokens"])
-        if longest > draft["block_size"] - 1:
-            raise ConfigError(
-                f"config key 'bench.num_speculative_tokens': {longest} drafts, but the DFlash "
-                f"draft of {key} is trained on blocks of {draft['block_size']} "
-                f"(block_size), which fill at most {draft['block_size'] - 1}")
+def _check_draft_families(config: dict) -> None:
+    """What each draft's family (``draftline.drafts.registry``) says vLLM cannot serve: the
+    train.draft and every variant's."""
+    problem = registry.config_problems(config, variants.drafts(config["train"]))
+    if problem:
+        raise ConfigError(problem)
 
 
 def _check_variants(config: dict) -> None:

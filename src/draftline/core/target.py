@@ -7,8 +7,9 @@ Used by every stage that looks at the target (training, export, hidden-state ext
 Snakefile parse time, so it imports nothing outside the standard library (the weights' tensor
 names are read from the safetensors headers, without safetensors or torch).
 
-Teacher head. Training's teacher (``draftline.model.TargetHead``) turns the target's pre-norm
-last-layer state into the target's distribution as ``softmax(lm_head(weight * x / rms(x)))``. A
+Teacher head. Training's teacher (``draftline.drafts.teacher.TargetHead``) turns the target's
+pre-norm last-layer state into the target's distribution as
+``softmax(lm_head(weight * x / rms(x)))``. A
 target whose final head computes something else (Gemma's ``(1 + weight)`` norm, a final-logit
 softcap, a logit scale) would give training wrong targets without any error, and the draft
 would only disappoint when served. So every stage that builds or reads the teacher (config

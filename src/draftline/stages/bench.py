@@ -97,6 +97,7 @@ from draftline.core.layout import (
 from draftline.core.machine import serving_machine
 from draftline.core.records import Prompt
 from draftline.core.target import text_config
+from draftline.drafts import registry
 from draftline.serving.loadgen import (
     SamplingSpec,
     WindowResult,
@@ -189,13 +190,16 @@ def configurations(num_speculative_tokens: list[int],
 
 def speculative_config(draft_dir: str, n: int | None,
                        draft_sample_method: str = "greedy") -> dict | None:
+    """vLLM's speculative config for the draft in ``draft_dir`` drafting ``n`` tokens (None:
+    the baseline): the method and parallel drafting its family asks for
+    (``draftline.drafts.registry.speculative``, from its exported config.json)."""
     if n is None:
         return None
-    spec = {"method": speculative_method(draft_dir), "model": str(draft_dir),
-            "num_speculative_tokens": n}
+    served = registry.speculative(_draft_config(draft_dir))
+    spec = {"method": served["method"], "model": str(draft_dir), "num_speculative_tokens": n}
     if draft_sample_method != "greedy":
         spec["draft_sample_method"] = draft_sample_method
-    if parallel_drafting(draft_dir):
+    if served["parallel_drafting"]:
         spec["parallel_drafting"] = True
     return spec
 
@@ -205,29 +209,11 @@ def _draft_config(draft_dir: str) -> dict:
     return json.loads(path.read_text()) if path.is_file() else {}
 
 
-def parallel_drafting(draft_dir: str) -> bool:
-    """A P-EAGLE draft (its config.json says so): vLLM drafts it only when the speculative
-    config asks for parallel drafting."""
-    return bool(_draft_config(draft_dir).get("parallel_drafting"))
-
-
-def k_norms_differ(draft_dir: str) -> bool:
-    """Whether a DFlash checkpoint's layers have k_norm weights that differ."""
-    from safetensors import safe_open
-
-    path = Path(draft_dir) / "model.safetensors"
-    if not path.is_file():
-        return False
-    with safe_open(str(path), framework="pt") as f:
-        norms = [f.get_tensor(k) for k in sorted(f.keys()) if k.endswith("self_attn.k_norm.weight")]
-    return any(not bool((n == norms[0]).all()) for n in norms[1:])
-
-
-def speculative_method(draft_dir: str) -> str:
-    """vLLM's method for the draft: ``dflash`` for a DFlash checkpoint (vLLM then drafts in
-    parallel by itself), else ``eagle3``."""
-    return ("dflash" if "DFlashDraftModel" in (_draft_config(draft_dir).get("architectures")
-                                               or []) else "eagle3")
+def serving_problem(draft_dir: str) -> str | None:
+    """Why vLLM's CPU build cannot serve the draft in ``draft_dir`` as it was trained, or None
+    (its family's ``serving_problem``)."""
+    check = registry.hook(registry.of_config(_draft_config(draft_dir)), "serving_problem")
+    return check(draft_dir) if check else None
 
 
 # ----------------------------------------------------------------------------- measuring
@@ -562,8 +548,8 @@ def simulated_acceptance(eval_json: dict, num_speculative_tokens: int,
                          draft_sample_method: str = "greedy") -> float | None:
     """The training evaluation's simulated acceptance length at ``num_speculative_tokens``
     drafts served at ``temperature``: at 0 the eval answers walked the way the server drafts
-    them (``walked_acceptance_length_by_num_drafts``, ``draftline.model.
-    walked_acceptance_counts``; an evaluation without it: the per-position figure,
+    them (``walked_acceptance_length_by_num_drafts``, ``draftline.drafts.
+    acceptance.walked_acceptance_counts``; an evaluation without it: the per-position figure,
     ``per_position_acceptance``), above 0 the greedy draft accepted with the target's
     probability of it (``simulated_acceptance_length_at``), or a sampled draft by rejection
     sampling (``simulated_acceptance_length_probabilistic_at``), for the temperatures
@@ -581,7 +567,7 @@ def simulated_acceptance(eval_json: dict, num_speculative_tokens: int,
 
 def per_position_acceptance(eval_json: dict, num_speculative_tokens: int) -> float | None:
     """The T = 0 acceptance length averaged over rounds started at every answer position
-    (``draftline.model.metrics_from_counts``), beside the walked one."""
+    (``draftline.drafts.acceptance.metrics_from_counts``), beside the walked one."""
     return _at_depth(eval_json.get("simulated_acceptance_length_by_num_drafts") or [],
                      num_speculative_tokens)
 
@@ -1045,15 +1031,13 @@ def check_configurations(configs: list[dict], model: str, external: dict,
                     if c["num_speculative_tokens"] is not None and c["name"] not in external]
     for cfg in configs:
         draft_dir = (draft_dirs or {}).get(cfg.get("draft") or cfg.get("variant"))
-        if (cfg["name"] in managed_spec and not on_gpu and draft_dir
-                and speculative_method(draft_dir) == "dflash" and k_norms_differ(draft_dir)):
+        problem = (serving_problem(draft_dir)
+                   if cfg["name"] in managed_spec and not on_gpu and draft_dir else None)
+        if problem:
             raise BenchError(
-                f"bench: cannot serve {cfg['name']} faithfully on this host: the DFlash draft "
-                f"{draft_dir} has a k_norm per layer, and vLLM's CPU build norms every layer's "
-                "context keys with the first layer's (tests/test_dflash.py), so it would serve "
-                "another model than the one trained (draftline's DFlash drafts share one "
-                "k_norm). Benchmark it on a GPU host or give it an external server "
-                "(bench.endpoints). Nothing was measured.")
+                f"bench: cannot serve {cfg['name']} faithfully on this host: {problem}. "
+                "Benchmark it on a GPU host or give it an external server (bench.endpoints). "
+                "Nothing was measured.")
     if managed_spec and target_cfg is not None and uses_mla(target_cfg) and not on_gpu:
         raise BenchError(
             f"bench: cannot run {', '.join(managed_spec)} on this host: the target "

@@ -1,8 +1,8 @@
 """Draft variants trained in the run (``train.variants``), benchmarked beside the main draft.
 
 Each variant is served as the main draft is (``{name}-k{n}`` for every ``num_speculative_tokens``,
-greedy drafting, the same levels and temperatures); a P-EAGLE variant's exported config says
-``parallel_drafting`` and the server is asked for it (``bench.speculative_config``). The
+greedy drafting, the same levels and temperatures), with the speculative config its family asks
+for (``bench.speculative_config``). The
 comparison takes, per (temperature, concurrency) and per draft, its fastest draft length, and
 names the draft with the highest median output tok/s: what to serve at that concurrency.
 """
@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+
+from draftline.drafts import registry
 
 MAIN = "eagle3"  # the main draft's configurations are eagle3-k{n}
 NEAR_TIE = 1.05  # margins under 5% are within this host's noise (bench.fastest_markdown)
@@ -29,14 +31,10 @@ def family(draft_dir: str | Path) -> str | None:
 
 
 def family_of(draft_cfg: dict) -> str:
-    """DFlash, or P-EAGLE, EAGLE-3.1 (fc_norm or norm_output) or EAGLE-3, with MLA attention
-    or not, as an exported config says (``draftline.plan.drafting_name`` says it of train.draft)."""
-    if "DFlashDraftModel" in (draft_cfg.get("architectures") or []):
-        return "DFlash"
-    name = "P-EAGLE" if draft_cfg.get("parallel_drafting") else (
-        "EAGLE-3.1" if draft_cfg.get("fc_norm") or draft_cfg.get("norm_output") else "EAGLE-3")
-    mla = "Eagle3DeepseekV3ForCausalLM" in (draft_cfg.get("architectures") or [])
-    return name + (" MLA" if mla else "")
+    """The label of the draft an exported config describes (DFlash, P-EAGLE, EAGLE-3.1 or
+    EAGLE-3, with MLA attention or not): its family's (``draftline.drafts.registry``), which
+    labels train.draft the same way for the plan."""
+    return registry.served_label(draft_cfg)
 
 
 def _draft_of(config: dict) -> str | None:

@@ -16,6 +16,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from draftline.drafts import registry
+
 # ----------------------------------------------------------------------------- card structure
 
 
@@ -90,7 +92,7 @@ def vllm_command(target: str, draft: str, k: int, server_cfg: dict, revision: st
                  trust_remote_code: bool, parallel_drafting: bool = False,
                  method: str = "eagle3") -> str:
     spec = {"method": method, "model": draft, "num_speculative_tokens": k}
-    if parallel_drafting:  # P-EAGLE: a speculative-config setting, not read from config.json
+    if parallel_drafting:  # a speculative-config setting, not read from config.json
         spec["parallel_drafting"] = True
     args = ["vllm", "serve", target]
     if revision:
@@ -325,14 +327,6 @@ def _model_details(card: Card, facts: dict, draft_cfg: dict) -> None:
     card.add(Heading(2, "Model details"), Table(["", ""], rows))
 
 
-# Norm placements vLLM's Eagle3LlamaForCausalLM serves that SGLang's LlamaForCausalLMEagle3
-# (python/sglang/srt/models/llama_eagle3.py) does not read: it builds no input_norm or fc_norm,
-# skips their weights without a word, and always takes the raw state as the residual and the
-# prenorm state onward, so it would serve another model than the one trained.
-SGLANG_UNREAD = ("norm_before_fc", "fc_norm", "norm_before_residual", "norm_output",
-                 "parallel_drafting")
-
-
 def sglang_layer_ids(vllm_ids: list[int]) -> list[int]:
     """The ``eagle_config.eagle_aux_hidden_state_layer_ids`` that make SGLang capture the
     states vLLM captures for ``vllm_ids``.
@@ -362,15 +356,9 @@ def _serving(card: Card, facts: dict) -> None:
                   "same options."),
              Heading(3, "SGLang"))
     draft_cfg = facts.get("draft_config") or {}
-    unread = [flag for flag in SGLANG_UNREAD if draft_cfg.get(flag)]
-    if served_as(draft_cfg)["method"] == "dflash":
-        card.add(Para("Not with SGLang from this card: this is a DFlash draft, checked against "
-                      "vLLM's DFlashQwen3ForCausalLM only. Serve it with vLLM."))
-    elif unread:
-        card.add(Para(f"Not with SGLang: this draft sets {', '.join(unread)} (config.json), "
-                      "which SGLang's LlamaForCausalLMEagle3 does not read; it would load the "
-                      "draft without them and serve another model than the one trained. Serve "
-                      "it with vLLM."))
+    refusal = registry.sglang_refusal(draft_cfg)  # the draft's family says what SGLang serves
+    if refusal:
+        card.add(Para(refusal))
     else:
         from_hub = facts["draft_ref"] == (cfg.get("bundle") or {}).get("hf_repo")
         card.add(*_sglang_blocks(args, draft_cfg, from_hub))
@@ -386,12 +374,12 @@ def _variants(card: Card, facts: dict) -> None:
     variants = facts.get("variants") or []
     if not variants:
         return
-    from draftline.stages.bench_variants import MAIN, family_of
+    from draftline.stages.bench_variants import MAIN
 
     main_eval = facts.get("eval") or {}
-    rows = [[f"{MAIN} (this draft)", family_of(facts.get("draft_config") or {}), ".",
+    rows = [[f"{MAIN} (this draft)", registry.served_label(facts.get("draft_config") or {}), ".",
              facts["draft_parameters"], walked_acceptance(main_eval)]]
-    rows += [[v["name"], family_of(v["config"]), v["folder"], v["parameters"],
+    rows += [[v["name"], registry.served_label(v["config"]), v["folder"], v["parameters"],
               walked_acceptance(v["eval"] or {})] for v in variants]
     card.add(Heading(2, "Draft variants"),
              Para("Further drafts trained in the same run, on the same states with the same "
@@ -423,10 +411,8 @@ def _variants(card: Card, facts: dict) -> None:
 
 def served_as(draft_cfg: dict) -> dict:
     """How vLLM is asked to serve a draft (``vllm_command``'s keywords), from its config.json:
-    ``dflash`` for a DFlash draft, parallel drafting for P-EAGLE."""
-    dflash = "DFlashDraftModel" in (draft_cfg.get("architectures") or [])
-    return {"method": "dflash" if dflash else "eagle3",
-            "parallel_drafting": bool(draft_cfg.get("parallel_drafting"))}
+    its family's method and parallel drafting (``draftline.drafts.registry.speculative``)."""
+    return registry.speculative(draft_cfg)
 
 
 def _margin(margin: float | None) -> str:

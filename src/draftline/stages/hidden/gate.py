@@ -4,8 +4,8 @@ A capture one layer off trains "fine" and serves badly (the wrong tensor still a
 target most of the time), and in production no HF forward of the target exists to compare
 with. But the dataset holds the target's own sampled answers: every generated token was drawn
 by the serving engine from ``softmax(logits / T)`` restricted to its top-p nucleus. So the
-target's head on the captured final state (``draftline.model.TargetHead``: the final norm and
-lm_head) must put each generated token inside that nucleus (at T = 0: make it the argmax),
+target's head on the captured final state (``draftline.drafts.teacher.TargetHead``: the final
+norm and lm_head) must put each generated token inside that nucleus (at T = 0: make it the argmax),
 for all but the positions where bf16 numerics move the nucleus boundary; and at T > 0 the
 tokens must be as likely under it as its own samples would be (a wrong tensor can still keep
 most sampled tokens inside a wide nucleus, but assigns them lower probability: the excess
@@ -105,7 +105,7 @@ def check_final_states(samples: Iterable[dict], head, temperature: float, top_p:
     """The gate (module docstring): the fraction of generated tokens the captured final
     states' head puts in the sampling nucleus, and at T > 0 their excess negative
     log-likelihood; raises HiddenStateGateError, naming the layer and the figures, below
-    MIN_AGREEMENT or above MAX_EXCESS_NLL. ``head`` is a ``draftline.model.TargetHead``."""
+    MIN_AGREEMENT or above MAX_EXCESS_NLL. ``head`` is a ``draftline.drafts.teacher.TargetHead``."""
     import torch
 
     states, tokens = gate_positions(samples)
@@ -194,7 +194,7 @@ def gate_samples(samples: list[dict], target_dir, sampling: dict, origin: str,
     import torch
 
     from draftline.core.target import load_target_tensors, read_target_config, text_config
-    from draftline.model import TargetHead
+    from draftline.drafts.teacher import TargetHead
 
     text = text_config(read_target_config(target_dir))
     weights = load_target_tensors(target_dir)

@@ -25,7 +25,7 @@ best weights and metrics log, from which ``best/`` and ``eval.json`` are publish
 (so a workflow manager may delete the outputs of a killed job without losing anything).
 
 Batches: samples are grouped by length and packed into micro-batches of at most
-``batch_tokens`` padded tokens (each sample its own row, see draftline.model). One optimizer
+``batch_tokens`` padded tokens (each sample its own row, see draftline.drafts). One optimizer
 step consumes ``grad_accum`` micro-batches on each of the ``world_size`` processes, so one
 process with ``grad_accum = 2`` and two processes with ``grad_accum = 1`` take the same steps.
 The micro-batches that do not fill a last step of an epoch are dropped.

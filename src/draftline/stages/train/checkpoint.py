@@ -32,7 +32,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from draftline.core.atomic import atomic_dir, copy_file, remove_temps, write_json
-from draftline.model import Eagle3Draft
+from draftline.drafts.layers import FROZEN
 from draftline.stages.train.distributed import Runtime, barrier
 
 STATE_DIR, BEST_DIR = "state", "best"
@@ -57,7 +57,7 @@ def full_state(model, optimizer):
     """Full (unsharded) model and optimizer state, keyed by parameter name; on CPU."""
     opts = StateDictOptions(full_state_dict=True, cpu_offload=True)
     weights = get_model_state_dict(model, options=opts)
-    weights = {k: v for k, v in weights.items() if k not in Eagle3Draft.FROZEN}
+    weights = {k: v for k, v in weights.items() if k not in FROZEN}
     optim = get_optimizer_state_dict(model, optimizer, options=opts) if optimizer else None
     return weights, optim
 

@@ -102,8 +102,9 @@ def barrier(rt: Runtime) -> None:
         dist.barrier()
 
 
-def wrap_model(model, strategy: str, rt: Runtime):
-    """DDP or FSDP2 around the draft; returns the module to call for training."""
+def wrap_model(model, strategy: str, rt: Runtime, units: tuple[str, ...] = ()):
+    """DDP or FSDP2 around the draft; returns the module to call for training. FSDP shards
+    each submodule named in ``units`` (its family's ``FSDP_UNITS``) as one unit, then the rest."""
     if not rt.distributed:
         return model
     if strategy == "ddp":
@@ -111,9 +112,9 @@ def wrap_model(model, strategy: str, rt: Runtime):
         return DistributedDataParallel(model, device_ids=ids)
     policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) \
         if rt.device.type == "cuda" else MixedPrecisionPolicy()
-    if hasattr(model, "midlayer"):  # a DFlash draft is one unit: its layers share a k_norm
-        fully_shard(model.midlayer, mp_policy=policy)
-    fully_shard(model, mp_policy=policy)  # fc, norm, lm_head and the frozen embedding
+    for unit in units:  # e.g. EAGLE-3's midlayer
+        fully_shard(getattr(model, unit), mp_policy=policy)
+    fully_shard(model, mp_policy=policy)  # the rest: fc, norms, lm_head, the frozen embedding
     return model
 
 

@@ -17,12 +17,11 @@ from safetensors.torch import load_file
 
 from draftline.core.target import (
     load_target_tensors,
-    read_target_config,
     read_teacher_config,
     text_config,
 )
-from draftline.dflash import DFlashConfig, DFlashDraft, init_dflash_weights
-from draftline.model import DraftConfig, Eagle3Draft, TargetHead, init_draft_weights
+from draftline.drafts import registry
+from draftline.drafts.eagle3.config import DraftConfig
 from draftline.stages.hidden.layers import check_layer_ids
 from draftline.stages.hidden.store import HiddenStates
 from draftline.stages.train.checkpoint import DRAFT_CONFIG_FILE, save_weights
@@ -34,8 +33,8 @@ def build_draft(target_dir: Path, vocab_map: Path, seed: int, device=None,
     ``train.draft`` sizes (``architecture``; null entries keep the target's).
 
     The draft's lm_head starts from the target's lm_head rows of the draft tokens; the
-    embedding is the target's, frozen. Tensors stay in bf16 on GPU, fp32 on CPU. A DFlash
-    draft (``drafting: dflash``) is a ``DFlashDraft`` with its ``DFlashConfig``: it drafts
+    embedding is the target's, frozen. Tensors stay in bf16 on GPU, fp32 on CPU. The draft's
+    family (``draftline.drafts.registry``, by ``drafting``) builds it: a DFlash draft drafts
     over the target's whole vocabulary through the target's own lm_head (the head's).
     """
     device = device or torch.device("cpu")
@@ -43,21 +42,8 @@ def build_draft(target_dir: Path, vocab_map: Path, seed: int, device=None,
     d2t, t2d = vocab["d2t"], vocab["t2d"]  # [D] int64, [V] bool
     target = load_target_tensors(target_dir)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    if (architecture or {}).get("drafting") == "dflash":  # the target's vocab, embed and head
-        dflash_cfg = DFlashConfig.from_target(read_target_config(target_dir), architecture)
-        model = DFlashDraft(dflash_cfg, target["embed"].to(dtype))
-        init_dflash_weights(model, seed)
-        head = TargetHead(target["norm"].to(dtype), target["lm_head"].to(dtype),
-                          dflash_cfg.rms_norm_eps, d2t, t2d)
-        return model.to(device), head.to(device), dflash_cfg
-    draft_cfg = DraftConfig.from_target(read_target_config(target_dir), d2t.shape[0],
-                                        architecture)
-    draft_ids = torch.arange(d2t.shape[0]) + d2t  # [D]
-    model = Eagle3Draft(draft_cfg, target["embed"].to(dtype),
-                        lm_head_init=target["lm_head"][draft_ids].float())
-    init_draft_weights(model, seed)
-    head = TargetHead(target["norm"].to(dtype), target["lm_head"].to(dtype),
-                      draft_cfg.rms_norm_eps, d2t, t2d)
+    build = registry.hook(registry.for_draft(architecture), "build")
+    model, head, draft_cfg = build(target_dir, target, d2t, t2d, seed, dtype, architecture)
     return model.to(device), head.to(device), draft_cfg
 
 
@@ -92,11 +78,7 @@ def check_inputs(store: HiddenStates, vocab_map: Path, target_dir: Path,
     # States concatenated in another order than vLLM's would train fc on a permutation.
     check_layer_ids(store.layer_ids, int(text_config(target_cfg)["num_hidden_layers"]), target_cfg,
                     source=f"{store.origin}: layer_ids")
-    if (architecture or {}).get("drafting") == "dflash" and 0 in store.layer_ids:
-        # DFlash names a layer by its output (vLLM's id k is DFlash's k - 1): none is id 0
-        raise ValueError(f"{store.origin}: layer_ids {store.layer_ids} include 0 (the "
-                         "embeddings), which a DFlash draft cannot read: choose hidden.layer_ids "
-                         "of at least 1")
+    registry.hook(registry.for_draft(architecture), "check_inputs")(store, architecture)
     if t2d_size != draft_cfg.vocab_size:
         raise ValueError(f"{vocab_map}: t2d has {t2d_size} entries, target vocab_size is "
                          f"{draft_cfg.vocab_size}")

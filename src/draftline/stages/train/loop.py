@@ -22,22 +22,8 @@ from draftline.core.config import resolve_section
 from draftline.core.layout import ONLINE_STATS
 from draftline.core.machine import torch_machine
 from draftline.core.target import read_teacher_config
-from draftline.dflash import DFlashDraft, block_loss, sample_anchors
-from draftline.model import (
-    COUNT_KEYS,
-    WALK_KEYS,
-    acceptance_length_from,
-    compile_pointwise,
-    metrics_from_counts,
-    on_greedy_path,
-    probabilistic_acceptance_counts,
-    sampled_acceptance_counts,
-    teacher_at_temperature,
-    ttt_loss,
-    walk_counts,
-    walked_acceptance_counts,
-    walked_acceptance_lengths,
-)
+from draftline.drafts import registry
+from draftline.drafts.layers import compile_pointwise
 from draftline.stages.hidden.store import HiddenStates
 from draftline.stages.train.checkpoint import (
     STATE_DIR,
@@ -148,11 +134,12 @@ def run(rt: Runtime, store, vocab_map: Path, target_dir: Path, out_dir: Path,
     check_inputs(store, vocab_map, target_dir, cfg["draft"])  # before big reads
     model, head, draft_cfg = build_draft(target_dir, vocab_map, cfg["seed"], rt.device,
                                          cfg["draft"])
-    if hasattr(model, "lm_head"):  # a DFlash draft drafts through the target's own head
+    family = registry.for_draft(cfg["draft"])
+    if family.OWN_LM_HEAD:  # else it drafts through the target's (the teacher's) lm_head
         model.lm_head.weight.requires_grad_(cfg["lm_head"] == "trained")
     if cfg["compile"]:
         compile_pointwise(model)
-    wrapped = wrap_model(model, cfg["strategy"], rt)
+    wrapped = wrap_model(model, cfg["strategy"], rt, family.FSDP_UNITS)
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = build_optimizer(model, cfg)  # after wrapping: FSDP replaces the parameters
 
@@ -274,156 +261,17 @@ def online_machine(store, rt: Runtime) -> dict:
 
 
 def run_micro_batch(model, head, batch: dict, cfg: dict, rt: Runtime):
-    """Forward one training micro-batch: (loss, counts ``[6, K]``), with the teacher
-    ``train.teacher_head`` names (a DFlash draft: its blocks, ``train.anchors`` a sample)."""
-    if is_dflash(model):
-        loss, counts, _ = dflash_micro_batch(model, head, batch, cfg, rt, cfg["anchors"])
-        return loss, counts
-    loss, counts, _, _ = forward_micro_batch(model, head, batch, cfg, rt,
-                                             full_teacher=cfg["teacher_head"] == "full")
+    """Forward one training micro-batch: (loss, counts ``[6, K]``), as the draft's family
+    (``train.draft``) trains it (``draftline.drafts.registry``: its ``micro_batch``)."""
+    micro_batch = registry.hook(registry.for_draft(cfg.get("draft")), "micro_batch")
+    loss, counts, _ = micro_batch(model, head, batch, cfg, rt)
     return loss, counts
 
 
-def forward_micro_batch(model, head, batch: dict, cfg: dict, rt: Runtime,
-                        temperatures: tuple[float, ...] = (), full_teacher: bool = True,
-                        walk: bool = False):
-    """One micro-batch: (loss, counts ``[6, K]``, acceptance counts ``[len(temperatures), 2,
-    2, K]`` of a draft served at each temperature, greedy (``sampled_acceptance_counts``) then
-    probabilistic (``probabilistic_acceptance_counts``), and with ``walk`` the counts of
-    walking its answers as a temperature-0 server drafts (``walked_acceptance_counts``, ``[2,
-    K]``; else None))."""
-    cuda = rt.device.type == "cuda"
-    dtype = torch.bfloat16 if cuda else torch.float32
-    aux = batch["aux"].to(rt.device, dtype, non_blocking=True)  # [B, T, 3Ht]
-    final = batch["final"].to(rt.device, dtype, non_blocking=True)  # [B, T, Ht]
-    input_ids = batch["input_ids"].to(rt.device, non_blocking=True)  # [B, T]
-    loss_mask = batch["loss_mask"].to(rt.device, non_blocking=True)  # [B, T]
-    amp = torch.autocast("cuda", dtype=torch.bfloat16) if cuda else contextlib.nullcontext()
-    with amp:
-        if full_teacher:
-            target_logp, target_in_draft, argmax = head(final, with_argmax=True)  # [B, T, (D)]
-            greedy_path = on_greedy_path(input_ids, argmax)
-        else:  # every generated row in the loss; the step's counts are not the greedy path's
-            target_logp = head.draft_rows(final)  # [B, T, D]
-            target_in_draft, greedy_path = torch.ones_like(loss_mask, dtype=torch.bool), None
-        logits = model(aux, input_ids, cfg["ttt_steps"])  # K x [B, T, D]
-        teacher = teacher_at_temperature(target_logp, cfg["teacher_temperature"])
-        loss, counts = ttt_loss(logits, teacher, target_in_draft, loss_mask, cfg["loss_decay"],
-                                greedy_path=greedy_path, objective=cfg["loss"])
-        accepted = torch.stack([
-            served_acceptance_counts(logits, head.logp_at_temperature(final, t), input_ids,
-                                     loss_mask, head.draft_ids, t)
-            for t in temperatures]) if temperatures else None
-        walked = (walked_acceptance_counts(logits, target_logp, target_in_draft, loss_mask)
-                  if walk else None)
-    return loss, counts, accepted, walked
-
-
-def is_dflash(model) -> bool:
-    """A DFlash draft (or DDP around one; FSDP keeps the class)."""
-    return isinstance(getattr(model, "module", model), DFlashDraft)
-
-
-def dflash_micro_batch(model, head, batch: dict, cfg: dict, rt: Runtime,
-                       anchors_per_sample: int | None):
-    """A DFlash draft's micro-batch: (loss, counts ``[6, B - 1]``, None) over up to
-    ``anchors_per_sample`` blocks of each sample, or (None, counts, walk counts ``[2, B -
-    1]``) as evaluation scores them, over every anchor (``draftline.model.walk_counts``: the
-    round anchored at a is the row a - 1 of an EAGLE unroll), ``train.anchors`` blocks a pass
-    (the attention holds [anchors, block, context] scores a pass)."""
-    cuda = rt.device.type == "cuda"
-    dtype = torch.bfloat16 if cuda else torch.float32
-    aux = batch["aux"].to(rt.device, dtype, non_blocking=True)  # [Bs, S, n*Ht]
-    final = batch["final"].to(rt.device, dtype, non_blocking=True)  # [Bs, S, Ht]
-    input_ids = batch["input_ids"].to(rt.device, non_blocking=True)  # [Bs, S]
-    loss_mask = batch["loss_mask"].to(rt.device, non_blocking=True)  # [Bs, S]
-    anchors, valid = sample_anchors(loss_mask, anchors_per_sample)  # [Bs, A] each
-    every_anchor = anchors_per_sample is None
-    # [Bs, S + 1]: the run of the round anchored at a sits at row a - 1; padded anchors (and
-    # an anchor at 0, which no row precedes) write to the extra last column
-    runs = torch.zeros(input_ids.shape[0], input_ids.shape[1] + 1, dtype=torch.long,
-                       device=input_ids.device)
-    amp = torch.autocast("cuda", dtype=torch.bfloat16) if cuda else contextlib.nullcontext()
-    with amp:
-        _, _, target_argmax = head(final, with_argmax=True)  # [Bs, S]
-        loss, counts = None, 0
-        for first in range(0, anchors.shape[1], cfg["anchors"]):
-            part = slice(first, first + cfg["anchors"])
-            states = model(aux, input_ids, anchors[:, part])  # [Bs, a, B, H]
-            loss, c, run = block_loss(states, head.lm_head, input_ids, loss_mask,
-                                      anchors[:, part], valid[:, part], target_argmax,
-                                      cfg["loss_decay"], with_runs=True)
-            counts = counts + c
-            if every_anchor:
-                ok = valid[:, part] & (anchors[:, part] > 0)
-                rows = torch.where(ok, anchors[:, part] - 1, input_ids.shape[1])
-                runs.scatter_(1, rows, run)
-    if not every_anchor:
-        return loss, counts, None
-    return None, counts, walk_counts(runs[:, :-1], loss_mask, model.cfg.block_size - 1)
-
-
-def served_acceptance_counts(logits, target_logp_t, input_ids, loss_mask, draft_ids,
-                             temperature: float) -> torch.Tensor:
-    """``[2, 2, K]``: the acceptance counts of a greedy and of a probabilistic draft at T."""
-    return torch.stack([
-        sampled_acceptance_counts(logits, target_logp_t, input_ids, loss_mask, draft_ids),
-        probabilistic_acceptance_counts(logits, target_logp_t, loss_mask, temperature)])
-
-
 def evaluate(model, head, data, cfg: dict, rt: Runtime) -> dict:
-    """Metrics over the whole eval split; micro-batches are spread over the ranks. The
-    headline is ``walked_acceptance_length``: every eval answer walked the way a
-    temperature-0 server drafts it (``draftline.model.walked_acceptance_counts``), after 1..K
-    drafts in ``walked_acceptance_length_by_num_drafts``. Beside it the per-position figures
-    (``metrics_from_counts``) and the simulated acceptance of a draft served at each
-    ``train.eval_temperatures``, per temperature after 1..K drafts: greedy
-    (``simulated_acceptance_length_at``) and probabilistic draft sampling
-    (``simulated_acceptance_length_probabilistic_at``)."""
-    if is_dflash(model):
-        return evaluate_dflash(model, head, data, cfg, rt)
-    temperatures = tuple(cfg["eval_temperatures"])
-    counts = torch.zeros(len(COUNT_KEYS), cfg["ttt_steps"], dtype=torch.float64)
-    accepted = torch.zeros(len(temperatures), 2, 2, cfg["ttt_steps"], dtype=torch.float64)
-    walked = torch.zeros(len(WALK_KEYS), cfg["ttt_steps"], dtype=torch.float64)
-    model.eval()
-    with torch.no_grad():
-        for batch, keep in data.eval_batches():
-            _, c, a, w = forward_micro_batch(model, head, batch, cfg, rt, temperatures,
-                                             walk=True)
-            if keep:
-                counts += c
-                walked += w
-                if a is not None:
-                    accepted += a
-    model.train()
-    metrics = metrics_from_counts(all_reduce_sum(counts, rt))
-    by_drafts = walked_acceptance_lengths(all_reduce_sum(walked, rt))
-    metrics["walked_acceptance_length"] = by_drafts[-1]
-    metrics["walked_acceptance_length_by_num_drafts"] = by_drafts
-    accepted = all_reduce_sum(accepted, rt)
-    for key, method in (("simulated_acceptance_length_at", 0),
-                        ("simulated_acceptance_length_probabilistic_at", 1)):
-        metrics[key] = {f"{t:g}": acceptance_length_from(a[method])
-                        for t, a in zip(temperatures, accepted, strict=True)}
-    return metrics
-
-
-def evaluate_dflash(model, head, data, cfg: dict, rt: Runtime) -> dict:
-    """A DFlash draft's metrics over the whole eval split: every anchor of every sample, the
-    temperature-0 figures (its served temperatures above 0 are not simulated)."""
-    counts = torch.zeros(len(COUNT_KEYS), model.cfg.block_size - 1, dtype=torch.float64)
-    walked = torch.zeros(len(WALK_KEYS), model.cfg.block_size - 1, dtype=torch.float64)
-    model.eval()
-    with torch.no_grad():
-        for batch, keep in data.eval_batches():
-            _, c, w = dflash_micro_batch(model, head, batch, cfg, rt, None)
-            if keep:
-                counts += c
-                walked += w
-    model.train()
-    metrics = metrics_from_counts(all_reduce_sum(counts, rt))
-    by_drafts = walked_acceptance_lengths(all_reduce_sum(walked, rt))
-    metrics["walked_acceptance_length"] = by_drafts[-1]
-    metrics["walked_acceptance_length_by_num_drafts"] = by_drafts
-    return metrics
+    """Metrics over the whole eval split, micro-batches spread over the ranks, as the draft's
+    family scores it (its ``evaluate``). The headline is ``walked_acceptance_length``: every
+    eval answer walked the way a temperature-0 server drafts it
+    (``draftline.drafts.acceptance.walked_acceptance_counts``)."""
+    family_evaluate = registry.hook(registry.for_draft(cfg.get("draft")), "evaluate")
+    return family_evaluate(model, head, data, cfg, rt, lambda t: all_reduce_sum(t, rt))

@@ -7,7 +7,7 @@ import logging
 import shutil
 from pathlib import Path
 
-from draftline.model import metrics_from_counts
+from draftline.drafts.acceptance import metrics_from_counts
 from draftline.stages.train.checkpoint import BEST_DIR, METRICS_FILE
 from draftline.stages.train.distributed import Runtime
 
@@ -17,8 +17,9 @@ log = logging.getLogger(__name__)
 def acceptance_score(record: dict) -> float:
     """The figure an evaluation is ranked by (best weights, ``train.lr: auto``'s probes): the
     walked acceptance length, the tokens per round of a temperature-0 server drafting the
-    eval answers (``draftline.model.walked_acceptance_counts``). A record without it (written
-    before the walk was measured) ranks by its per-position ``simulated_acceptance_length``."""
+    eval answers (``draftline.drafts.acceptance.walked_acceptance_counts``). A record without
+    it (written before the walk was measured) ranks by its per-position
+    ``simulated_acceptance_length``."""
     walked = record.get("walked_acceptance_length")
     return record["simulated_acceptance_length"] if walked is None else walked
 

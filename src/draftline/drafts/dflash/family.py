@@ -1,0 +1,95 @@
+"""The DFlash family's facts, as ``draftline.drafts.registry`` asks them: its name and labels,
+its trainable parameters, its cost, how vLLM serves it (SGLang does not), its config checks and
+where its torch code is.
+
+Standard library only: ``draftline.core.config_check`` loads the registry, and the registry
+this file, by path at the workflow's parse time.
+"""
+
+from __future__ import annotations
+
+NAME = "dflash"
+DRAFTINGS = ("dflash",)  # train.draft.drafting
+HOOKS = {
+    "build": "draftline.drafts.dflash.train",
+    "init": "draftline.drafts.dflash.model",
+    "check_inputs": "draftline.drafts.dflash.train",
+    "micro_batch": "draftline.drafts.dflash.train",
+    "evaluate": "draftline.drafts.dflash.train",
+    "export": "draftline.drafts.dflash.export",
+    "serving_problem": "draftline.drafts.dflash.export",
+}
+# One unit: its layers share one k_norm (the package docstring), which FSDP cannot split.
+FSDP_UNITS = ()
+OWN_LM_HEAD = False  # it drafts through the target's own lm_head (the teacher's)
+ARCHITECTURE = "DFlashDraftModel"  # exported: vLLM's DFlashQwen3ForCausalLM reads it
+# train.draft.num_layers null: the toy's simulated acceptance with 1, 2 and 3 layers was 1.23,
+# 2.48 and 2.65 (one layer cannot carry the anchor token to the mask slots and attend to the
+# context too)
+DEFAULT_LAYERS = 3
+
+
+def recognises(config: dict) -> bool:
+    """A saved ``draft_config.json`` (``drafting``) or an exported ``config.json``
+    (``architectures``) of a DFlash draft."""
+    return (config.get("drafting") in DRAFTINGS
+            or ARCHITECTURE in (config.get("architectures") or []))
+
+
+def layers(draft: dict) -> int:
+    """The draft's layers: train.draft.num_layers, else DEFAULT_LAYERS."""
+    return draft.get("num_layers") or DEFAULT_LAYERS
+
+
+def label(draft: dict) -> str:
+    return f"DFlash ({layers(draft)} layer(s), block {draft.get('block_size', 16)})"
+
+
+def served_label(exported: dict) -> str:
+    return "DFlash"
+
+
+def trainable_params(dims: dict, sizes: dict, draft_vocab: int, draft: dict) -> int:
+    """fc, its norm and the final one, and each layer (q, o; k, v from one input each; its
+    norms); the shared k_norm once. No lm_head: the target's."""
+    h, heads, head_dim, kv = sizes["h"], sizes["heads"], sizes["head_dim"], sizes["kv"]
+    gqa = h * heads * head_dim * 2 + 2 * h * kv * head_dim  # q, o; k, v (one input each)
+    return 3 * h * h + 2 * h + layers(draft) * (gqa + head_dim + sizes["mlp"] + 2 * h) + head_dim
+
+
+def train_passes(train: dict, draft: dict, sample_tokens: float) -> tuple[float, str]:
+    """Each layer over the context and the blocks (anchors x block_size tokens a sample)."""
+    block_tokens = min(train["anchors"], sample_tokens) * draft["block_size"]
+    # each layer projects the whole context (keys, values) and runs the blocks through
+    passes = layers(draft) * (1.0 + block_tokens / max(sample_tokens, 1.0))
+    return passes, (f"{layers(draft)} layer(s) over the context and {train['anchors']} "
+                    f"anchors x block {draft['block_size']} a sample: {passes:.1f} passes")
+
+
+def speculative(exported: dict) -> dict:
+    """vLLM's method ``dflash`` (it then drafts the block in parallel by itself)."""
+    return {"method": "dflash", "parallel_drafting": bool(exported.get("parallel_drafting"))}
+
+
+def sglang_refusal(exported: dict) -> str | None:
+    return ("Not with SGLang from this card: this is a DFlash draft, checked against vLLM's "
+            "DFlashQwen3ForCausalLM only. Serve it with vLLM.")
+
+
+def config_problem(config: dict, key: str, draft: dict) -> str | None:
+    """A DFlash draft is vLLM's Qwen3-layer DFlashQwen3ForCausalLM: no MLA; it names a layer by
+    its output (so no aux id 0, the embeddings); it was trained on blocks of block_size, so
+    it serves at most block_size - 1 drafts."""
+    layer_ids = config["hidden"]["layer_ids"] or []
+    if draft["arch"] != "llama":
+        return (f"config key '{key}.arch': a DFlash draft has vLLM's Qwen3 attention "
+                "(DFlashQwen3ForCausalLM): use arch llama")
+    if 0 in layer_ids:
+        return (f"config key 'hidden.layer_ids': {layer_ids} include 0 (the embeddings), which "
+                f"the DFlash draft of {key} cannot read")
+    longest = max(config["bench"]["num_speculative_tokens"])
+    if longest > draft["block_size"] - 1:
+        return (f"config key 'bench.num_speculative_tokens': {longest} drafts, but the DFlash "
+                f"draft of {key} is trained on blocks of {draft['block_size']} (block_size), "
+                f"which fill at most {draft['block_size'] - 1}")
+    return None

@@ -1,0 +1,168 @@
+"""Which draft family a draft is, and everything the rest of draftline asks of a family.
+
+A family is one folder of ``draftline.drafts`` (``eagle3/``, ``dflash/``) whose ``family``
+module holds its facts. The registry finds a family by ``train.draft`` (its ``drafting`` key,
+``for_draft``) or by a saved ``draft_config.json`` or an exported ``config.json``
+(``of_config``); every other module asks it, never tests a family itself.
+
+A ``family`` module has (standard library only):
+
+    NAME, DRAFTINGS       its name, the train.draft.drafting values it trains
+    recognises(config)    whether a saved or exported config is one of its drafts
+    label(draft)          its name as the plan and the benchmark print it (of train.draft)
+    served_label(config)  the same of an exported config.json
+    trainable_params(dims, sizes, draft_vocab, draft)   the one count of its parameters
+    train_passes(train, draft, sample_tokens)           one-layer passes a step costs, and why
+    speculative(config)   vLLM's speculative-config keys: method, parallel_drafting
+    sglang_refusal(config)  why SGLang cannot serve it, or None
+    config_problem(config, key, draft)  what vLLM cannot serve in a config, or None
+    FSDP_UNITS            submodules FSDP shards as units before the whole draft
+    OWN_LM_HEAD           whether the draft has its own lm_head (else the target's)
+    HOOKS                 hook name -> the module (torch side, imported when asked) defining it
+
+and its torch-side hooks (``hook``):
+
+    build(target_dir, target, d2t, t2d, seed, dtype, draft) -> (model, head, draft config)
+        ``target`` the target's embed, norm and lm_head tensors, d2t/t2d the vocab map
+    init(model, seed)                 deterministic initial weights (``build`` calls it)
+    check_inputs(store, draft)        refuses hidden states it cannot train on
+    micro_batch(model, head, batch, cfg, rt, walk=False) -> (loss, counts, walk counts)
+        counts ``[len(COUNT_KEYS), K]`` (``draftline.drafts.acceptance``); with ``walk`` (the
+        evaluation) the walk counts ``[len(WALK_KEYS), K]``, else None
+    evaluate(model, head, data, cfg, rt, reduce) -> metrics   the whole eval split, ``reduce``
+        summing a tensor over the processes
+    export(weights_file, target_cfg, vocab_map, layer_ids, out_dir) -> out_dir   the layer
+        ids checked
+    serving_problem(draft_dir) -> str | None   (optional) why vLLM's CPU build cannot serve it
+
+Adding a family: its folder with these modules, its entry in ``FAMILIES`` and its drafting in
+the schema's ``train.draft.drafting`` enum.
+
+Standard library only, and so is every ``family`` module: ``draftline.core.config_check``
+loads this file by its path at the workflow's parse time (``rules/common.smk``), and this file
+then loads the families' by theirs.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+from pathlib import Path
+from types import ModuleType
+
+# family name -> its facts module (named in full: draftline.core.codehash follows the names)
+FAMILIES = {
+    "eagle3": "draftline.drafts.eagle3.family",
+    "dflash": "draftline.drafts.dflash.family",
+}
+DEFAULT = "eagle3"  # a draft that says no drafting, a saved config no family recognises
+_LOADED: dict[str, ModuleType] = {}
+
+
+def family(name: str) -> ModuleType:
+    """The facts module of family ``name``."""
+    if name not in FAMILIES:
+        raise ValueError(f"unknown draft family {name!r} (known: {', '.join(FAMILIES)})")
+    if name not in _LOADED:
+        _LOADED[name] = _load(FAMILIES[name])
+    return _LOADED[name]
+
+
+def _load(module: str) -> ModuleType:
+    if __package__ == "draftline.drafts":
+        return importlib.import_module(module)
+    # loaded by its path: the family's file by its own (no draftline package needed)
+    path = Path(__file__).parent.joinpath(*module.split(".")[2:]).with_suffix(".py")
+    spec = importlib.util.spec_from_file_location(f"_draftline_{module.replace('.', '_')}",
+                                                  path)
+    loaded = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(loaded)
+    return loaded
+
+
+def families() -> list[ModuleType]:
+    return [family(name) for name in FAMILIES]
+
+
+def for_draft(draft: dict | None) -> ModuleType:
+    """The family of ``train.draft`` (a variant's included), by its ``drafting``."""
+    drafting = (draft or {}).get("drafting")
+    if drafting is None:
+        return family(DEFAULT)
+    for fam in families():
+        if drafting in fam.DRAFTINGS:
+            return fam
+    known = [d for fam in families() for d in fam.DRAFTINGS]
+    raise ValueError(f"config key 'train.draft.drafting': {drafting!r} is no draft family's "
+                     f"(known: {', '.join(known)})")
+
+
+def of_config(config: dict | None) -> ModuleType:
+    """The family of a saved ``draft_config.json`` or an exported ``config.json`` (an empty
+    or unrecognised one: the default family's)."""
+    config = config or {}
+    for fam in families():
+        if fam.NAME != DEFAULT and fam.recognises(config):
+            return fam
+    return family(DEFAULT)
+
+
+def hook(fam: ModuleType, name: str):
+    """The family's torch-side hook ``name`` (imported now); None for an optional hook it
+    does not have."""
+    module = fam.HOOKS.get(name)
+    if module is None:
+        return None
+    return getattr(importlib.import_module(module), name)
+
+
+# ----------------------------------------------------------------------------- facts
+
+
+def layer_sizes(dims: dict, draft: dict) -> dict:
+    """A draft layer's sizes from the target's dims (``draftline.plan.target_dims``) and
+    train.draft's non-null entries: hidden h, heads, head_dim, kv heads and the MLP's
+    parameters."""
+    h = dims["hidden_size"]
+    heads = draft.get("num_attention_heads", dims.get("num_heads", 1))
+    return {"h": h, "heads": heads,
+            "head_dim": draft.get("head_dim", h // dims.get("num_heads", 1)),
+            "kv": draft.get("num_key_value_heads", dims.get("num_kv_heads", heads)),
+            "mlp": 3 * h * draft.get("intermediate_size", dims.get("intermediate_size", 4 * h))}
+
+
+def trainable_params(dims: dict, draft_vocab: int, draft: dict | None = None) -> int:
+    """Trainable parameters of the draft ``train.draft`` describes (embedding shared, not
+    counted; null entries keep the target's sizes)."""
+    draft = {k: v for k, v in (draft or {}).items() if v is not None}
+    return for_draft(draft).trainable_params(dims, layer_sizes(dims, draft), draft_vocab, draft)
+
+
+def label(draft: dict | None) -> str:
+    """The draft's family as the plan and the benchmark label it."""
+    draft = draft or {}
+    return for_draft(draft).label(draft)
+
+
+def served_label(exported: dict) -> str:
+    """``label`` of an exported config.json."""
+    return of_config(exported).served_label(exported)
+
+
+def speculative(exported: dict) -> dict:
+    """How vLLM is asked to serve a draft, from its exported config.json: ``method`` and
+    ``parallel_drafting``."""
+    return of_config(exported).speculative(exported)
+
+
+def sglang_refusal(exported: dict) -> str | None:
+    return of_config(exported).sglang_refusal(exported)
+
+
+def config_problems(config: dict, drafts) -> str | None:
+    """The first problem of the drafts ``[(key, train.draft), ...]`` a config trains, or None."""
+    for key, draft in drafts:
+        problem = for_draft(draft).config_problem(config, key, draft)
+        if problem:
+            return problem
+    return None

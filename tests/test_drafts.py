@@ -1,0 +1,67 @@
+"""The draft families' registry: one family per drafting, found again from saved and exported
+configs, every family with the whole contract, loadable by path with the standard library."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+from conftest import REPO
+
+from draftline.drafts import registry
+
+FACTS = ("NAME", "DRAFTINGS", "HOOKS", "FSDP_UNITS", "OWN_LM_HEAD", "recognises", "label",
+         "served_label", "trainable_params", "train_passes", "speculative", "sglang_refusal",
+         "config_problem")
+REQUIRED_HOOKS = ("build", "init", "check_inputs", "micro_batch", "evaluate", "export")
+
+
+@pytest.mark.parametrize("family", registry.families(), ids=lambda f: f.NAME)
+def test_every_family_has_the_whole_contract(family):
+    assert [name for name in FACTS if not hasattr(family, name)] == []
+    for hook in REQUIRED_HOOKS:
+        assert callable(registry.hook(family, hook)), f"{family.NAME}: no hook {hook}"
+
+
+def test_each_drafting_is_one_familys_and_the_schema_lists_them_all():
+    import yaml
+
+    schema = yaml.safe_load((REPO / "src/draftline/schemas/config.schema.yaml").read_text())
+    draft = schema["properties"]["train"]["properties"]["draft"]["properties"]
+    draftings = [d for f in registry.families() for d in f.DRAFTINGS]
+    assert sorted(draftings) == sorted(draft["drafting"]["enum"])
+    assert len(set(draftings)) == len(draftings)
+    assert registry.for_draft({"drafting": "parallel"}).NAME == "eagle3"
+    assert registry.for_draft({"drafting": "dflash"}).NAME == "dflash"
+    assert registry.for_draft(None).NAME == registry.DEFAULT
+    with pytest.raises(ValueError, match="train.draft.drafting"):
+        registry.for_draft({"drafting": "medusa"})
+
+
+def test_saved_and_exported_configs_name_their_family():
+    assert registry.of_config({"drafting": "dflash", "block_size": 16}).NAME == "dflash"
+    assert registry.of_config({"architectures": ["DFlashDraftModel"]}).NAME == "dflash"
+    assert registry.of_config({"architectures": ["LlamaForCausalLMEagle3"],
+                               "parallel_drafting": True}).NAME == "eagle3"
+    assert registry.of_config({}).NAME == "eagle3"  # no config: the main EAGLE-3 draft
+    assert registry.speculative({"architectures": ["DFlashDraftModel"]}) == {
+        "method": "dflash", "parallel_drafting": False}
+    assert registry.speculative({"parallel_drafting": True}) == {
+        "method": "eagle3", "parallel_drafting": True}
+    assert registry.served_label({"architectures": ["Eagle3DeepseekV3ForCausalLM"],
+                                  "fc_norm": True}) == "EAGLE-3.1 MLA"
+
+
+def test_the_registry_loads_by_path_without_the_library_or_torch():
+    """As config_check loads it at the workflow's parse time: no draftline package, no torch."""
+    code = (
+        "import importlib.util, sys\n"
+        f"path = {str(REPO / 'src/draftline/drafts/registry.py')!r}\n"
+        "spec = importlib.util.spec_from_file_location('_reg', path)\n"
+        "reg = importlib.util.module_from_spec(spec); spec.loader.exec_module(reg)\n"
+        "print(reg.for_draft({'drafting': 'dflash'}).NAME, reg.label({'drafting': 'parallel'}))\n"
+        "assert 'torch' not in sys.modules and 'draftline' not in sys.modules\n")
+    out = subprocess.run([sys.executable, "-I", "-c", code], capture_output=True, text=True,
+                         check=True, cwd="/")
+    assert out.stdout.split() == ["dflash", "P-EAGLE"]
