@@ -69,6 +69,7 @@ from benchlib.training import (  # noqa: F401 (the peer harness imports these fr
 )
 
 import draftline.drafts as m
+import draftline.drafts.eagle3.model as eagle3_model
 
 TEACHER_HEADS = ("full", "draft_rows")  # train.teacher_head
 POINTWISE = ("eager", "compiled")  # train.compile false / true
@@ -130,13 +131,14 @@ ATTENTION = {"diagonal": m.ttt_attention, "diagonal-eager": m.ttt_attention_refe
 
 @contextlib.contextmanager
 def attention_impl(impl: str):
-    """DraftAttention looks ``ttt_attention`` up at call time: replacing it swaps the kernel."""
-    original = m.ttt_attention
-    m.ttt_attention = ATTENTION[impl]
+    """DraftAttention looks ``ttt_attention`` up in its module at call time: replacing it
+    there swaps the kernel."""
+    original = eagle3_model.ttt_attention
+    eagle3_model.ttt_attention = ATTENTION[impl]
     try:
         yield
     finally:
-        m.ttt_attention = original
+        eagle3_model.ttt_attention = original
 
 
 # ----------------------------------------------------------------------------- FLOPs, memory
@@ -448,12 +450,12 @@ def attention_path(setup: Setup, steps_k: int) -> str:
             seen.append((q.device.type, q.dtype, m.fused_attention_ok(q)))
         return ATTENTION["diagonal"](q, k_ctx, v_ctx, k_diag, v_diag)
 
-    original, m.ttt_attention = m.ttt_attention, recording
+    original, eagle3_model.ttt_attention = eagle3_model.ttt_attention, recording
     try:
         with torch.no_grad():
             setup.loss(max(steps_k, 2))
     finally:
-        m.ttt_attention = original
+        eagle3_model.ttt_attention = original
     if not seen:
         return "causal only (K = 1)"
     device, dtype, fused = seen[0]
