@@ -138,12 +138,13 @@ def test_real_stages_reach_the_modules_they_run():
     # what the hand-kept lists missed
     generate = closure("generate.py")
     assert {"stages/generate.py", "serving/loadgen.py", "serving/server.py", "core/atomic.py",
-            "serving/docker_launcher.py", "stages/dataset.py"} <= generate
+            "serving/docker_launcher.py", "stages/dataset.py", "core/split.py"} <= generate
     assert {"stages/train/loop.py", "drafts/eagle3/model.py", "stages/prompts.py",
             "stages/toy.py"}.isdisjoint(generate)
     assert {"stages/export.py", "core/target.py", "drafts/eagle3/model.py",
             "drafts/dflash/export.py"} <= closure("export_draft.py")
-    assert {"stages/bench.py", "stages/dataset.py", "serving/loadgen.py",
+    # the eval split's prompts: the split's module, not the dataset stage
+    assert {"stages/bench.py", "core/split.py", "serving/loadgen.py",
             "serving/server.py"} <= closure("bench.py")
     assert {"stages/hidden/__init__.py", "stages/hidden/store.py",
             "stages/hidden/hf_backend.py", "stages/hidden/vllm_backend.py",
