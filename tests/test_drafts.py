@@ -34,6 +34,7 @@ def test_each_drafting_is_one_familys_and_the_schema_lists_them_all():
     assert len(set(draftings)) == len(draftings)
     assert registry.for_draft({"drafting": "parallel"}).NAME == "eagle3"
     assert registry.for_draft({"drafting": "dflash"}).NAME == "dflash"
+    assert registry.for_draft({"drafting": "dspark"}).NAME == "dspark"
     assert registry.for_draft(None).NAME == registry.DEFAULT
     with pytest.raises(ValueError, match="train.draft.drafting"):
         registry.for_draft({"drafting": "medusa"})
@@ -45,6 +46,11 @@ def test_saved_and_exported_configs_name_their_family():
     assert registry.of_config({"architectures": ["LlamaForCausalLMEagle3"],
                                "parallel_drafting": True}).NAME == "eagle3"
     assert registry.of_config({}).NAME == "eagle3"  # no config: the main EAGLE-3 draft
+    assert registry.of_config({"drafting": "dspark", "markov_rank": 64}).NAME == "dspark"
+    assert registry.of_config({"architectures": ["Qwen3DSparkModel"]}).NAME == "dspark"
+    assert registry.speculative({"architectures": ["Qwen3DSparkModel"]}) == {
+        "method": "dspark", "parallel_drafting": False}
+    assert registry.served_label({"architectures": ["Qwen3DSparkModel"]}) == "DSpark"
     assert registry.speculative({"architectures": ["DFlashDraftModel"]}) == {
         "method": "dflash", "parallel_drafting": False}
     assert registry.speculative({"parallel_drafting": True}) == {
@@ -60,8 +66,32 @@ def test_the_registry_loads_by_path_without_the_library_or_torch():
         f"path = {str(REPO / 'src/draftline/drafts/registry.py')!r}\n"
         "spec = importlib.util.spec_from_file_location('_reg', path)\n"
         "reg = importlib.util.module_from_spec(spec); spec.loader.exec_module(reg)\n"
-        "print(reg.for_draft({'drafting': 'dflash'}).NAME, reg.label({'drafting': 'parallel'}))\n"
+        "print(reg.for_draft({'drafting': 'dflash'}).NAME, reg.label({'drafting': 'parallel'}),\n"
+        "      reg.label({'drafting': 'dspark', 'num_layers': 2, 'block_size': 8}))\n"
         "assert 'torch' not in sys.modules and 'draftline' not in sys.modules\n")
     out = subprocess.run([sys.executable, "-I", "-c", code], capture_output=True, text=True,
                          check=True, cwd="/")
-    assert out.stdout.split() == ["dflash", "P-EAGLE"]
+    assert out.stdout.split(maxsplit=2) == ["dflash", "P-EAGLE",
+                                            "DSpark (2 layer(s), block 8, Markov rank 64)\n"]
+
+
+def test_a_dspark_draft_counts_and_checks_as_its_dflash_backbone_plus_its_heads():
+    """DSpark's parameters are DFlash's plus two [V, r] Markov matrices and the confidence
+    projection; its config checks are DFlash's, named DSpark's."""
+    dims = {"hidden_size": 64, "num_heads": 4, "num_kv_heads": 2, "intermediate_size": 128,
+            "vocab_size": 1000}
+    draft = {"drafting": "dflash", "block_size": 8, "num_layers": 2}
+    dflash = registry.trainable_params(dims, 1000, draft)
+    rank = 16
+    spark = registry.trainable_params(dims, 1000, {**draft, "drafting": "dspark",
+                                                   "markov_rank": rank})
+    assert spark - dflash == 2 * 1000 * rank + (64 + rank + 1)
+    no_conf = registry.trainable_params(dims, 1000, {**draft, "drafting": "dspark",
+                                                     "markov_rank": rank,
+                                                     "confidence_head": False})
+    assert no_conf - dflash == 2 * 1000 * rank
+    config = {"hidden": {"layer_ids": [2, 4]}, "bench": {"num_speculative_tokens": [8]}}
+    problem = registry.config_problems(config, [("train.draft", {
+        "drafting": "dspark", "arch": "llama", "block_size": 8})])
+    assert problem.startswith("config key 'bench.num_speculative_tokens': 8 drafts, but the "
+                              "DSpark draft of train.draft is trained on blocks of 8")

@@ -5,8 +5,9 @@ and everything the rest of draftline asks of a family), then the shared modules 
 (norms, rotary, MLP), ``ttt`` (the TTT attention of an unrolled draft), ``teacher`` (the
 frozen target head), ``losses`` and ``acceptance`` (what a draft's predictions are worth
 served), then one folder per family: ``eagle3/`` (EAGLE-3, EAGLE-3.1, the MLA draft and
-P-EAGLE) and ``dflash/``. Each folder has ``family`` (its facts and config checks, standard
-library only), ``config``, ``model``, ``train`` and ``export``.
+P-EAGLE), ``dflash/`` and ``dspark/`` (DFlash's backbone and two heads). Each folder has
+``family`` (its facts and config checks, standard library only), ``config``, ``model``,
+``train`` and ``export``.
 
 Names are re-exported here lazily (``from draftline.drafts import TargetHead``): importing the
 package, or its standard-library ``registry``, does not import torch.
@@ -40,6 +41,8 @@ _EXPORTS = {
     "eagle3.train": ("ttt_loss",),
     "dflash.config": ("DFlashConfig",),
     "dflash.model": ("DFlashDraft",),
+    "dspark.config": ("DSparkConfig",),
+    "dspark.model": ("DSparkDraft",),
 }
 _MODULE_OF = {name: module for module, names in _EXPORTS.items() for name in names}
 __all__ = sorted(_MODULE_OF)

@@ -1,9 +1,9 @@
 """Which draft family a draft is, and everything the rest of draftline asks of a family.
 
-A family is one folder of ``draftline.drafts`` (``eagle3/``, ``dflash/``) whose ``family``
-module holds its facts. The registry finds a family by ``train.draft`` (its ``drafting`` key,
-``for_draft``) or by a saved ``draft_config.json`` or an exported ``config.json``
-(``of_config``); every other module asks it, never tests a family itself.
+A family is one folder of ``draftline.drafts`` (``eagle3/``, ``dflash/``, ``dspark/``) whose
+``family`` module holds its facts. The registry finds a family by ``train.draft`` (its
+``drafting`` key, ``for_draft``) or by a saved ``draft_config.json`` or an exported
+``config.json`` (``of_config``); every other module asks it, never tests a family itself.
 
 A ``family`` module has (standard library only):
 
@@ -54,6 +54,7 @@ from types import ModuleType
 FAMILIES = {
     "eagle3": "draftline.drafts.eagle3.family",
     "dflash": "draftline.drafts.dflash.family",
+    "dspark": "draftline.drafts.dspark.family",
 }
 DEFAULT = "eagle3"  # a draft that says no drafting, a saved config no family recognises
 _LOADED: dict[str, ModuleType] = {}

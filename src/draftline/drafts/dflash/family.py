@@ -76,20 +76,22 @@ def sglang_refusal(exported: dict) -> str | None:
             "DFlashQwen3ForCausalLM only. Serve it with vLLM.")
 
 
-def config_problem(config: dict, key: str, draft: dict) -> str | None:
+def config_problem(config: dict, key: str, draft: dict, name: str = "DFlash",
+                   served_by: str = "DFlashQwen3ForCausalLM") -> str | None:
     """A DFlash draft is vLLM's Qwen3-layer DFlashQwen3ForCausalLM: no MLA; it names a layer by
     its output (so no aux id 0, the embeddings); it was trained on blocks of block_size, so
-    it serves at most block_size - 1 drafts."""
+    it serves at most block_size - 1 drafts. ``name`` and ``served_by``: a family on DFlash's
+    backbone (DSpark) asking the same."""
     layer_ids = config["hidden"]["layer_ids"] or []
     if draft["arch"] != "llama":
-        return (f"config key '{key}.arch': a DFlash draft has vLLM's Qwen3 attention "
-                "(DFlashQwen3ForCausalLM): use arch llama")
+        return (f"config key '{key}.arch': a {name} draft has vLLM's Qwen3 attention "
+                f"({served_by}): use arch llama")
     if 0 in layer_ids:
         return (f"config key 'hidden.layer_ids': {layer_ids} include 0 (the embeddings), which "
-                f"the DFlash draft of {key} cannot read")
+                f"the {name} draft of {key} cannot read")
     longest = max(config["bench"]["num_speculative_tokens"])
     if longest > draft["block_size"] - 1:
-        return (f"config key 'bench.num_speculative_tokens': {longest} drafts, but the DFlash "
+        return (f"config key 'bench.num_speculative_tokens': {longest} drafts, but the {name} "
                 f"draft of {key} is trained on blocks of {draft['block_size']} (block_size), "
                 f"which fill at most {draft['block_size'] - 1}")
     return None
