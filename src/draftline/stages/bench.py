@@ -877,6 +877,16 @@ def unmeasured_markdown(summary: list[dict]) -> list[str]:
     return lines
 
 
+def unservable_markdown(unservable: dict[str, str]) -> list[str]:
+    """The variants this host cannot serve as trained (``check_configurations``), and why."""
+    if not unservable:
+        return []
+    return ["", "## Variants not served on this host", "",
+            "Trained and exported, not measured: benchmark them on a GPU host or give them "
+            "external servers (bench.endpoints).", "", "| variant | why |", "|---|---|",
+            *(f"| {name} | {why} |" for name, why in sorted(unservable.items()))]
+
+
 def summary_markdown(result: dict) -> str:
     windows = (f"closed-loop windows of at least {result['measure_s']:g} s (after a warm-up, "
                "opened once the server ran exactly C requests with none waiting, and held "
@@ -922,6 +932,7 @@ def summary_markdown(result: dict) -> str:
             f" | {s['speedup_throughput'] or '-'} | "
             f"{s['speedup_tpot'] or '-'} | {s.get('predicted_speedup') or '-'} |")
     lines += unmeasured_markdown(result["summary"])
+    lines += unservable_markdown(result.get("unservable_variants") or {})
     lines += explain_speedup(result.get("step_costs"))
     lines += fastest_markdown(result.get("fastest") or [])
     lines += bench_variants.comparison_markdown(result.get("variants") or [])
@@ -1023,17 +1034,22 @@ def uses_mla(target_cfg: dict) -> bool:
 
 
 def check_configurations(configs: list[dict], model: str, external: dict,
-                         on_gpu: bool, draft_dirs: dict | None = None) -> None:
+                         on_gpu: bool, draft_dirs: dict | None = None) -> dict[str, str]:
     """Refuse, before anything is measured, pairs that are known not to start or not to
-    serve the draft that was trained."""
+    serve the draft that was trained. A variant (``train.variants``) this host cannot serve
+    as trained is no reason to measure nothing: returned, name -> why, for the run to leave
+    its configurations out and report it unservable here."""
     target_cfg = target_architecture(model)
     managed_spec = [c["name"] for c in configs
                     if c["num_speculative_tokens"] is not None and c["name"] not in external]
+    unservable: dict[str, str] = {}
     for cfg in configs:
         draft_dir = (draft_dirs or {}).get(cfg.get("draft") or cfg.get("variant"))
         problem = (serving_problem(draft_dir)
                    if cfg["name"] in managed_spec and not on_gpu and draft_dir else None)
-        if problem:
+        if problem and cfg.get("variant"):
+            unservable[cfg["variant"]] = problem
+        elif problem:
             raise BenchError(
                 f"bench: cannot serve {cfg['name']} faithfully on this host: {problem}. "
                 "Benchmark it on a GPU host or give it an external server (bench.endpoints). "
@@ -1047,6 +1063,7 @@ def check_configurations(configs: list[dict], model: str, external: dict,
             "multiples of 32; see docs/internals.md). Benchmark on a GPU host, give the "
             "speculative configurations external servers (bench.endpoints), or use a "
             "Llama-architecture target for the CPU benchmark. Nothing was measured.")
+    return unservable
 
 
 def measuring_order(configs: list[dict], server_is_up=lambda config: False) -> list[dict]:
@@ -1085,7 +1102,11 @@ def measure_deployment_benchmark(response_files: list[str], draft_dir: str, eval
     draft_dirs.update({name: folder / CHECKPOINT for name, folder in variant_dirs.items()})
     draft_dirs[None] = draft_dir
     external_urls = bench_cfg.get("endpoints") or {}
-    check_configurations(configs, model, external_urls, has_gpu(), draft_dirs)
+    unservable = check_configurations(configs, model, external_urls, has_gpu(), draft_dirs)
+    for name, problem in unservable.items():
+        log(f"bench: variant {name} is not measured: this host cannot serve it as trained: "
+            f"{problem}")
+    configs = [c for c in configs if c.get("variant") not in unservable]
     prompts = eval_prompts([Path(p) for p in response_files], eval_fraction,
                            bench_cfg["num_prompts"])
     levels = concurrency_levels(bench_cfg, generate_cfg, profile_json)
@@ -1140,6 +1161,7 @@ def measure_deployment_benchmark(response_files: list[str], draft_dir: str, eval
               "variants": bench_variants.comparison(list(filter(measured, summary)), configs,
                                                     families),
               "unmeasured": unmeasured_cells(summary),
+              "unservable_variants": unservable,
               "sampling_recommendation": sampling_recommendation(summary, configs),
               "fastest": fastest_per_level(summary)}
     write_json(out / BENCH_RESULTS, result, indent=2)
