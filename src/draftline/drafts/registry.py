@@ -150,9 +150,20 @@ def served_label(exported: dict) -> str:
     return of_config(exported).served_label(exported)
 
 
+# A speculators-format checkpoint (the peer trainer's, benchmarks/draft_quality.py) names its
+# type; vLLM maps it to a method and parallel drafting (SpeculatorsConfig's
+# build_vllm_speculative_config), and so do we.
+SPECULATORS_TYPES = {"eagle3": ("eagle3", False), "peagle": ("eagle3", True),
+                     "dflash": ("dflash", False), "dflash2": ("dflash", False),
+                     "dspark": ("dspark", False)}
+
+
 def speculative(exported: dict) -> dict:
     """How vLLM is asked to serve a draft, from its exported config.json: ``method`` and
-    ``parallel_drafting``."""
+    ``parallel_drafting`` (a speculators-format checkpoint's by its type)."""
+    peer = SPECULATORS_TYPES.get(exported.get("speculators_model_type"))
+    if peer is not None:
+        return {"method": peer[0], "parallel_drafting": peer[1]}
     return of_config(exported).speculative(exported)
 
 
