@@ -150,11 +150,12 @@ ROWS: dict[str, dict] = {
     "peer lr=2e-2 packed 8192": {"trainer": PEER, "lr": 0.02, "optimizer": "muon",
                                  "total_seq_len": 8192},
     # the peer's own families, shaped as the draftline row each is compared with (PEER_SHAPES),
-    # at its CLI's lr (1e-3), 5e-3 and 2e-2 (its EAGLE-3's best on the toy)
+    # at its CLI's lr (1e-3), 5e-3, 2e-2 (its EAGLE-3's best on the toy) and 5e-2 (its P-EAGLE
+    # still rose at 2e-2)
     **{f"peer {family} lr={lr}": {"trainer": PEER, "family": family, "lr": float(lr),
                                   "optimizer": "muon", **PEER_SHAPES[family]}
        for family in ("peagle", "dflash", "dflash 1 layer", "dspark")
-       for lr in ("1e-3", "5e-3", "2e-2")},
+       for lr in ("1e-3", "5e-3", "2e-2", "5e-2")},
 }
 
 SCHEMA = "draftline.draft_quality/1"

@@ -190,7 +190,8 @@ def test_family_rows_and_their_peer_settings():
         "optimizer": "muon", "family": "dflash", "num_layers": 1, "block_size": 4}
     assert dq.ROWS["peer dflash lr=1e-3"]["num_layers"] == 3  # draftline's dflash default
     assert [n for n in dq.ROWS if n.startswith("peer peagle")] == [
-        "peer peagle lr=1e-3", "peer peagle lr=5e-3", "peer peagle lr=2e-2"]
+        "peer peagle lr=1e-3", "peer peagle lr=5e-3", "peer peagle lr=2e-2",
+        "peer peagle lr=5e-2"]
 
 
 def test_an_eagle3_peer_rows_fingerprint_is_unchanged_by_the_families(tmp_path):
