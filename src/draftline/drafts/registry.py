@@ -57,6 +57,12 @@ FAMILIES = {
     "dspark": "draftline.drafts.dspark.family",
 }
 DEFAULT = "eagle3"  # a draft that says no drafting, a saved config no family recognises
+# A speculators-format checkpoint (the peer trainer's, benchmarks/draft_quality.py) names its
+# type: its family, and vLLM's method and parallel drafting for it (as vLLM's
+# SpeculatorsConfig.build_vllm_speculative_config maps the type).
+SPECULATORS_TYPES = {"eagle3": ("eagle3", "eagle3", False), "peagle": ("eagle3", "eagle3", True),
+                     "dflash": ("dflash", "dflash", False), "dflash2": ("dflash", "dflash", False),
+                     "dspark": ("dspark", "dspark", False)}
 _LOADED: dict[str, ModuleType] = {}
 
 
@@ -102,6 +108,9 @@ def of_config(config: dict | None) -> ModuleType:
     """The family of a saved ``draft_config.json`` or an exported ``config.json`` (an empty
     or unrecognised one: the default family's)."""
     config = config or {}
+    peer = SPECULATORS_TYPES.get(config.get("speculators_model_type"))
+    if peer is not None:
+        return family(peer[0])
     for fam in families():
         if fam.NAME != DEFAULT and fam.recognises(config):
             return fam
@@ -150,12 +159,6 @@ def served_label(exported: dict) -> str:
     return of_config(exported).served_label(exported)
 
 
-# A speculators-format checkpoint (the peer trainer's, benchmarks/draft_quality.py) names its
-# type; vLLM maps it to a method and parallel drafting (SpeculatorsConfig's
-# build_vllm_speculative_config), and so do we.
-SPECULATORS_TYPES = {"eagle3": ("eagle3", False), "peagle": ("eagle3", True),
-                     "dflash": ("dflash", False), "dflash2": ("dflash", False),
-                     "dspark": ("dspark", False)}
 
 
 def speculative(exported: dict) -> dict:
@@ -163,7 +166,7 @@ def speculative(exported: dict) -> dict:
     ``parallel_drafting`` (a speculators-format checkpoint's by its type)."""
     peer = SPECULATORS_TYPES.get(exported.get("speculators_model_type"))
     if peer is not None:
-        return {"method": peer[0], "parallel_drafting": peer[1]}
+        return {"method": peer[1], "parallel_drafting": peer[2]}
     return of_config(exported).speculative(exported)
 
 
