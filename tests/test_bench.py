@@ -108,6 +108,28 @@ def test_simulated_acceptance_is_the_training_evaluation_figure():
     assert simulated_acceptance(eval_json, 4) is None  # not simulated that deep
 
 
+def test_the_t0_gap_compares_serving_with_the_walk_of_the_answers_first_max_tokens():
+    """A server asked for at most bench.max_tokens tokens drafts only the answers' beginnings:
+    the gap's simulated figure is the walk cut there (the shortest cut at least that long),
+    the whole walk where no answer is longer. Measured on SmolLM2: 1.537 over whole answers,
+    1.666 served at max_tokens 128."""
+    eval_json = {"walked_acceptance_length_by_num_drafts": [1.4, 1.5, 1.54],
+                 "walked_acceptance_length_by_max_tokens": {"64": [1.5, 1.6, 1.7],
+                                                            "128": [1.5, 1.6, 1.66]},
+                 "simulated_acceptance_length_by_num_drafts": [1.4, 1.55, 1.63]}
+    assert simulated_acceptance(eval_json, 3, max_tokens=128) == pytest.approx(1.66)
+    assert simulated_acceptance(eval_json, 3, max_tokens=100) == pytest.approx(1.66)
+    assert simulated_acceptance(eval_json, 3, max_tokens=64) == pytest.approx(1.7)
+    assert simulated_acceptance(eval_json, 3, max_tokens=1024) == pytest.approx(1.54)
+    assert simulated_acceptance(eval_json, 3) == pytest.approx(1.54)
+    rows = [_row("eagle3-k3", 1, 0, 10, 5, drafts=100, accepted=66)]
+    configs = [{"name": "eagle3-k3", "num_speculative_tokens": 3}]
+    (gap,) = train_serve_gap(rows, configs, eval_json, log=print, max_tokens=128)
+    assert (gap["simulated"], gap["simulated_max_tokens"], gap["gap_pct"]) == (1.66, 128, 0.0)
+    (whole,) = train_serve_gap(rows, configs, eval_json, log=print)
+    assert (whole["simulated"], whole["simulated_max_tokens"]) == (1.54, None)
+
+
 def test_the_t0_simulation_is_the_walk_with_the_per_position_figure_beside_it():
     """At T = 0 the gap holds the walked figure (the eval answers drafted as the server drafts
     them); the per-position one is a second column and no longer explains the gap."""

@@ -28,6 +28,7 @@ from draftline.drafts import (
     ttt_attention,
     ttt_attention_reference,
     ttt_loss,
+    walk_metrics,
     walked_acceptance_counts,
     walked_acceptance_lengths,
 )
@@ -298,7 +299,7 @@ def _drafts_hitting(hits: list[list[bool]], length: int):
 def _walked(hits, loss_mask):
     logits, target_logp = _drafts_hitting(hits, loss_mask.shape[1])
     in_draft = torch.ones_like(loss_mask, dtype=torch.bool)
-    counts = walked_acceptance_counts(logits, target_logp, in_draft, loss_mask)
+    counts = walked_acceptance_counts(logits, target_logp, in_draft, loss_mask)[0]  # whole
     return walked_acceptance_lengths(counts), counts
 
 
@@ -310,6 +311,21 @@ def test_a_draft_always_right_walks_k_plus_one_tokens_a_round():
     walked, counts = _walked([[True] * 3] * 13, loss_mask)
     assert counts.tolist() == [[8.0, 9.0, 8.0], [4.0, 3.0, 2.0]]
     assert walked == pytest.approx([2.0, 3.0, 4.0])
+
+
+def test_the_walk_cut_at_n_tokens_runs_the_rounds_of_a_server_that_stops_answers_there():
+    """Prompt = positions 0-1, answer 2..41 (40 tokens), 1 draft a round, right at rows below
+    14 and wrong from there. A server stopped at 16 tokens emits positions 2..17: the prefill
+    (2), rounds at rows 1, 3, .., 13 (2 tokens each) and row 15 (1): 16 tokens, 15 of them from
+    8 rounds. Whole answers add rows 16..39, 1 token each: 39 tokens in 32 rounds. Cuts at 16
+    and 32 tokens are reported; 64 cuts no answer and is the whole walk."""
+    loss_mask = torch.tensor([[0, 0] + [1] * 40 + [0]])
+    logits, target_logp = _drafts_hitting([[i < 14] for i in range(43)], 43)
+    in_draft = torch.ones_like(loss_mask, dtype=torch.bool)
+    metrics = walk_metrics(walked_acceptance_counts(logits, target_logp, in_draft, loss_mask))
+    assert metrics["walked_acceptance_length"] == pytest.approx(39 / 32)
+    assert metrics["walked_acceptance_length_by_max_tokens"] == {
+        "16": [pytest.approx(15 / 8)], "32": [pytest.approx((14 + 17) / (7 + 17))]}
 
 
 def test_a_draft_right_only_at_its_first_step_walks_two_tokens_a_round():

@@ -32,7 +32,8 @@ _EXPORTS = {
     "teacher": ("TargetHead", "on_greedy_path", "teacher_at_temperature"),
     "losses": ("DraftKL", "DraftLK", "LOSSES"),
     "acceptance": (
-        "COUNT_KEYS", "WALK_KEYS", "metrics_from_counts", "accepted_runs", "walk_answer",
+        "COUNT_KEYS", "WALK_KEYS", "WALK_HORIZONS", "metrics_from_counts", "accepted_runs",
+        "walk_answer", "walk_rounds", "empty_walk", "walk_metrics",
         "answer_spans", "walked_acceptance_counts", "walk_counts", "walked_acceptance_lengths",
         "sampled_acceptance_counts", "probabilistic_acceptance_counts",
         "acceptance_length_from"),

@@ -52,6 +52,11 @@ def metrics_from_counts(counts: torch.Tensor) -> dict:
 
 
 WALK_KEYS = ("tokens", "rounds")
+# The answer lengths at which the walk is reported too: a server asked for at most N tokens an
+# answer (``max_tokens``, the deployment benchmark's ``bench.max_tokens``) drafts only their
+# first N, and acceptance changes along an answer (on SmolLM2's eval answers of up to 1,024
+# tokens: 1.66 over the first 128, 1.54 over whole answers).
+WALK_HORIZONS = tuple(2 ** i for i in range(4, 16))  # 16 .. 32,768 tokens
 
 
 def accepted_runs(step_logits: list[torch.Tensor], target_logp: torch.Tensor,
@@ -87,6 +92,17 @@ def accepted_runs(step_logits: list[torch.Tensor], target_logp: torch.Tensor,
     return run
 
 
+def walk_rounds(runs: list[int], first: int, last: int, num_drafts: int) -> list[tuple[int, int]]:
+    """(row, accepted) of each round of :func:`walk_answer`, in order."""
+    rounds = []
+    row = max(first - 1, 0)
+    while row + 2 <= last:
+        accepted = min(runs[row], num_drafts)
+        rounds.append((row, accepted))
+        row += accepted + 1
+    return rounds
+
+
 def walk_answer(runs: list[int], first: int, last: int, num_drafts: int) -> tuple[int, int]:
     """(tokens, rounds) of serving the answer at positions ``first..last`` (inclusive) of a
     sample with ``runs`` (:func:`accepted_runs`' row) the way vLLM does at temperature 0.
@@ -99,14 +115,8 @@ def walk_answer(runs: list[int], first: int, last: int, num_drafts: int) -> tupl
     Tokens are counted as vLLM's counters count them, 1 + accepted per round: a run that
     reaches the answer's end counts its bonus token, and drafts past the end (which the
     server may accept after the end-of-answer token) count as rejected."""
-    tokens = rounds = 0
-    row = max(first - 1, 0)
-    while row + 2 <= last:
-        accepted = min(runs[row], num_drafts)
-        tokens += accepted + 1
-        rounds += 1
-        row += accepted + 1
-    return tokens, rounds
+    rounds = walk_rounds(runs, first, last, num_drafts)
+    return sum(accepted + 1 for _, accepted in rounds), len(rounds)
 
 
 def answer_spans(mask: list[bool]) -> list[tuple[int, int]]:
@@ -132,18 +142,28 @@ def walked_acceptance_counts(step_logits: list[torch.Tensor], target_logp: torch
     return walk_counts(runs, loss_mask, len(step_logits))
 
 
+def empty_walk(max_drafts: int) -> torch.Tensor:
+    """Zero walk counts, ``[1 + len(WALK_HORIZONS), len(WALK_KEYS), max_drafts]`` float64:
+    row 0 walks whole answers, row 1 + h only their first ``WALK_HORIZONS[h]`` tokens."""
+    return torch.zeros(1 + len(WALK_HORIZONS), len(WALK_KEYS), max_drafts, dtype=torch.float64)
+
+
 def walk_counts(runs: torch.Tensor, loss_mask: torch.Tensor, max_drafts: int) -> torch.Tensor:
-    """``[len(WALK_KEYS), max_drafts]`` float64: :func:`walk_answer` over every answer of the
-    batch with 1..``max_drafts`` drafts a round; runs ``[B, T]`` as :func:`accepted_runs`'
-    (the run of the round whose bonus token sits at row + 1), loss_mask ``[B, T]``."""
+    """:func:`empty_walk`'s counts of :func:`walk_answer` over every answer of the batch with
+    1..``max_drafts`` drafts a round; runs ``[B, T]`` as :func:`accepted_runs`' (the run of the
+    round whose bonus token sits at row + 1), loss_mask ``[B, T]``. A server stopped at N
+    tokens (positions first .. first + N - 1) runs the rounds at rows i <= first + N - 3, a
+    prefix of the whole answer's rounds."""
     masks = loss_mask.bool().cpu().tolist()
-    counts = torch.zeros(len(WALK_KEYS), max_drafts, dtype=torch.float64)
+    counts = empty_walk(max_drafts)
     for row_runs, mask in zip(runs.cpu().tolist(), masks, strict=True):
         for first, last in answer_spans(mask):
             for n in range(1, max_drafts + 1):
-                tokens, rounds = walk_answer(row_runs, first, last, n)
-                counts[0, n - 1] += tokens
-                counts[1, n - 1] += rounds
+                rounds = walk_rounds(row_runs, first, last, n)
+                for h, horizon in enumerate((None, *WALK_HORIZONS)):
+                    kept = [a for row, a in rounds if horizon is None or row <= first + horizon - 3]
+                    counts[h, 0, n - 1] += sum(kept) + len(kept)
+                    counts[h, 1, n - 1] += len(kept)
     return counts
 
 
@@ -152,6 +172,19 @@ def walked_acceptance_lengths(counts: torch.Tensor) -> list[float]:
     no answer had a round)."""
     tokens, rounds = counts.double().tolist()
     return [t / r if r else 0.0 for t, r in zip(tokens, rounds, strict=True)]
+
+
+def walk_metrics(counts: torch.Tensor) -> dict:
+    """An evaluation's walk figures from :func:`walk_counts`' (summed over its batches):
+    ``walked_acceptance_length`` (whole answers, all K drafts), ``..._by_num_drafts`` (after
+    1..K) and ``..._by_max_tokens`` (N -> after 1..K, whole answers cut at N tokens, for each
+    N of ``WALK_HORIZONS`` that cuts some answer: beyond the longest it is the whole walk)."""
+    by_drafts = walked_acceptance_lengths(counts[0])
+    cut = {str(horizon): walked_acceptance_lengths(counts[1 + h])
+           for h, horizon in enumerate(WALK_HORIZONS) if not torch.equal(counts[1 + h], counts[0])}
+    return {"walked_acceptance_length": by_drafts[-1],
+            "walked_acceptance_length_by_num_drafts": by_drafts,
+            "walked_acceptance_length_by_max_tokens": cut}
 
 
 def sampled_acceptance_counts(step_logits: list[torch.Tensor], target_logp_t: torch.Tensor,

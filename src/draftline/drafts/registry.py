@@ -28,7 +28,7 @@ and its torch-side hooks (``hook``):
     check_inputs(store, draft)        refuses hidden states it cannot train on
     micro_batch(model, head, batch, cfg, rt, walk=False) -> (loss, counts, walk counts)
         counts ``[len(COUNT_KEYS), K]`` (``draftline.drafts.acceptance``); with ``walk`` (the
-        evaluation) the walk counts ``[len(WALK_KEYS), K]``, else None
+        evaluation) the walk counts (``draftline.drafts.acceptance.empty_walk``'s), else None
     evaluate(model, head, data, cfg, rt, reduce) -> metrics   the whole eval split, ``reduce``
         summing a tensor over the processes
     export(weights_file, target_cfg, vocab_map, layer_ids, out_dir) -> out_dir   the layer

@@ -61,7 +61,9 @@ speed-up. A configuration that fails mid-run leaves the rows measured before it 
                                        "round_ms", "draft_step_ms",
                                        "break_even_acceptance_length", "max_speedup"}}},
      "train_serve_gap": [{"config", "temperature", "simulated" (at T=0 the walked figure),
-                          "simulated_per_position" (T=0; else null), "serving", "gap_pct",
+                          "simulated_per_position" (T=0; else null), "simulated_max_tokens"
+                          (T=0: the answers' first tokens walked; null: whole answers),
+                          "serving", "gap_pct",
                           "warning", "note"}],
      "best": {"config", "num_speculative_tokens", "speedup_throughput"} (the trained
               draft's, greedy),
@@ -544,25 +546,41 @@ def add_speedups(summary: list[dict]) -> None:
 
 
 def simulated_acceptance(eval_json: dict, num_speculative_tokens: int,
-                         temperature: float = 0.0,
-                         draft_sample_method: str = "greedy") -> float | None:
+                         temperature: float = 0.0, draft_sample_method: str = "greedy",
+                         max_tokens: int | None = None) -> float | None:
     """The training evaluation's simulated acceptance length at ``num_speculative_tokens``
     drafts served at ``temperature``: at 0 the eval answers walked the way the server drafts
     them (``walked_acceptance_length_by_num_drafts``, ``draftline.drafts.
-    acceptance.walked_acceptance_counts``; an evaluation without it: the per-position figure,
-    ``per_position_acceptance``), above 0 the greedy draft accepted with the target's
-    probability of it (``simulated_acceptance_length_at``), or a sampled draft by rejection
-    sampling (``simulated_acceptance_length_probabilistic_at``), for the temperatures
-    ``train.eval_temperatures`` names. None when not simulated there, or when training
-    unrolled fewer steps than the server drafts."""
+    acceptance.walked_acceptance_counts``; cut at ``walk_horizon(eval_json, max_tokens)``
+    tokens where the server stops answers there; an evaluation without the walk: the
+    per-position figure, ``per_position_acceptance``), above 0 the greedy draft accepted with
+    the target's probability of it (``simulated_acceptance_length_at``), or a sampled draft by
+    rejection sampling (``simulated_acceptance_length_probabilistic_at``), for the
+    temperatures ``train.eval_temperatures`` names. None when not simulated there, or when
+    training unrolled fewer steps than the server drafts."""
     if temperature == 0:
-        by_drafts = (eval_json.get("walked_acceptance_length_by_num_drafts")
+        horizon = walk_horizon(eval_json, max_tokens)
+        by_drafts = (eval_json["walked_acceptance_length_by_max_tokens"][str(horizon)]
+                     if horizon is not None else
+                     eval_json.get("walked_acceptance_length_by_num_drafts")
                      or eval_json.get("simulated_acceptance_length_by_num_drafts") or [])
     else:
         key = ("simulated_acceptance_length_at" if draft_sample_method == "greedy" else
                "simulated_acceptance_length_probabilistic_at")
         by_drafts = (eval_json.get(key) or {}).get(f"{temperature:g}") or []
     return _at_depth(by_drafts, num_speculative_tokens)
+
+
+def walk_horizon(eval_json: dict, max_tokens: int | None) -> int | None:
+    """The answer length at which the evaluation's walk is compared with a server that stops
+    answers at ``max_tokens``: the shortest cut it walked of at least ``max_tokens`` tokens
+    (``walked_acceptance_length_by_max_tokens``, powers of two: ``bench.max_tokens`` of 128
+    is walked exactly). None: the whole answers (``max_tokens`` cuts none of the eval's
+    answers, or the evaluation has no cut walks)."""
+    cuts = sorted(int(n) for n in eval_json.get("walked_acceptance_length_by_max_tokens") or {})
+    if max_tokens is None:
+        return None
+    return next((n for n in cuts if n >= max_tokens), None)
 
 
 def per_position_acceptance(eval_json: dict, num_speculative_tokens: int) -> float | None:
@@ -580,10 +598,12 @@ def _at_depth(by_drafts: list[float], num_speculative_tokens: int) -> float | No
 
 def train_serve_gap(rows: list[dict], configs: list[dict], eval_json: dict | None,
                     log=print, summary: list[dict] | None = None,
-                    variant_evals: dict[str, dict] | None = None) -> list[dict]:
+                    variant_evals: dict[str, dict] | None = None,
+                    max_tokens: int | None = None) -> list[dict]:
     """Per speculative configuration and served temperature: serving acceptance, its counters
     pooled over every level and repetition (``pooled_acceptance``), against the simulated one
-    (a variant's from its own training's evaluation, ``variant_evals``).
+    (a variant's from its own training's evaluation, ``variant_evals``); at T = 0 the walk of
+    the answers' first ``max_tokens`` tokens (``bench.max_tokens``: what the server drafted).
     A row says why it has no gap when there is none to trust: a temperature training did not
     simulate, or served acceptance the summary marks as depending on the concurrency."""
     gaps = []
@@ -600,12 +620,15 @@ def train_serve_gap(rows: list[dict], configs: list[dict], eval_json: dict | Non
             if serve:
                 row = _gap_row(cfg["name"], temperature, serve,
                                simulated_acceptance(evaluated, n, temperature,
-                                                    cfg.get("draft_sample_method", "greedy")),
+                                                    cfg.get("draft_sample_method", "greedy"),
+                                                    max_tokens),
                                _varies_with_c(summary, cfg["name"], temperature), log,
                                walked=bool(evaluated.get(
                                    "walked_acceptance_length_by_num_drafts")))
                 row["simulated_per_position"] = (per_position_acceptance(evaluated, n)
                                                  if temperature == 0 else None)
+                row["simulated_max_tokens"] = (walk_horizon(evaluated, max_tokens)
+                                               if temperature == 0 else None)
                 gaps.append(row)
     return gaps
 
@@ -943,7 +966,9 @@ def summary_markdown(result: dict) -> str:
         lines += ["", "## Train-serve gap", "",
                   "Simulated: the training evaluation's acceptance length, at T=0 the eval "
                   "answers drafted as the server drafts them (a round after each accepted "
-                  "run and its bonus token), at T > 0 with each greedy draft token accepted "
+                  "run and its bonus token; `first N`: their first N tokens, the walk cut "
+                  "nearest the benchmark's max_tokens), at T > 0 with each greedy draft token "
+                  "accepted "
                   "with the target's probability of it at T (train.eval_temperatures; top_p "
                   "not simulated). Per position: at T=0, a round started at every answer "
                   "position. Serving: vLLM's spec-decode counters, pooled over levels.", "",
@@ -952,8 +977,10 @@ def summary_markdown(result: dict) -> str:
         for g in result["train_serve_gap"]:
             gap = "-" if g.get("gap_pct") is None else f"{g['gap_pct']:+.1f}"
             flag = " (over 10%)" if g["warning"] else ""
+            cut = (f" (first {g['simulated_max_tokens']})"
+                   if g.get("simulated_max_tokens") else "")
             lines.append(f"| {g['config']} | {g.get('temperature', 0):g} | "
-                         f"{_or_dash(g['simulated'])} | "
+                         f"{_or_dash(g['simulated'])}{cut} | "
                          f"{_or_dash(g.get('simulated_per_position'))} | "
                          f"{g['serving']} | {gap}{flag} | {g.get('note') or ''} |")
     return "\n".join(lines) + "\n"
@@ -1154,7 +1181,7 @@ def measure_deployment_benchmark(response_files: list[str], draft_dir: str, eval
               "rows": rows, "summary": summary,
               "step_costs": step_costs(summary, configs),
               "train_serve_gap": train_serve_gap(rows, configs, train_eval, log, summary,
-                                                 variant_evals),
+                                                 variant_evals, bench_cfg["max_tokens"]),
               "best": best_config(summary),
               "further_drafts": bench_drafts.comparison(list(filter(measured, summary)),
                                                         configs),

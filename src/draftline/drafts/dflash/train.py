@@ -16,10 +16,10 @@ import torch.nn.functional as F
 from draftline.core.target import read_target_config
 from draftline.drafts.acceptance import (
     COUNT_KEYS,
-    WALK_KEYS,
+    empty_walk,
     metrics_from_counts,
     walk_counts,
-    walked_acceptance_lengths,
+    walk_metrics,
 )
 from draftline.drafts.dflash.config import DFlashConfig
 from draftline.drafts.dflash.model import DFlashDraft, init
@@ -183,7 +183,7 @@ def evaluate(model, head, data, cfg: dict, rt, reduce) -> dict:
     every anchor of every sample, the temperature-0 figures (its served temperatures above 0
     are not simulated)."""
     counts = torch.zeros(len(COUNT_KEYS), model.cfg.block_size - 1, dtype=torch.float64)
-    walked = torch.zeros(len(WALK_KEYS), model.cfg.block_size - 1, dtype=torch.float64)
+    walked = empty_walk(model.cfg.block_size - 1)
     model.eval()
     with torch.no_grad():
         for batch, keep in data.eval_batches():
@@ -193,7 +193,5 @@ def evaluate(model, head, data, cfg: dict, rt, reduce) -> dict:
                 walked += w
     model.train()
     metrics = metrics_from_counts(reduce(counts))
-    by_drafts = walked_acceptance_lengths(reduce(walked))
-    metrics["walked_acceptance_length"] = by_drafts[-1]
-    metrics["walked_acceptance_length_by_num_drafts"] = by_drafts
+    metrics.update(walk_metrics(reduce(walked)))
     return metrics

@@ -29,10 +29,10 @@ import torch.nn.functional as F
 from draftline.core.target import read_target_config
 from draftline.drafts.acceptance import (
     COUNT_KEYS,
-    WALK_KEYS,
+    empty_walk,
     metrics_from_counts,
     walk_counts,
-    walked_acceptance_lengths,
+    walk_metrics,
 )
 from draftline.drafts.dflash.train import check_inputs as dflash_check_inputs
 from draftline.drafts.dflash.train import sample_anchors
@@ -179,7 +179,7 @@ def evaluate(model, head, data, cfg: dict, rt, reduce) -> dict:
     draft = getattr(model, "module", model)
     slots = draft.cfg.block_size - 1
     counts = torch.zeros(len(COUNT_KEYS), slots, dtype=torch.float64)
-    walked = torch.zeros(len(WALK_KEYS), slots, dtype=torch.float64)
+    walked = empty_walk(slots)
     confidence = torch.zeros(len(CONFIDENCE_KEYS), dtype=torch.float64)
     model.eval()
     with torch.no_grad():
@@ -191,9 +191,7 @@ def evaluate(model, head, data, cfg: dict, rt, reduce) -> dict:
                 confidence += conf
     model.train()
     metrics = metrics_from_counts(reduce(counts))
-    by_drafts = walked_acceptance_lengths(reduce(walked))
-    metrics["walked_acceptance_length"] = by_drafts[-1]
-    metrics["walked_acceptance_length_by_num_drafts"] = by_drafts
+    metrics.update(walk_metrics(reduce(walked)))
     metrics.update(confidence_metrics(reduce(confidence)))
     return metrics
 

@@ -14,13 +14,13 @@ import torch
 from draftline.core.target import read_target_config
 from draftline.drafts.acceptance import (
     COUNT_KEYS,
-    WALK_KEYS,
     acceptance_length_from,
+    empty_walk,
     metrics_from_counts,
     probabilistic_acceptance_counts,
     sampled_acceptance_counts,
+    walk_metrics,
     walked_acceptance_counts,
-    walked_acceptance_lengths,
 )
 from draftline.drafts.eagle3.config import DraftConfig
 from draftline.drafts.eagle3.model import Eagle3Draft, init
@@ -182,7 +182,7 @@ def evaluate(model, head, data, cfg: dict, rt, reduce) -> dict:
     temperatures = tuple(cfg["eval_temperatures"])
     counts = torch.zeros(len(COUNT_KEYS), cfg["ttt_steps"], dtype=torch.float64)
     accepted = torch.zeros(len(temperatures), 2, 2, cfg["ttt_steps"], dtype=torch.float64)
-    walked = torch.zeros(len(WALK_KEYS), cfg["ttt_steps"], dtype=torch.float64)
+    walked = empty_walk(cfg["ttt_steps"])
     model.eval()
     with torch.no_grad():
         for batch, keep in data.eval_batches():
@@ -195,9 +195,7 @@ def evaluate(model, head, data, cfg: dict, rt, reduce) -> dict:
                     accepted += a
     model.train()
     metrics = metrics_from_counts(reduce(counts))
-    by_drafts = walked_acceptance_lengths(reduce(walked))
-    metrics["walked_acceptance_length"] = by_drafts[-1]
-    metrics["walked_acceptance_length_by_num_drafts"] = by_drafts
+    metrics.update(walk_metrics(reduce(walked)))
     accepted = reduce(accepted)
     for key, method in (("simulated_acceptance_length_at", 0),
                         ("simulated_acceptance_length_probabilistic_at", 1)):
