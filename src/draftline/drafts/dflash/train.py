@@ -23,6 +23,7 @@ from draftline.drafts.acceptance import (
 )
 from draftline.drafts.dflash.config import DFlashConfig
 from draftline.drafts.dflash.model import DFlashDraft, init
+from draftline.drafts.losses import DraftKL, DraftLK
 from draftline.drafts.teacher import TargetHead
 
 
@@ -56,16 +57,42 @@ def sample_anchors(loss_mask: torch.Tensor, per_sample: int | None,
     return anchors, valid
 
 
+def teacher_at(head: TargetHead, final: torch.Tensor, temperature: float):
+    """The teacher of a block's slots: positions ``[Bs, A]`` -> the target's log-probs of the
+    token after each ``[Bs, A, V]`` (fp32, at ``temperature``: ``train.teacher_temperature``),
+    from its final states ``final`` ``[Bs, S, Ht]``. Made per slot, from the A rows it needs."""
+
+    @torch.no_grad()
+    def logp(positions: torch.Tensor) -> torch.Tensor:
+        rows = final.gather(1, positions.unsqueeze(-1).expand(-1, -1, final.shape[-1]))
+        logits = head.logits(rows.flatten(0, 1)).float() / temperature  # [Bs * A, V]
+        return torch.log_softmax(logits, dim=-1).view(*positions.shape, -1)
+
+    return logp
+
+
+def slot_loss(logits: torch.Tensor, target_logp: torch.Tensor, objective: str) -> torch.Tensor:
+    """``[Bs, A]``: a slot's logits ``[Bs, A, V]`` against the target's distribution
+    ``[Bs, A, V]`` (log-probs): forward KL (``train.loss`` "kl") or the LK loss ("lk")."""
+    target_p = target_logp.exp()
+    if objective == "lk":
+        return DraftLK.apply(logits, target_p)[0]
+    return DraftKL.apply(logits, target_p, target_logp)[0]
+
+
 def block_loss(states: torch.Tensor, lm_head: torch.Tensor, input_ids: torch.Tensor,
                loss_mask: torch.Tensor, anchors: torch.Tensor, valid: torch.Tensor,
-               target_argmax: torch.Tensor, decay: float, with_runs: bool = False):
+               target_argmax: torch.Tensor, decay: float, teacher, objective: str = "kl",
+               with_runs: bool = False):
     """The DFlash objective and the acceptance counts of its blocks.
 
     states ``[Bs, A, B, H]`` (``DFlashDraft``'s), lm_head ``[V, H]`` (the target's),
     input_ids/loss_mask ``[Bs, S]``, anchors/valid ``[Bs, A]``, target_argmax ``[Bs, S]``
-    (the target's choice of the token after each position). Slot j >= 1 is scored against
-    the answer's token at a + j when that is a generated one: cross entropy weighted by
-    ``decay`` ** (j - 1), averaged over the weights.
+    (the target's choice of the token after each position), teacher (:func:`teacher_at`).
+    Slot j >= 1 is scored when the answer's token at a + j is a generated one, against the
+    target's distribution of that token (at a + j - 1, after the answer's tokens up to it):
+    :func:`slot_loss`, weighted by ``decay`` ** (j - 1), averaged over the weights. The whole
+    distribution teaches more than the one token an answer sampled at T > 0 holds there.
 
     Counts (``[len(COUNT_KEYS), K]``, as ``draftline.drafts.eagle3.train.ttt_loss``'s, so that
     ``metrics_from_counts`` reads both): slot j is correct when the draft's argmax is the
@@ -89,10 +116,8 @@ def block_loss(states: torch.Tensor, lm_head: torch.Tensor, input_ids: torch.Ten
     for j in range(1, block):
         where = (anchors + j).clamp(max=length - 1)  # [Bs, A]
         scored = valid & (anchors + j < length) & loss_mask.gather(1, where).bool()
-        labels = input_ids.gather(1, where)  # [Bs, A]
-        logits = F.linear(states[:, :, j], lm_head.to(states.dtype)).float()  # [Bs, A, V]
-        ce = F.cross_entropy(logits.flatten(0, 1), labels.flatten(), reduction="none")
-        ce = ce.view_as(labels) * scored
+        logits = F.linear(states[:, :, j], lm_head.to(states.dtype))  # [Bs, A, V]
+        ce = slot_loss(logits, teacher(where - 1), objective) * scored  # [Bs, A]
         weight = decay ** (j - 1)
         loss_sum = loss_sum + weight * ce.sum()
         weight_sum = weight_sum + weight * scored.sum()
@@ -161,13 +186,14 @@ def block_micro_batch(model, head, batch: dict, cfg: dict, rt, anchors_per_sampl
     amp = torch.autocast("cuda", dtype=torch.bfloat16) if cuda else contextlib.nullcontext()
     with amp:
         _, _, target_argmax = head(final, with_argmax=True)  # [Bs, S]
+        teacher = teacher_at(head, final, cfg["teacher_temperature"])
         loss, counts = None, 0
         for first in range(0, anchors.shape[1], cfg["anchors"]):
             part = slice(first, first + cfg["anchors"])
             states = model(aux, input_ids, anchors[:, part])  # [Bs, a, B, H]
             loss, c, run = block_loss(states, head.lm_head, input_ids, loss_mask,
                                       anchors[:, part], valid[:, part], target_argmax,
-                                      cfg["loss_decay"], with_runs=True)
+                                      cfg["loss_decay"], teacher, cfg["loss"], with_runs=True)
             counts = counts + c
             if every_anchor:
                 ok = valid[:, part] & (anchors[:, part] > 0)
