@@ -15,6 +15,8 @@ from conftest import requires_vllm
 from safetensors.torch import load_file
 
 from draftline.drafts.acceptance import metrics_from_counts
+from draftline.drafts.dflash.config import with_live_mask_token
+from draftline.drafts.dflash.model import DFlashDraft
 from draftline.drafts.dflash.train import block_loss, sample_anchors
 from draftline.stages.export import export_draft
 from draftline.stages.train.checkpoint import DRAFT_CONFIG_FILE, save_weights
@@ -71,6 +73,32 @@ def test_a_block_sees_the_context_before_its_anchor_and_its_whole_block(draft_in
         torch.testing.assert_close(alone[:, 0], base[:, 0])
 
 
+def test_the_mask_token_is_one_whose_embedding_is_not_zero(draft_inputs):
+    """A mask token whose (frozen) embedding is all zeros, as the toy's padding token 0, gives
+    every mask slot of a block the same state in a 1-layer draft: the default gives way to a
+    token with a live row, a configured one is refused naming the key."""
+    model, _, cfg = random_dflash(draft_inputs, {**DFLASH, "num_layers": 1})
+    embed = model.embed_tokens.weight.detach().clone()
+    embed[cfg.mask_token_id] = 0.0
+    live = with_live_mask_token(cfg, embed, None)
+    assert live.mask_token_id != cfg.mask_token_id and embed[live.mask_token_id].abs().sum() > 0
+    assert with_live_mask_token(live, embed, None) is live
+    with pytest.raises(ValueError, match="'train.draft.mask_token_id'"):
+        with_live_mask_token(cfg, embed, cfg.mask_token_id)
+    gen = torch.Generator().manual_seed(5)
+    aux = torch.randn(1, 12, 3 * cfg.target_hidden_size, generator=gen)
+    ids = torch.randint(1, cfg.vocab_size, (1, 12), generator=gen)
+    anchors = torch.tensor([[6]])
+    slots = {}
+    for name, chosen in (("dead", cfg), ("live", live)):
+        draft = DFlashDraft(chosen, embed)
+        draft.load_state_dict(model.trainable_state_dict(), strict=False)
+        with torch.no_grad():
+            slots[name] = draft(aux, ids, anchors)[0, 0]  # [B, H]
+    torch.testing.assert_close(slots["dead"][3], slots["dead"][1])  # the slots cannot differ
+    assert (slots["live"][3] - slots["live"][1]).abs().max() > 1e-3
+
+
 def test_anchors_are_generated_tokens_with_a_generated_token_after_them():
     loss_mask = torch.tensor([[0, 0, 1, 1, 1, 0], [0, 1, 1, 0, 0, 0]])
     anchors, valid = sample_anchors(loss_mask, None)
@@ -80,20 +108,28 @@ def test_anchors_are_generated_tokens_with_a_generated_token_after_them():
     assert valid.sum() == 7 and len(set(drawn[0].tolist())) == 7
 
 
-def test_the_loss_scores_slot_j_against_the_token_at_anchor_plus_j_with_decayed_weights():
-    """A block whose slots put all their mass on the answer's tokens: zero loss, every slot
-    correct and chained; the weights follow loss_decay ** (j - 1)."""
+def test_the_loss_scores_slot_j_against_the_targets_distribution_with_decayed_weights():
+    """Slot j of the block anchored at a learns the target's distribution of the token at
+    a + j (its logits at a + j - 1): a block whose slots match it has zero loss, every slot
+    correct and chained; a wrong slot costs its KL, weighted loss_decay ** (j - 1)."""
     vocab, hidden, block = 16, 16, 4
     ids = torch.tensor([[1, 5, 7, 9, 11, 13]])
     loss_mask = torch.tensor([[0, 1, 1, 1, 1, 1]])
     anchors, valid = torch.tensor([[1]]), torch.tensor([[True]])
     lm_head = torch.eye(vocab, hidden) * 50.0
+    target_logits = torch.zeros(1, 6, vocab)
+    target_logits[0, torch.arange(5), ids[0, 1:]] = 8.0  # the answer is the target's greedy path
+    target_logits[0, :, 2] = 6.0  # and token 2 its runner-up everywhere
+
+    def teacher(positions):  # [1, A] -> [1, A, V]
+        return torch.log_softmax(target_logits[0, positions], dim=-1)
+
     states = torch.zeros(1, 1, block, hidden)
     for j in range(1, block):
-        states[0, 0, j, ids[0, 1 + j]] = 1.0  # slot j -> the token at 1 + j
-    argmax = torch.zeros_like(ids)
-    argmax[0, :-1] = ids[0, 1:]  # the answer is the target's greedy path
-    loss, counts = block_loss(states, lm_head, ids, loss_mask, anchors, valid, argmax, 0.5)
+        states[0, 0, j] = target_logits[0, j] / 50.0  # slot j -> the target's logits at j
+    argmax = target_logits.argmax(-1)
+    loss, counts = block_loss(states, lm_head, ids, loss_mask, anchors, valid, argmax, 0.5,
+                              teacher)
     assert float(loss) < 1e-6
     metrics = metrics_from_counts(counts)
     assert metrics["accuracy"] == [1.0, 1.0, 1.0]
@@ -101,16 +137,23 @@ def test_the_loss_scores_slot_j_against_the_token_at_anchor_plus_j_with_decayed_
     wrong = states.clone()
     wrong[0, 0, 2] = 0
     wrong[0, 0, 2, 3] = 1.0  # slot 2 now says token 3
-    loss, counts = block_loss(wrong, lm_head, ids, loss_mask, anchors, valid, argmax, 0.5)
-    ce = torch.nn.functional.cross_entropy((wrong[0, 0, 2] @ lm_head.T)[None], ids[0, 3:4])
-    assert float(loss) == pytest.approx(float(0.5 * ce / (1 + 0.5 + 0.25)), rel=1e-5)
+    loss, counts = block_loss(wrong, lm_head, ids, loss_mask, anchors, valid, argmax, 0.5,
+                              teacher)
+    p = torch.softmax(target_logits[0, 2], -1)
+    kl = (p * (p.log() - torch.log_softmax(wrong[0, 0, 2] @ lm_head.T, -1))).sum()
+    assert float(loss) == pytest.approx(float(0.5 * kl / (1 + 0.5 + 0.25)), rel=1e-5)
+    lk, _ = block_loss(wrong, lm_head, ids, loss_mask, anchors, valid, argmax, 0.5, teacher,
+                       "lk")
+    q = torch.softmax(wrong[0, 0, 2] @ lm_head.T, -1)
+    assert float(lk) == pytest.approx(float(-0.5 * torch.minimum(p, q).sum().log() / 1.75),
+                                      rel=1e-4)
     metrics = metrics_from_counts(counts)
     assert metrics["cond_accuracy"] == [1.0, 0.0, 0.0]  # slot 3 is not eligible after a miss
     assert metrics["simulated_acceptance_length"] == 2.0
     # the round's accepted run, for the walk: slot 1 right, slot 2 wrong -> 1; all right -> 3
-    assert block_loss(wrong, lm_head, ids, loss_mask, anchors, valid, argmax, 0.5,
+    assert block_loss(wrong, lm_head, ids, loss_mask, anchors, valid, argmax, 0.5, teacher,
                       with_runs=True)[2].tolist() == [[1]]
-    assert block_loss(states, lm_head, ids, loss_mask, anchors, valid, argmax, 0.5,
+    assert block_loss(states, lm_head, ids, loss_mask, anchors, valid, argmax, 0.5, teacher,
                       with_runs=True)[2].tolist() == [[3]]
 
 
@@ -338,7 +381,7 @@ def test_evaluation_scores_every_anchor_in_passes_of_train_anchors(draft_inputs)
     model, head, _ = random_dflash(draft_inputs)
     batch = next(iter_batches(draft_inputs))
     rt = Runtime(rank=0, world=1, local_rank=0, device=torch.device("cpu"), owns_group=False)
-    cfg = {"loss_decay": 0.8}
+    cfg = {"loss_decay": 0.8, "loss": "kl", "teacher_temperature": 0.5}
     with torch.no_grad():
         _, whole, walked = dflash_micro_batch(model, head, batch, {**cfg, "anchors": 10_000},
                                               rt, None)

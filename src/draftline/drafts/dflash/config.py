@@ -4,7 +4,7 @@
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 
 from draftline.core.target import NUM_AUX_LAYERS
 from draftline.drafts.dflash.family import DEFAULT_LAYERS
@@ -57,3 +57,27 @@ class DFlashConfig:
     @classmethod
     def from_dict(cls, data: dict) -> DFlashConfig:
         return cls(**data)
+
+
+def with_live_mask_token(cfg: DFlashConfig, embed, configured: int | None) -> DFlashConfig:
+    """``cfg`` with a mask token whose embedding (the target's, frozen; ``embed`` ``[V, H]``) is
+    not all zeros.
+
+    Every mask slot of a block starts from that row. A row of zeros stays zero through the
+    first layer's RMSNorm and its projections (no bias), so the slots' queries, keys and values
+    are zero whatever their positions, every mask slot attends alike, and a 1-layer draft
+    drafts one token in all of them (the toy's padding token 0 has such a row: its 1-layer
+    draft walked 1.27 with it, 2.29 with token 1). A configured token with a zero row is
+    refused, naming the key; the default (``mask_token_of``) gives way to the highest token id
+    whose row is not zero."""
+    live = embed.detach().float().abs().sum(-1) > 0  # [V]
+    if bool(live[cfg.mask_token_id]):
+        return cfg
+    if configured is not None:
+        raise ValueError(f"config key 'train.draft.mask_token_id': token {configured}'s "
+                         "embedding in the target is all zeros, so every mask slot of a "
+                         "block would compute the same state; choose a token whose embedding "
+                         "is not zero (or leave the key unset)")
+    if not bool(live.any()):
+        raise ValueError("the target's embedding is all zeros: no token can be the mask token")
+    return replace(cfg, mask_token_id=int(live.nonzero().max()))

@@ -21,7 +21,7 @@ from draftline.drafts.acceptance import (
     walk_counts,
     walk_metrics,
 )
-from draftline.drafts.dflash.config import DFlashConfig
+from draftline.drafts.dflash.config import DFlashConfig, with_live_mask_token
 from draftline.drafts.dflash.model import DFlashDraft, init
 from draftline.drafts.losses import DraftKL, DraftLK
 from draftline.drafts.teacher import TargetHead
@@ -142,7 +142,9 @@ def build(target_dir, target: dict, d2t: torch.Tensor, t2d: torch.Tensor, seed: 
           dtype: torch.dtype, draft: dict | None):
     """(untrained draft, target head, DFlashConfig): it drafts over the target's whole
     vocabulary through the target's own lm_head (the head's); its embedding is the target's."""
-    dflash_cfg = DFlashConfig.from_target(read_target_config(target_dir), draft)
+    dflash_cfg = with_live_mask_token(DFlashConfig.from_target(read_target_config(target_dir),
+                                                               draft),
+                                      target["embed"], (draft or {}).get("mask_token_id"))
     model = DFlashDraft(dflash_cfg, target["embed"].to(dtype))
     init(model, seed)
     head = TargetHead(target["norm"].to(dtype), target["lm_head"].to(dtype),

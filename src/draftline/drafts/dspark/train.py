@@ -1,8 +1,9 @@
 """The DSpark objective, its micro-batch and its evaluation.
 
 The loss is DFlash's block loss (``draftline.drafts.dflash.train.block_loss``: slot j against
-the answer's token at a + j, weighted ``train.loss_decay`` ** (j - 1)) on the Markov-biased
-logits, plus ``train.confidence_weight`` times the confidence head's binary cross entropy.
+the target's distribution of the token at a + j, weighted ``train.loss_decay`` ** (j - 1)) on
+the Markov-biased logits, plus ``train.confidence_weight`` times the confidence head's binary
+cross entropy.
 
 Teacher forcing: slot j's bias reads the data's token at a + j - 1 (the anchor for j = 1). At
 the slots a temperature-0 server reaches, every earlier slot was accepted, so the token it
@@ -34,8 +35,9 @@ from draftline.drafts.acceptance import (
     walk_counts,
     walk_metrics,
 )
+from draftline.drafts.dflash.config import with_live_mask_token
 from draftline.drafts.dflash.train import check_inputs as dflash_check_inputs
-from draftline.drafts.dflash.train import sample_anchors
+from draftline.drafts.dflash.train import sample_anchors, slot_loss, teacher_at
 from draftline.drafts.dspark.config import DSparkConfig
 from draftline.drafts.dspark.model import DSparkDraft, init
 from draftline.drafts.teacher import TargetHead
@@ -57,11 +59,13 @@ def teacher_prev(input_ids: torch.Tensor, anchors: torch.Tensor, block: int) -> 
 def dspark_block_loss(model: DSparkDraft, states: torch.Tensor, lm_head: torch.Tensor,
                       input_ids: torch.Tensor, loss_mask: torch.Tensor, anchors: torch.Tensor,
                       valid: torch.Tensor, target_argmax: torch.Tensor, decay: float,
+                      teacher, objective: str = "kl",
                       confidence_weight: float = CONFIDENCE_WEIGHT):
     """(loss, counts ``[len(COUNT_KEYS), K]``, runs ``[Bs, A]``, confidence sums
     ``[len(CONFIDENCE_KEYS)]``) of one pass of blocks.
 
-    Inputs as ``draftline.drafts.dflash.train.block_loss``'s plus the draft (its heads).
+    Inputs as ``draftline.drafts.dflash.train.block_loss``'s (its teacher and objective too)
+    plus the draft (its heads).
     Counts and runs mean what ``block_loss``'s mean, with the biased logits: slot j is correct
     when their argmax is the target's greedy token, the chain follows one temperature-0
     round."""
@@ -79,10 +83,8 @@ def dspark_block_loss(model: DSparkDraft, states: torch.Tensor, lm_head: torch.T
     for j in range(1, block):
         where = (anchors + j).clamp(max=length - 1)  # [Bs, A]
         scored = valid & (anchors + j < length) & loss_mask.gather(1, where).bool()
-        labels = input_ids.gather(1, where)
         slot = logits[:, :, j - 1]  # [Bs, A, V]
-        ce = F.cross_entropy(slot.flatten(0, 1), labels.flatten(), reduction="none")
-        ce = ce.view_as(labels) * scored
+        ce = slot_loss(slot, teacher(where - 1), objective) * scored  # [Bs, A]
         weight = decay ** (j - 1)
         loss_sum = loss_sum + weight * ce.sum()
         weight_sum = weight_sum + weight * scored.sum()
@@ -133,13 +135,14 @@ def _pass(model, head, batch: dict, cfg: dict, rt, anchors_per_sample: int | Non
     amp = torch.autocast("cuda", dtype=torch.bfloat16) if cuda else contextlib.nullcontext()
     with amp:
         _, _, target_argmax = head(final, with_argmax=True)  # [Bs, S]
+        teacher = teacher_at(head, final, cfg["teacher_temperature"])
         loss, counts = None, 0
         for first in range(0, anchors.shape[1], cfg["anchors"]):
             part = slice(first, first + cfg["anchors"])
             states = model(aux, input_ids, anchors[:, part])  # [Bs, a, B, H]
             loss, c, run, conf = dspark_block_loss(
                 draft, states, head.lm_head, input_ids, loss_mask, anchors[:, part],
-                valid[:, part], target_argmax, cfg["loss_decay"],
+                valid[:, part], target_argmax, cfg["loss_decay"], teacher, cfg["loss"],
                 cfg.get("confidence_weight", CONFIDENCE_WEIGHT))
             counts = counts + c
             confidence = confidence + conf
@@ -206,7 +209,9 @@ def build(target_dir, target: dict, d2t: torch.Tensor, t2d: torch.Tensor, seed: 
     """(untrained draft, target head, DSparkConfig), as DFlash's: it drafts over the target's
     whole vocabulary through the target's lm_head (the head's); its embedding is the
     target's."""
-    cfg = DSparkConfig.from_target(read_target_config(target_dir), draft or {})
+    cfg = with_live_mask_token(DSparkConfig.from_target(read_target_config(target_dir),
+                                                        draft or {}),
+                               target["embed"], (draft or {}).get("mask_token_id"))
     model = DSparkDraft(cfg, target["embed"].to(dtype))
     init(model, seed)
     head = TargetHead(target["norm"].to(dtype), target["lm_head"].to(dtype), cfg.rms_norm_eps,
