@@ -156,6 +156,12 @@ ROWS: dict[str, dict] = {
                                   "optimizer": "muon", **PEER_SHAPES[family]}
        for family in ("peagle", "dflash", "dflash 1 layer", "dspark")
        for lr in ("1e-3", "5e-3", "2e-2", "5e-2")},
+    # its 1-layer DFlash with the mask token draftline's takes on the toy (2,047, the highest id
+    # whose embedding is not zero): on the toy its own choice is the padding token, whose
+    # embedding is zero, so that every mask slot of a block drafts the same token
+    "peer dflash 1 layer lr=2e-2 mask 2047": {"trainer": PEER, "lr": 0.02, "optimizer": "muon",
+                                              **PEER_SHAPES["dflash 1 layer"],
+                                              "mask_token_id": 2047},
 }
 
 SCHEMA = "draftline.draft_quality/1"
@@ -166,7 +172,7 @@ CONCURRENCY = 4
 # trainers take the same optimizer steps over the same tokens (the peer CLI's own 8,192 packs
 # the toy's 14,647 training tokens into 2 steps an epoch)
 PEER_KEYS = ("lr", "optimizer", "total_seq_len", "family", "num_layers", "block_size",
-             "num_depths")
+             "num_depths", "mask_token_id")
 # draftline's train.draft.drafting -> the family (the peer's name for it)
 DRAFTING_FAMILY = {"autoregressive": "eagle3", "parallel": "peagle", "dflash": "dflash",
                    "dspark": "dspark"}

@@ -35,8 +35,8 @@ LOG_TAIL_CHARS = 4000
 # for dflash/dspark; block_size: 16 for dflash, 8 for dspark; num_depths: 8)
 FAMILIES = {"eagle3": ("num_layers",),
             "peagle": ("num_layers", "num_depths"),
-            "dflash": ("num_layers", "block_size"),
-            "dspark": ("num_layers", "block_size")}
+            "dflash": ("num_layers", "block_size", "mask_token_id"),
+            "dspark": ("num_layers", "block_size", "mask_token_id")}
 
 
 # ----------------------------------------------------------------------------- install
@@ -184,7 +184,7 @@ def peer_argv(paths: dict, facts: dict, data: dict, run: dict) -> list[str]:
             "--optimizer", run["optimizer"]]
     if run["total_seq_len"] is not None:
         argv += ["--total-seq-len", str(run["total_seq_len"])]
-    for key in ("num_layers", "block_size", "num_depths"):
+    for key in ("num_layers", "block_size", "num_depths", "mask_token_id"):
         if run.get(key) is not None:
             argv += ["--" + key.replace("_", "-"), str(run[key])]
     if data["draft_vocab_size"] < data["target_vocab_size"]:
@@ -227,7 +227,8 @@ def train_peer(results: Path, out_dir: Path, *, seed: int, lr: float, epochs: in
                ttt_steps: int = 3, optimizer: str = "muon",
                peer_dir: Path | None = None, total_seq_len: int | None = None,
                family: str = "eagle3", num_layers: int | None = None,
-               block_size: int | None = None, num_depths: int | None = None) -> dict:
+               block_size: int | None = None, num_depths: int | None = None,
+               mask_token_id: int | None = None) -> dict:
     """Train speculators' ``family`` draft (eagle3, peagle, dflash, dspark) on draftline's
     train split of ``results``.
 
@@ -236,13 +237,15 @@ def train_peer(results: Path, out_dir: Path, *, seed: int, lr: float, epochs: in
     ``speculators_model_type`` names the family). ``total_seq_len``: tokens packed into one
     step (``--total-seq-len``); None keeps the CLI's default, 8192. ``num_layers``,
     ``block_size`` (DFlash, DSpark: the drafted block, anchor included), ``num_depths``
-    (P-EAGLE: the parallel depths trained): None keeps the CLI's default.
+    (P-EAGLE: the parallel depths trained), ``mask_token_id`` (DFlash, DSpark: the token of
+    the mask slots): None keeps the CLI's default.
     """
     if optimizer not in ("muon", "adamw"):
         raise ValueError(f"optimizer must be muon or adamw, got {optimizer!r}")
     if family not in FAMILIES:
         raise ValueError(f"family must be one of {', '.join(FAMILIES)}, got {family!r}")
-    shape = {"num_layers": num_layers, "block_size": block_size, "num_depths": num_depths}
+    shape = {"num_layers": num_layers, "block_size": block_size, "num_depths": num_depths,
+             "mask_token_id": mask_token_id}
     foreign = [k for k, v in shape.items() if v is not None and k not in FAMILIES[family]]
     if foreign:
         raise ValueError(f"the peer's {family} takes {', '.join(FAMILIES[family])}, not "
