@@ -95,3 +95,18 @@ def test_a_dspark_draft_counts_and_checks_as_its_dflash_backbone_plus_its_heads(
         "drafting": "dspark", "arch": "llama", "block_size": 8})])
     assert problem.startswith("config key 'bench.num_speculative_tokens': 8 drafts, but the "
                               "DSpark draft of train.draft is trained on blocks of 8")
+
+
+def test_the_families_answer_whether_their_draft_serves_beside_an_mla_target():
+    """An MLA draft needs an MLA target: the family's question, asked through the registry
+    (unknown, None: no answer yet)."""
+    config = {"target": {"model": "toy"}, "hidden": {"layer_ids": [2, 4]},
+              "bench": {"num_speculative_tokens": [3]}}
+    mla = {"drafting": "autoregressive", "arch": "deepseek_mla", "num_layers": None}
+    drafts = [("train.draft", {**mla, "arch": "llama"}), ("train.variants[0].draft", mla)]
+    assert registry.config_problems(config, drafts, target_mla=False) == (
+        "config key 'train.variants[0].draft.arch': deepseek_mla needs a target with MLA "
+        "attention (target.model toy has none); vLLM serves an MLA draft only beside one (it "
+        "sizes the draft's MLA attention by the target's heads): use arch llama")
+    assert registry.config_problems(config, drafts, target_mla=True) is None
+    assert registry.config_problems(config, drafts, target_mla=None) is None

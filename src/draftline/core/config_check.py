@@ -62,8 +62,7 @@ def check_semantics(config: dict[str, Any], base: Path | None = None) -> None:
         raise ConfigError(f"config key 'target.model': model directory not found: {target}")
     check_local_target_head(None if builtin else base / target)
     _check_variants(config)
-    _check_mla_draft_has_an_mla_target(config, base)
-    _check_draft_families(config)
+    _check_draft_families(config, base)
     _check_revision(config, base)
     toy = config["target"]["toy"]
     if toy["hidden_size"] % toy["num_heads"]:
@@ -191,36 +190,24 @@ def _check_revision(config: dict, base: Path) -> None:
         raise ConfigError(str(exc)) from exc
 
 
-def _check_mla_draft_has_an_mla_target(config: dict, base: Path) -> None:
-    """An MLA draft beside a target without MLA does not serve: vLLM 0.32 builds the draft's
-    MLA attention metadata with the target's head size, which no MLA kernel takes (measured on
-    its CPU build: "Head dimension 32 is not supported by MLA" beside the toy). Known here for
-    the built-in targets (none has MLA) and a local target; a hub target is read when the
-    stages load it."""
-    mla_keys = [key for key, draft in variants.drafts(config["train"])
-                if draft["arch"] == "deepseek_mla"]
-    if not mla_keys:
-        return
+def _target_mla(config: dict, base: Path) -> bool | None:
+    """Whether the target has MLA attention, where it is known now: a built-in target (a
+    Llama, none has) or a local folder's config.json; None for a hub id (read when the stages
+    load it)."""
     target = config["target"]["model"]
     if builtin_targets.is_builtin(target):
-        has_mla = False
-    else:
-        config_json = base / target / "config.json"
-        if not config_json.is_file():
-            return
-        text = target_module.text_config(json.loads(config_json.read_text()))
-        has_mla = bool(text.get("kv_lora_rank"))
-    if not has_mla:
-        raise ConfigError(
-            f"config key '{mla_keys[0]}.arch': deepseek_mla needs a target with MLA attention "
-            f"(target.model {target} has none); vLLM serves an MLA draft only beside one "
-            "(it sizes the draft's MLA attention by the target's heads): use arch llama")
+        return False
+    config_json = base / target / "config.json"
+    if not config_json.is_file():
+        return None
+    return target_module.uses_mla(target_module.text_config(json.loads(config_json.read_text())))
 
 
-def _check_draft_families(config: dict) -> None:
+def _check_draft_families(config: dict, base: Path) -> None:
     """What each draft's family (``draftline.drafts.registry``) says vLLM cannot serve: the
-    train.draft and every variant's."""
-    problem = registry.config_problems(config, variants.drafts(config["train"]))
+    train.draft and every variant's, beside this target."""
+    problem = registry.config_problems(config, variants.drafts(config["train"]),
+                                       _target_mla(config, base))
     if problem:
         raise ConfigError(problem)
 

@@ -53,6 +53,17 @@ def text_config(config: dict) -> dict:
     return config.get("text_config") or config
 
 
+# Targets with DeepSeek's multi-head latent attention (MLA) by their model_type; any other
+# config that sizes a latent (kv_lora_rank) has it too.
+MLA_MODEL_TYPES = {"deepseek_v2", "deepseek_v3", "kimi_k2", "deepseek_mtp"}
+
+
+def uses_mla(cfg: dict) -> bool:
+    """Whether a target's (text) config has MLA attention: what the draft families ask of a
+    target (``draftline.drafts.registry``) to tell whether vLLM serves their drafts beside it."""
+    return bool(cfg.get("kv_lora_rank")) or cfg.get("model_type") in MLA_MODEL_TYPES
+
+
 def rope_theta_of(cfg: dict) -> float:
     # transformers >= 5 writes rope_parameters; older configs a top-level rope_theta.
     params = cfg.get("rope_parameters") or {}

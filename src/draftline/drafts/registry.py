@@ -15,7 +15,9 @@ A ``family`` module has (standard library only):
     train_passes(train, draft, sample_tokens)           one-layer passes a step costs, and why
     speculative(config)   vLLM's speculative-config keys: method, parallel_drafting
     sglang_refusal(config)  why SGLang cannot serve it, or None
-    config_problem(config, key, draft)  what vLLM cannot serve in a config, or None
+    config_problem(config, key, draft, target_mla)  what vLLM cannot serve in a config, or
+                          None; ``target_mla`` whether the target has MLA attention
+                          (``draftline.core.target.uses_mla``), None where not known yet
     FSDP_UNITS            submodules FSDP shards as units before the whole draft
     OWN_LM_HEAD           whether the draft has its own lm_head (else the target's)
     HOOKS                 hook name -> the module (torch side, imported when asked) defining it
@@ -159,8 +161,6 @@ def served_label(exported: dict) -> str:
     return of_config(exported).served_label(exported)
 
 
-
-
 def speculative(exported: dict) -> dict:
     """How vLLM is asked to serve a draft, from its exported config.json: ``method`` and
     ``parallel_drafting`` (a speculators-format checkpoint's by its type)."""
@@ -174,10 +174,13 @@ def sglang_refusal(exported: dict) -> str | None:
     return of_config(exported).sglang_refusal(exported)
 
 
-def config_problems(config: dict, drafts) -> str | None:
-    """The first problem of the drafts ``[(key, train.draft), ...]`` a config trains, or None."""
+def config_problems(config: dict, drafts, target_mla: bool | None = None) -> str | None:
+    """The first problem of the drafts ``[(key, train.draft), ...]`` a config trains, or None.
+    ``target_mla``: whether the target has MLA attention (None: not known before the stages
+    read it, a hub id)."""
     for key, draft in drafts:
-        problem = for_draft(draft).config_problem(config, key, draft)
+        problem = for_draft(draft).config_problem(config, key, draft, target_mla)
         if problem:
             return problem
     return None
+

@@ -76,12 +76,13 @@ def sglang_refusal(exported: dict) -> str | None:
             "DFlashQwen3ForCausalLM only. Serve it with vLLM.")
 
 
-def config_problem(config: dict, key: str, draft: dict, name: str = "DFlash",
+def config_problem(config: dict, key: str, draft: dict, target_mla: bool | None = None,
+                   name: str = "DFlash",
                    served_by: str = "DFlashQwen3ForCausalLM") -> str | None:
     """A DFlash draft is vLLM's Qwen3-layer DFlashQwen3ForCausalLM: no MLA; it names a layer by
     its output (so no aux id 0, the embeddings); it was trained on blocks of block_size, so
-    it serves at most block_size - 1 drafts. ``name`` and ``served_by``: a family on DFlash's
-    backbone (DSpark) asking the same."""
+    it serves at most block_size - 1 drafts. Any target's attention (``target_mla``) trains
+    one. ``name`` and ``served_by``: a family on DFlash's backbone (DSpark) asking the same."""
     layer_ids = config["hidden"]["layer_ids"] or []
     if draft["arch"] != "llama":
         return (f"config key '{key}.arch': a {name} draft has vLLM's Qwen3 attention "
@@ -95,3 +96,4 @@ def config_problem(config: dict, key: str, draft: dict, name: str = "DFlash",
                 f"draft of {key} is trained on blocks of {draft['block_size']} (block_size), "
                 f"which fill at most {draft['block_size'] - 1}")
     return None
+

@@ -94,7 +94,9 @@ def sglang_refusal(exported: dict) -> str | None:
             "Qwen3DSparkForCausalLM only. Serve it with vLLM (its GPU build).")
 
 
-def config_problem(config: dict, key: str, draft: dict) -> str | None:
+def config_problem(config: dict, key: str, draft: dict,
+                   target_mla: bool | None = None) -> str | None:
     """DFlash's checks (the same backbone and block), named DSpark's."""
-    return backbone().config_problem(config, key, draft, name="DSpark",
+    return backbone().config_problem(config, key, draft, target_mla, name="DSpark",
                                      served_by="Qwen3DSparkForCausalLM")
+

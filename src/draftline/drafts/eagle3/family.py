@@ -98,14 +98,24 @@ def sglang_refusal(exported: dict) -> str | None:
             "them and serve another model than the one trained. Serve it with vLLM.")
 
 
-def config_problem(config: dict, key: str, draft: dict) -> str | None:
+def config_problem(config: dict, key: str, draft: dict,
+                   target_mla: bool | None = None) -> str | None:
     """What a config says of this draft (at ``key``: train.draft or a variant's) that vLLM
-    cannot serve, or None.
+    cannot serve, or None. ``target_mla``: whether the target has MLA attention (None: not
+    known yet, a hub id the stages read later).
 
-    vLLM 0.32 drafts in parallel from the draft's mask_hidden state, which only its Llama
-    EAGLE-3 class (llama_eagle3.py) has: the proposer reads ``model.mask_hidden``, and
+    An MLA draft beside a target without MLA does not serve: vLLM 0.32 builds the draft's MLA
+    attention metadata with the target's head size, which no MLA kernel takes (measured on its
+    CPU build: "Head dimension 32 is not supported by MLA" beside the toy). vLLM 0.32 drafts in
+    parallel from the draft's mask_hidden state, which only its Llama EAGLE-3 class
+    (llama_eagle3.py) has: the proposer reads ``model.mask_hidden``, and
     Eagle3DeepseekV3ForCausalLM (deepseek_eagle3.py) defines none. vLLM's EAGLE-3 drafts have
     one layer."""
+    if draft["arch"] == "deepseek_mla" and target_mla is False:
+        return (f"config key '{key}.arch': deepseek_mla needs a target with MLA attention "
+                f"(target.model {config['target']['model']} has none); vLLM serves an MLA "
+                "draft only beside one (it sizes the draft's MLA attention by the target's "
+                "heads): use arch llama")
     if draft["drafting"] == "parallel" and draft["arch"] == "deepseek_mla":
         return (f"config key '{key}.drafting': vLLM serves parallel drafting (P-EAGLE) only "
                 "with the Llama draft (Eagle3LlamaForCausalLM holds its mask_hidden state; the "
@@ -114,3 +124,4 @@ def config_problem(config: dict, key: str, draft: dict) -> str | None:
         return (f"config key '{key}.num_layers': vLLM's EAGLE-3 drafts have one layer; more "
                 "are for drafting dflash")
     return None
+
