@@ -13,7 +13,7 @@ from draftline.drafts import registry
 
 FACTS = ("NAME", "DRAFTINGS", "HOOKS", "FSDP_UNITS", "OWN_LM_HEAD", "recognises", "label",
          "served_label", "trainable_params", "train_passes", "speculative", "sglang_refusal",
-         "config_problem")
+         "config_problem", "serving_problem_beside")
 REQUIRED_HOOKS = ("build", "init", "check_inputs", "micro_batch", "evaluate", "export")
 
 
@@ -98,8 +98,9 @@ def test_a_dspark_draft_counts_and_checks_as_its_dflash_backbone_plus_its_heads(
 
 
 def test_the_families_answer_whether_their_draft_serves_beside_an_mla_target():
-    """An MLA draft needs an MLA target: the family's question, asked through the registry
-    (unknown, None: no answer yet)."""
+    """The MLA questions are the families' (asked through the registry): an MLA draft needs an
+    MLA target (unknown, None: no answer yet); vLLM's CPU build starts no draft beside an MLA
+    target, a GPU does."""
     config = {"target": {"model": "toy"}, "hidden": {"layer_ids": [2, 4]},
               "bench": {"num_speculative_tokens": [3]}}
     mla = {"drafting": "autoregressive", "arch": "deepseek_mla", "num_layers": None}
@@ -110,3 +111,11 @@ def test_the_families_answer_whether_their_draft_serves_beside_an_mla_target():
         "sizes the draft's MLA attention by the target's heads): use arch llama")
     assert registry.config_problems(config, drafts, target_mla=True) is None
     assert registry.config_problems(config, drafts, target_mla=None) is None
+    for exported, label in [({}, "EAGLE-3"), ({"parallel_drafting": True}, "P-EAGLE"),
+                            ({"architectures": ["DFlashDraftModel"]}, "DFlash"),
+                            ({"architectures": ["Qwen3DSparkModel"]}, "DSpark")]:
+        problem = registry.serving_problem_beside(exported, target_mla=True, on_gpu=False)
+        assert f"{label} beside an MLA target does not start on vLLM's CPU build" in problem
+        assert registry.serving_problem_beside(exported, target_mla=True, on_gpu=True) is None
+        assert registry.serving_problem_beside(exported, target_mla=False, on_gpu=False) is None
+        assert registry.serving_problem_beside(exported, target_mla=None, on_gpu=False) is None

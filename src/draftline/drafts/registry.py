@@ -18,6 +18,8 @@ A ``family`` module has (standard library only):
     config_problem(config, key, draft, target_mla)  what vLLM cannot serve in a config, or
                           None; ``target_mla`` whether the target has MLA attention
                           (``draftline.core.target.uses_mla``), None where not known yet
+    serving_problem_beside(exported, target_mla, on_gpu)  why vLLM cannot start the draft of
+                          an exported config.json beside the target on this host, or None
     FSDP_UNITS            submodules FSDP shards as units before the whole draft
     OWN_LM_HEAD           whether the draft has its own lm_head (else the target's)
     HOOKS                 hook name -> the module (torch side, imported when asked) defining it
@@ -184,3 +186,8 @@ def config_problems(config: dict, drafts, target_mla: bool | None = None) -> str
             return problem
     return None
 
+
+def serving_problem_beside(exported: dict, target_mla: bool | None, on_gpu: bool) -> str | None:
+    """Why vLLM cannot start the draft of this exported config.json beside the target (MLA
+    attention or not, None: not known) on this host (a GPU or vLLM's CPU build), or None."""
+    return of_config(exported).serving_problem_beside(exported, target_mla, on_gpu)

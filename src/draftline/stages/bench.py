@@ -7,8 +7,9 @@ For each configuration (``eagle3-k{n}`` for every ``num_speculative_tokens``, ``
 for every draft variant of ``train.variants`` (``draftline.stages.bench_variants``) and every
 further draft of ``bench.compare_drafts`` (``draftline.stages.bench_drafts``), then
 ``baseline``) a vLLM server is started (or an external endpoint used); the speculative ones go
-first, so a server that cannot start fails before baseline time is spent, and pairs known not
-to start (an MLA target with EAGLE-3 on vLLM's CPU build) are refused before anything runs.
+first, so a server that cannot start fails before baseline time is spent, and pairs the
+draft's family knows not to start (a draft beside an MLA target on vLLM's CPU build) are
+refused before anything runs.
 Every (temperature, level) cell is a closed-loop window
 (``draftline.serving.loadgen.measure_window``,
 as the profiler measures): the eval-split prompts are cycled with per-request seeds so that C
@@ -98,7 +99,7 @@ from draftline.core.layout import (
 )
 from draftline.core.machine import serving_machine
 from draftline.core.records import Prompt
-from draftline.core.target import text_config
+from draftline.core.target import text_config, uses_mla
 from draftline.drafts import registry
 from draftline.serving.loadgen import (
     SamplingSpec,
@@ -1045,19 +1046,12 @@ class BenchError(RuntimeError):
     """A configuration cannot be benchmarked (refused up front, or it failed mid-run)."""
 
 
-MLA_MODEL_TYPES = {"deepseek_v2", "deepseek_v3", "kimi_k2", "deepseek_mtp"}
-
-
 def target_architecture(model: str) -> dict | None:
     """The target's config.json (its ``text_config`` for multimodal wrappers), if local."""
     path = Path(model) / "config.json"
     if not path.is_file():
         return None
     return text_config(json.loads(path.read_text()))
-
-
-def uses_mla(target_cfg: dict) -> bool:
-    return "kv_lora_rank" in target_cfg or target_cfg.get("model_type") in MLA_MODEL_TYPES
 
 
 def check_configurations(configs: list[dict], model: str, external: dict,
@@ -1081,16 +1075,33 @@ def check_configurations(configs: list[dict], model: str, external: dict,
                 f"bench: cannot serve {cfg['name']} faithfully on this host: {problem}. "
                 "Benchmark it on a GPU host or give it an external server (bench.endpoints). "
                 "Nothing was measured.")
-    if managed_spec and target_cfg is not None and uses_mla(target_cfg) and not on_gpu:
-        raise BenchError(
-            f"bench: cannot run {', '.join(managed_spec)} on this host: the target "
-            f"(target.model = {model}, model_type {target_cfg.get('model_type')!r}) uses MLA "
-            "attention, and EAGLE-3 beside an MLA target does not start on vLLM's CPU build "
-            "(no common KV-cache block size: CPU MLA needs 16, the draft's CPU attention "
-            "multiples of 32; see docs/internals.md). Benchmark on a GPU host, give the "
-            "speculative configurations external servers (bench.endpoints), or use a "
-            "Llama-architecture target for the CPU benchmark. Nothing was measured.")
+    _refuse_beside_target(configs, managed_spec, model, target_cfg, on_gpu, draft_dirs or {})
     return unservable
+
+
+def _refuse_beside_target(configs: list[dict], managed_spec: list[str], model: str,
+                          target_cfg: dict | None, on_gpu: bool, draft_dirs: dict) -> None:
+    """Refuse the managed speculative configurations whose draft's family says vLLM does not
+    start it beside this target on this host (``registry.serving_problem_beside``): all that
+    share the first such reason, named together."""
+    target_mla = uses_mla(target_cfg) if target_cfg is not None else None
+    problems: dict[str, list[str]] = {}
+    for cfg in configs:
+        if cfg["name"] not in managed_spec:
+            continue
+        draft_dir = draft_dirs.get(cfg.get("draft") or cfg.get("variant"))
+        exported = _draft_config(draft_dir) if draft_dir else {}
+        problem = registry.serving_problem_beside(exported, target_mla, on_gpu)
+        if problem:
+            problems.setdefault(problem, []).append(cfg["name"])
+    if problems:
+        problem, names = next(iter(problems.items()))
+        model_type = (target_cfg or {}).get("model_type")
+        raise BenchError(
+            f"bench: cannot run {', '.join(names)} on this host beside the target "
+            f"(target.model = {model}, model_type {model_type!r}): {problem}. Benchmark on a "
+            "GPU host or give the speculative configurations external servers "
+            "(bench.endpoints). Nothing was measured.")
 
 
 def measuring_order(configs: list[dict], server_is_up=lambda config: False) -> list[dict]:

@@ -97,3 +97,16 @@ def config_problem(config: dict, key: str, draft: dict, target_mla: bool | None 
                 f"which fill at most {draft['block_size'] - 1}")
     return None
 
+
+def serving_problem_beside(exported: dict, target_mla: bool | None, on_gpu: bool,
+                           name: str = "DFlash") -> str | None:
+    """Why vLLM cannot start the draft beside the target on this host, or None. Its layers
+    take vLLM's CPU attention as an EAGLE-3 draft's do, so beside an MLA target its CPU build
+    finds no common KV-cache block size either (measured with EAGLE-3, docs/internals.md).
+    ``name``: a family on DFlash's backbone (DSpark)."""
+    if on_gpu or not target_mla:
+        return None
+    return (f"the target uses MLA attention, and {name} beside an MLA target does not start on "
+            "vLLM's CPU build (no common KV-cache block size: CPU MLA needs 16, the draft's "
+            "CPU attention multiples of 32; see docs/internals.md); beside a Llama-architecture "
+            "target it starts")

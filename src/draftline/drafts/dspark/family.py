@@ -100,3 +100,7 @@ def config_problem(config: dict, key: str, draft: dict,
     return backbone().config_problem(config, key, draft, target_mla, name="DSpark",
                                      served_by="Qwen3DSparkForCausalLM")
 
+
+def serving_problem_beside(exported: dict, target_mla: bool | None, on_gpu: bool) -> str | None:
+    """DFlash's (the same layers), named DSpark's."""
+    return backbone().serving_problem_beside(exported, target_mla, on_gpu, name="DSpark")

@@ -125,3 +125,15 @@ def config_problem(config: dict, key: str, draft: dict,
                 "are for drafting dflash")
     return None
 
+
+def serving_problem_beside(exported: dict, target_mla: bool | None, on_gpu: bool) -> str | None:
+    """Why vLLM cannot start the draft of this config.json beside the target on this host, or
+    None: its CPU build starts no EAGLE-3 draft beside an MLA target (no common KV-cache block
+    size: CPU MLA needs 16, the draft's CPU attention multiples of 32; docs/internals.md).
+    GPUs serve it."""
+    if on_gpu or not target_mla:
+        return None
+    return (f"the target uses MLA attention, and {served_label(exported)} beside an MLA target "
+            "does not start on vLLM's CPU build (no common KV-cache block size: CPU MLA needs "
+            "16, the draft's CPU attention multiples of 32; see docs/internals.md); beside a "
+            "Llama-architecture target it starts")
