@@ -7,7 +7,7 @@ from html.parser import HTMLParser
 
 from draftline.stages.modelcard import Card, Heading, Markdown, Para, render_html
 
-SUMMARY = """# Deployment benchmark: baseline vs EAGLE-3
+SUMMARY = """# Deployment benchmark: baseline vs the draft
 
 closed-loop windows of 3 s; `running` is the server's mean running requests,
 `*` marks a cell below 0.9 x C.
@@ -72,7 +72,7 @@ def test_markdown_from_another_stage_renders_as_html_tables_and_text():
     ]]
     assert parsed.pre == ["vllm serve x"]  # only the code block stays preformatted
     assert "|---|" not in page
-    assert "<h1>Deployment benchmark: baseline vs EAGLE-3</h1>" in page
+    assert "<h1>Deployment benchmark: baseline vs the draft</h1>" in page
     assert "<code>running</code> is the server&#x27;s mean running requests, <code>*</code>" in page
     assert "<strong>eagle3-k3 is slower than the baseline here:</strong>" in page
     assert "<ul><li>one</li><li>two</li></ul>" in page

@@ -1,4 +1,4 @@
-"""Deployment benchmark: the target alone vs the target with the trained EAGLE-3 draft.
+"""Deployment benchmark: the target alone vs the target with the trained draft.
 
 Kept whole (about 1100 lines): measuring, summarising, step costs, the gap table and the
 recommendations share the one row schema written out below, and read best beside it.
@@ -672,7 +672,7 @@ def step_costs(summary: list[dict], configs: list[dict]) -> dict | None:
 
     target step = the baseline's median TPOT (one token per decode step). A speculative round
     (k draft steps, then one verification of k+1 tokens) yields the acceptance length AL in
-    tokens, so round = the EAGLE-3 median TPOT x AL, and the draft step is derived as
+    tokens, so round = the configuration's median TPOT x AL, and the draft step is derived as
     (round - target step) / k: verification counted as one target step, the rest as drafting.
     The predicted speed-up of a row is AL x target step / round; break-even is AL = round /
     target step, and with every draft accepted (AL = k+1) the speed-up is at most
@@ -712,9 +712,9 @@ def explain_speedup(costs: dict | None) -> list[str]:
     lines = ["", f"## Why this speed-up (step costs at C={costs['concurrency']}, "
              f"T={costs['temperature']:g})", "",
              f"Target step (baseline median TPOT): {costs['target_step_ms']:.3f} ms. A drafting "
-             "round is k draft steps plus one verification; round = EAGLE-3 median TPOT x "
-             "acceptance length; draft step = (round - target step) / k. `predicted` in the "
-             "table = acceptance length x target step / round.", "",
+             "round is k draft steps plus one verification; round = the configuration's "
+             "median TPOT x acceptance length; draft step = (round - target step) / k. "
+             "`predicted` in the table = acceptance length x target step / round.", "",
              "| config | k | draft step ms | round ms | acceptance length | break-even "
              "acceptance | max speedup (all accepted) |", "|---|---|---|---|---|---|---|"]
     for name, c in costs["configs"].items():
@@ -919,7 +919,7 @@ def summary_markdown(result: dict) -> str:
                f"{result.get('max_measure_s', MAX_MEASURE_S):g} s), the "
                f"{result['num_prompts']} eval-split prompts cycled with per-request seeds"
                if "measure_s" in result else f"{result['num_prompts']} eval-split prompts")
-    lines = ["# Deployment benchmark: baseline vs EAGLE-3", "",
+    lines = ["# Deployment benchmark: baseline vs the draft", "",
              f"{windows}; {result['repetitions']} repetitions, medians (min-max). TTFT, TPOT "
              "as `vllm bench serve` defines them. `running` is the mean requests in flight "
              "over the window (each request's span clipped to it; at most C); `*` marks a "
@@ -1007,7 +1007,7 @@ def plot(result: dict, throughput_png: Path, acceptance_png: Path) -> None:
     ax.set_xscale("log", base=2)
     ax.set_xlabel("concurrency (requests in flight)")
     ax.set_ylabel("output tokens/s (median)")
-    ax.set_title("Throughput: baseline vs EAGLE-3")
+    ax.set_title("Throughput: baseline vs the draft")
     ax.grid(True, alpha=0.3)
     ax.legend(fontsize=8)
     fig.tight_layout()
@@ -1023,7 +1023,7 @@ def plot(result: dict, throughput_png: Path, acceptance_png: Path) -> None:
     ax.set_xlabel("draft position")
     ax.set_ylabel("acceptance rate per draft")
     ax.set_ylim(0, 1)
-    ax.set_title("EAGLE-3 acceptance per position")
+    ax.set_title("Draft acceptance per position")
     ax.grid(True, alpha=0.3)
     if ax.get_legend_handles_labels()[0]:
         ax.legend(fontsize=7)

@@ -1,4 +1,4 @@
-"""Train the EAGLE-3 draft on stored target hidden states: one loop for CPU, DDP and FSDP.
+"""Train the draft on stored target hidden states: one loop for CPU, DDP and FSDP.
 
 Library::
 
