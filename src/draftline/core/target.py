@@ -27,7 +27,7 @@ from pathlib import Path
 
 # Bytes per element of the dtypes a target's states are stored in.
 DTYPE_SIZES = {"bfloat16": 2, "float16": 2, "float32": 4}
-# EAGLE-3 feeds the draft three aux hidden states of the target (hidden.layer_ids).
+# The draft reads three aux hidden states of the target (hidden.layer_ids).
 NUM_AUX_LAYERS = 3
 
 

@@ -36,7 +36,7 @@ from draftline.stages.bundle.scrub import scrub_config, scrub_obj, scrub_text, s
 TEXT_SUFFIXES = {".json", ".jsonl", ".md", ".yaml", ".yml", ".txt", ".csv", ".tsv", ".html",
                  ".rst", ".log"}
 CONTENT = {  # what each bundled file is (the model card's file table)
-    "config.json": "draft config (vLLM / SGLang EAGLE-3 format)",
+    "config.json": "draft config (the format vLLM serves)",
     "model.safetensors": "draft weights (with d2t and t2d when the draft vocab is reduced)",
     "vocab/vocab_map.safetensors": "draft vocab map (d2t, t2d)",
     "vocab/coverage.json": "draft vocab coverage",
