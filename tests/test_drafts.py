@@ -12,8 +12,8 @@ from conftest import REPO
 from draftline.drafts import registry
 
 FACTS = ("NAME", "DRAFTINGS", "HOOKS", "FSDP_UNITS", "OWN_LM_HEAD", "recognises", "label",
-         "served_label", "trainable_params", "train_passes", "speculative", "sglang_refusal",
-         "config_problem", "serving_problem_beside")
+         "served_label", "card_summary", "trainable_params", "train_passes", "speculative",
+         "sglang_refusal", "config_problem", "serving_problem_beside")
 REQUIRED_HOOKS = ("build", "init", "check_inputs", "micro_batch", "evaluate", "export")
 
 
@@ -57,6 +57,40 @@ def test_saved_and_exported_configs_name_their_family():
         "method": "eagle3", "parallel_drafting": True}
     assert registry.served_label({"architectures": ["Eagle3DeepseekV3ForCausalLM"],
                                   "fc_norm": True}) == "EAGLE-3.1 MLA"
+
+
+def test_each_family_describes_its_own_draft_on_the_model_card():
+    """The card's paragraph is the family's, from the exported config.json: P-EAGLE and the
+    MLA draft are EAGLE-3 options; DFlash's layers and block; DSpark's heads."""
+    eagle3 = registry.card_summary({"architectures": ["LlamaForCausalLMEagle3"]})
+    assert eagle3.startswith("An EAGLE-3 speculative-decoding draft: one Llama-style decoder "
+                             "layer that reads three hidden states of the target and proposes "
+                             "tokens which the target then verifies")
+    peagle = registry.card_summary({"architectures": ["LlamaForCausalLMEagle3"],
+                                    "parallel_drafting": True})
+    assert peagle.startswith("A P-EAGLE speculative-decoding draft: one Llama-style")
+    assert "proposes a round's tokens in one forward pass (parallel drafting" in peagle
+    mla = registry.card_summary({"architectures": ["Eagle3DeepseekV3ForCausalLM"]})
+    assert mla.startswith("An EAGLE-3 MLA speculative-decoding draft: one DeepSeek-V3-style "
+                          "decoder layer (multi-head latent attention, MLA)")
+    dflash = {"architectures": ["DFlashDraftModel"], "num_hidden_layers": 1, "block_size": 16,
+              "dflash_config": {"target_layer_ids": [1, 3, 4]}}
+    assert registry.card_summary(dflash).startswith(
+        "A DFlash speculative-decoding draft (vLLM's DFlash): 1 Qwen3-style decoder layer that "
+        "reads the target's hidden states at 3 of its layers for every accepted position and "
+        "fills a block of 15 masked tokens in one forward pass")
+    dspark = {**dflash, "architectures": ["Qwen3DSparkModel"], "num_hidden_layers": 2,
+              "markov_rank": 64, "enable_confidence_head": True}
+    text = registry.card_summary(dspark)
+    assert text.startswith("A DSpark speculative-decoding draft (vLLM's DSpark): DFlash's "
+                           "drafter, 2 Qwen3-style decoder layers that read")
+    assert "plus a Markov head (rank 64) that biases each draft token's logits" in text
+    assert "a confidence head" in text
+    assert "confidence head" not in registry.card_summary(
+        {**dspark, "enable_confidence_head": False})
+    assert [registry.card_tag(c) for c in ({}, dflash, dspark)] == ["eagle3", "dflash",
+                                                                     "dspark"]
+    assert not any("EAGLE" in registry.card_summary(c) for c in (dflash, dspark))
 
 
 def test_the_registry_loads_by_path_without_the_library_or_torch():

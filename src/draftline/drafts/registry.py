@@ -7,10 +7,12 @@ A family is one folder of ``draftline.drafts`` (``eagle3/``, ``dflash/``, ``dspa
 
 A ``family`` module has (standard library only):
 
-    NAME, DRAFTINGS       its name, the train.draft.drafting values it trains
+    NAME, DRAFTINGS       its name (also the model card's tag), the train.draft.drafting
+                          values it trains
     recognises(config)    whether a saved or exported config is one of its drafts
     label(draft)          its name as the plan and the benchmark print it (of train.draft)
-    served_label(config)  the same of an exported config.json
+    served_label(config)  the same of an exported config.json (the model card's heading)
+    card_summary(config)  the model card's description of the draft of an exported config.json
     trainable_params(dims, sizes, draft_vocab, draft)   the one count of its parameters
     train_passes(train, draft, sample_tokens)           one-layer passes a step costs, and why
     speculative(config)   vLLM's speculative-config keys: method, parallel_drafting
@@ -161,6 +163,16 @@ def label(draft: dict | None) -> str:
 def served_label(exported: dict) -> str:
     """``label`` of an exported config.json."""
     return of_config(exported).served_label(exported)
+
+
+def card_summary(exported: dict) -> str:
+    """What the draft of an exported config.json is, in the model card's words."""
+    return of_config(exported).card_summary(exported)
+
+
+def card_tag(exported: dict) -> str:
+    """The model card's tag of the draft's family (its name)."""
+    return of_config(exported).NAME
 
 
 def speculative(exported: dict) -> dict:

@@ -49,6 +49,27 @@ def served_label(exported: dict) -> str:
     return "DFlash"
 
 
+def drafter(exported: dict) -> str:
+    """What the draft of this config.json is, in words (the card's; DSpark's backbone too):
+    its layers, the target states they read and the block one pass fills (block_size - 1
+    drafts after the last accepted token)."""
+    n = exported.get("num_hidden_layers") or DEFAULT_LAYERS
+    layers_read = f"{n} Qwen3-style decoder layer{'s that read' if n > 1 else ' that reads'}"
+    ids = (exported.get("dflash_config") or {}).get("target_layer_ids")
+    at = f" at {len(ids)} of its layers" if ids else ""
+    block = exported.get("block_size")
+    fills = f"a block of {block - 1} masked tokens" if block else "a block of masked tokens"
+    return (f"{layers_read} the target's hidden states{at} for every accepted position and "
+            f"fill{'' if n > 1 else 's'} {fills} in one forward pass")
+
+
+def card_summary(exported: dict) -> str:
+    """The model card's description of the draft of this config.json (vLLM's DFlash)."""
+    return (f"A DFlash speculative-decoding draft (vLLM's DFlash): {drafter(exported)}, which "
+            "the target then verifies, so outputs are those of the target alone, produced "
+            "faster. It drafts through the target's own embedding and lm_head.")
+
+
 def trainable_params(dims: dict, sizes: dict, draft_vocab: int, draft: dict) -> int:
     """fc, its norm and the final one, and each layer (q, o; k, v from one input each; its
     norms); the shared k_norm once. No lm_head: the target's."""

@@ -68,6 +68,22 @@ def served_label(exported: dict) -> str:
     return "DSpark"
 
 
+def card_summary(exported: dict) -> str:
+    """The model card's description of the draft of this config.json: DFlash's drafter
+    (``backbone().drafter``), then its Markov head and, where it has one
+    (``enable_confidence_head``), its confidence head."""
+    rank = exported.get("markov_rank")
+    heads = (f"a Markov head{f' (rank {rank})' if rank else ''} that biases each draft "
+             "token's logits by the token drafted just before it")
+    if exported.get("enable_confidence_head"):  # vLLM builds none without it
+        heads += (" and a confidence head that predicts each draft token's chance of "
+                  "acceptance given those before it")
+    return (f"A DSpark speculative-decoding draft (vLLM's DSpark): DFlash's drafter, "
+            f"{backbone().drafter(exported)}, plus {heads}. The target then verifies the "
+            "drafts, so outputs are those of the target alone, produced faster. It drafts "
+            "through the target's own embedding and lm_head.")
+
+
 def trainable_params(dims: dict, sizes: dict, draft_vocab: int, draft: dict) -> int:
     """DFlash's backbone, the Markov head (two [V, r] matrices over the target's vocabulary)
     and the confidence head (one logit from the slot's state, and its Markov embedding)."""

@@ -56,6 +56,23 @@ def served_label(exported: dict) -> str:
     return name + (" MLA" if mla else "")
 
 
+def card_summary(exported: dict) -> str:
+    """The model card's description of the draft of this config.json: the layer (Llama's
+    attention or DeepSeek's MLA), the three target states it reads, and for P-EAGLE the one
+    pass that drafts a round."""
+    name = served_label(exported)
+    article = "A" if name.startswith("P-") else "An"
+    layer = ("one DeepSeek-V3-style decoder layer (multi-head latent attention, MLA)"
+             if MLA_ARCHITECTURE in (exported.get("architectures") or [])
+             else "one Llama-style decoder layer")
+    proposes = ("a round's tokens in one forward pass (parallel drafting: the slots after the "
+                "first read a trained mask state), which" if exported.get("parallel_drafting")
+                else "tokens which")
+    return (f"{article} {name} speculative-decoding draft: {layer} that reads three hidden "
+            f"states of the target and proposes {proposes} the target then verifies, so "
+            "outputs are those of the target alone, produced faster.")
+
+
 def trainable_params(dims: dict, sizes: dict, draft_vocab: int, draft: dict) -> int:
     """Trainable parameters of the one-layer draft (embedding shared, not counted): fc,
     attention, MLP, lm_head, norms and P-EAGLE's mask state. ``sizes`` are the layer's
