@@ -529,6 +529,7 @@ def test_model_card(results):
     assert f"['eagle_aux_hidden_state_layer_ids'] = {sglang_ids};" in readme
     assert "cp -r org/eagle3-draft sglang-draft" in readme
     assert "--speculative-draft-model-path sglang-draft" in readme
+    assert "--speculative-algorithm EAGLE3" in readme  # the eagle3 family's SGLang algorithm
     assert "--speculative-num-steps 3" in readme and "--speculative-num-draft-tokens 4" in readme
     assert "served this draft with vLLM 0.32.0 (bench/results.json)" in readme
     html = (results / "report" / "card.html").read_text()

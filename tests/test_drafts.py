@@ -13,7 +13,7 @@ from draftline.drafts import registry
 
 FACTS = ("NAME", "DRAFTINGS", "HOOKS", "FSDP_UNITS", "OWN_LM_HEAD", "recognises", "label",
          "served_label", "card_summary", "trainable_params", "train_passes", "speculative",
-         "sglang_refusal", "config_problem", "serving_problem_beside")
+         "sglang_refusal", "SGLANG_ALGORITHM", "config_problem", "serving_problem_beside")
 REQUIRED_HOOKS = ("build", "init", "check_inputs", "micro_batch", "evaluate", "export")
 
 
@@ -22,6 +22,8 @@ def test_every_family_has_the_whole_contract(family):
     assert [name for name in FACTS if not hasattr(family, name)] == []
     for hook in REQUIRED_HOOKS:
         assert callable(registry.hook(family, hook)), f"{family.NAME}: no hook {hook}"
+    # a family SGLang serves names its algorithm; one it does not refuses every draft
+    assert bool(family.SGLANG_ALGORITHM) != bool(family.sglang_refusal({}))
 
 
 def test_each_drafting_is_one_familys_and_the_schema_lists_them_all():

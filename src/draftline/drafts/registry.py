@@ -17,6 +17,8 @@ A ``family`` module has (standard library only):
     train_passes(train, draft, sample_tokens)           one-layer passes a step costs, and why
     speculative(config)   vLLM's speculative-config keys: method, parallel_drafting
     sglang_refusal(config)  why SGLang cannot serve it, or None
+    SGLANG_ALGORITHM      SGLang's --speculative-algorithm for the drafts it serves (None:
+                          it serves none, sglang_refusal always answers)
     config_problem(config, key, draft, target_mla)  what vLLM cannot serve in a config, or
                           None; ``target_mla`` whether the target has MLA attention
                           (``draftline.core.target.uses_mla``), None where not known yet
@@ -186,6 +188,12 @@ def speculative(exported: dict) -> dict:
 
 def sglang_refusal(exported: dict) -> str | None:
     return of_config(exported).sglang_refusal(exported)
+
+
+def sglang_algorithm(exported: dict) -> str | None:
+    """SGLang's ``--speculative-algorithm`` for the draft of an exported config.json (None
+    where SGLang serves none of its family)."""
+    return of_config(exported).SGLANG_ALGORITHM
 
 
 def config_problems(config: dict, drafts, target_mla: bool | None = None) -> str | None:

@@ -107,7 +107,8 @@ def vllm_command(target: str, draft: str, k: int, server_cfg: dict, revision: st
 
 
 def sglang_command(target: str, draft: str, k: int, server_cfg: dict, revision: str | None,
-                   trust_remote_code: bool) -> str:
+                   trust_remote_code: bool, algorithm: str) -> str:
+    """``algorithm``: SGLang's name of the draft's family (``registry.sglang_algorithm``)."""
     # A chain (top-k 1) of k draft steps verifies k + 1 tokens, matching vLLM's k.
     args = ["python", "-m", "sglang.launch_server", "--model-path", target]
     if revision:
@@ -115,7 +116,7 @@ def sglang_command(target: str, draft: str, k: int, server_cfg: dict, revision: 
     args += ["--tp-size", str(server_cfg.get("tensor_parallel_size", 1))]
     if trust_remote_code:
         args.append("--trust-remote-code")
-    args += ["--speculative-algorithm", "EAGLE3", "--speculative-draft-model-path", draft,
+    args += ["--speculative-algorithm", algorithm, "--speculative-draft-model-path", draft,
              "--speculative-num-steps", str(k), "--speculative-eagle-topk", "1",
              "--speculative-num-draft-tokens", str(k + 1)]
     return _multiline(args)
@@ -426,9 +427,10 @@ def _sglang_blocks(args: tuple, draft_cfg: dict, from_hub: bool) -> list[Any]:
     """SGLang serves the draft from a copy whose config lists the aux layer ids in SGLang's
     convention (``sglang_layer_ids``); this config.json's, read by SGLang, would feed the
     draft the states one layer later than those it was trained on."""
+    algorithm = registry.sglang_algorithm(draft_cfg)
     vllm_ids = (draft_cfg.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
     if not vllm_ids:
-        return [Code("bash", sglang_command(*args))]
+        return [Code("bash", sglang_command(*args, algorithm))]
     ids = sglang_layer_ids(vllm_ids)
     copy, copy_to = (("huggingface-cli download", "--local-dir sglang-draft") if from_hub
                      else ("cp -r", "sglang-draft"))
@@ -440,7 +442,7 @@ def _sglang_blocks(args: tuple, draft_cfg: dict, from_hub: bool) -> list[Any]:
                  f"config.json's {vllm_ids} would feed the draft other states under SGLang. "
                  f"Serve a copy of the draft whose config lists {ids}:"),
             Code("bash", f"{copy} {shlex.quote(args[1])} {copy_to}\n{edit}\n"
-                 + sglang_command(args[0], "sglang-draft", *args[2:]))]
+                 + sglang_command(args[0], "sglang-draft", *args[2:], algorithm))]
 
 
 def _data(card: Card, facts: dict) -> None:

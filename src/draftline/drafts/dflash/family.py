@@ -27,6 +27,7 @@ ARCHITECTURE = "DFlashDraftModel"  # exported: vLLM's DFlashQwen3ForCausalLM rea
 # 2.48 and 2.65 (one layer cannot carry the anchor token to the mask slots and attend to the
 # context too)
 DEFAULT_LAYERS = 3
+SGLANG_ALGORITHM = None  # the card gives no SGLang command (sglang_refusal)
 
 
 def recognises(config: dict) -> bool:

@@ -30,6 +30,7 @@ ARCHITECTURE = "Qwen3DSparkModel"  # exported: vLLM's Qwen3DSparkForCausalLM rea
 # train.draft.markov_rank null: DSpark's published Qwen3 drafts use a small rank (the head runs
 # once per slot, one slot after the other)
 DEFAULT_MARKOV_RANK = 64
+SGLANG_ALGORITHM = None  # the card gives no SGLang command (sglang_refusal)
 DFLASH = "draftline.drafts.dflash.family"  # the backbone's facts
 _BACKBONE = []
 

@@ -29,6 +29,8 @@ MLA_KEYS = ("q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim
 # input_norm or fc_norm, skips their weights without a word, and always takes the raw state as
 # the residual and the prenorm state onward, so it would serve another model than the one
 # trained.
+# SGLang's --speculative-algorithm for the drafts of this family it serves (sglang_refusal None)
+SGLANG_ALGORITHM = "EAGLE3"
 SGLANG_UNREAD = ("norm_before_fc", "fc_norm", "norm_before_residual", "norm_output",
                  "parallel_drafting")
 
