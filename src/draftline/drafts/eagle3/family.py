@@ -24,13 +24,13 @@ OWN_LM_HEAD = True  # the draft's own lm_head over the draft vocab (train.lm_hea
 ARCHITECTURES = ("LlamaForCausalLMEagle3", "Eagle3DeepseekV3ForCausalLM")  # exported
 MLA_ARCHITECTURE = "Eagle3DeepseekV3ForCausalLM"
 MLA_KEYS = ("q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")
+# SGLang's --speculative-algorithm for the drafts of this family it serves (sglang_refusal None)
+SGLANG_ALGORITHM = "EAGLE3"
 # Norm placements and P-EAGLE's setting that vLLM's Eagle3LlamaForCausalLM serves and SGLang's
 # LlamaForCausalLMEagle3 (python/sglang/srt/models/llama_eagle3.py) does not read: it builds no
 # input_norm or fc_norm, skips their weights without a word, and always takes the raw state as
 # the residual and the prenorm state onward, so it would serve another model than the one
 # trained.
-# SGLang's --speculative-algorithm for the drafts of this family it serves (sglang_refusal None)
-SGLANG_ALGORITHM = "EAGLE3"
 SGLANG_UNREAD = ("norm_before_fc", "fc_norm", "norm_before_residual", "norm_output",
                  "parallel_drafting")
 
