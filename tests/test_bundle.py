@@ -587,6 +587,8 @@ def test_a_dflash_drafts_card_describes_dflash_not_eagle3(results):
     assert "EAGLE-3" not in readme and "EAGLE3" not in readme
     assert '"method": "dflash"' in readme  # served as DFlash
     assert "Not with SGLang from this card: this is a DFlash draft" in readme
+    ids = [i + 1 for i in DFLASH_CONFIG["dflash_config"]["target_layer_ids"]]  # vLLM's ids
+    assert f"| Aux hidden-state layer ids (vLLM's) | {ids} |" in readme
 
 
 def test_the_eagle3_card_keeps_its_heading_and_paragraph(results):

@@ -12,8 +12,9 @@ from conftest import REPO
 from draftline.drafts import registry
 
 FACTS = ("NAME", "DRAFTINGS", "HOOKS", "FSDP_UNITS", "OWN_LM_HEAD", "recognises", "label",
-         "served_label", "card_summary", "trainable_params", "train_passes", "speculative",
-         "sglang_refusal", "SGLANG_ALGORITHM", "config_problem", "serving_problem_beside")
+         "served_label", "card_summary", "aux_layer_ids", "trainable_params", "train_passes",
+         "speculative", "sglang_refusal", "SGLANG_ALGORITHM", "config_problem",
+         "serving_problem_beside")
 REQUIRED_HOOKS = ("build", "init", "check_inputs", "micro_batch", "evaluate", "export")
 
 

@@ -13,6 +13,8 @@ A ``family`` module has (standard library only):
     label(draft)          its name as the plan and the benchmark print it (of train.draft)
     served_label(config)  the same of an exported config.json (the model card's heading)
     card_summary(config)  the model card's description of the draft of an exported config.json
+    aux_layer_ids(config) vLLM's ids of the target layers whose states the draft of an exported
+                          config.json reads (None where it does not say)
     trainable_params(dims, sizes, draft_vocab, draft)   the one count of its parameters
     train_passes(train, draft, sample_tokens)           one-layer passes a step costs, and why
     speculative(config)   vLLM's speculative-config keys: method, parallel_drafting
@@ -170,6 +172,11 @@ def served_label(exported: dict) -> str:
 def card_summary(exported: dict) -> str:
     """What the draft of an exported config.json is, in the model card's words."""
     return of_config(exported).card_summary(exported)
+
+
+def aux_layer_ids(exported: dict) -> list[int] | None:
+    """vLLM's ids of the target layers the draft of an exported config.json reads."""
+    return of_config(exported).aux_layer_ids(exported)
 
 
 def card_tag(exported: dict) -> str:

@@ -310,7 +310,6 @@ def _front_matter(target: dict, draft_cfg: dict) -> dict[str, Any]:
 
 
 def _model_details(card: Card, facts: dict, draft_cfg: dict) -> None:
-    eagle = draft_cfg.get("eagle_config") or {}
     target = facts["target"]
     rows = [
         ["Architecture", ", ".join(draft_cfg.get("architectures", []))],
@@ -321,7 +320,7 @@ def _model_details(card: Card, facts: dict, draft_cfg: dict) -> None:
         ["Target hidden size", draft_cfg.get("target_hidden_size", draft_cfg.get("hidden_size"))],
         ["Draft vocab size", draft_cfg.get("draft_vocab_size")],
         ["Target vocab size", draft_cfg.get("vocab_size")],
-        ["Aux hidden-state layer ids", eagle.get("eagle_aux_hidden_state_layer_ids")],
+        ["Aux hidden-state layer ids (vLLM's)", registry.aux_layer_ids(draft_cfg)],
         ["Weights dtype", draft_cfg.get("torch_dtype", draft_cfg.get("dtype"))],
     ]
     card.add(Heading(2, "Model details"), Table(["", ""], rows))

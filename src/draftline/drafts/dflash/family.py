@@ -64,6 +64,13 @@ def drafter(exported: dict) -> str:
             f"fill{'' if n > 1 else 's'} {fills} in one forward pass")
 
 
+def aux_layer_ids(exported: dict) -> list[int] | None:
+    """vLLM's aux layer ids: DFlash names a layer by its output (``dflash_config.
+    target_layer_ids``), vLLM by its input, one more."""
+    ids = (exported.get("dflash_config") or {}).get("target_layer_ids")
+    return None if ids is None else [i + 1 for i in ids]
+
+
 def card_summary(exported: dict) -> str:
     """The model card's description of the draft of this config.json (vLLM's DFlash)."""
     return (f"A DFlash speculative-decoding draft (vLLM's DFlash): {drafter(exported)}, which "

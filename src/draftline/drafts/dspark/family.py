@@ -69,6 +69,11 @@ def served_label(exported: dict) -> str:
     return "DSpark"
 
 
+def aux_layer_ids(exported: dict) -> list[int] | None:
+    """DFlash's (``backbone().aux_layer_ids``): the same ``dflash_config``."""
+    return backbone().aux_layer_ids(exported)
+
+
 def card_summary(exported: dict) -> str:
     """The model card's description of the draft of this config.json: DFlash's drafter
     (``backbone().drafter``), then its Markov head and, where it has one

@@ -58,6 +58,11 @@ def served_label(exported: dict) -> str:
     return name + (" MLA" if mla else "")
 
 
+def aux_layer_ids(exported: dict) -> list[int] | None:
+    """vLLM's aux layer ids, as the exported config gives them (``eagle_config``)."""
+    return (exported.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
+
+
 def card_summary(exported: dict) -> str:
     """The model card's description of the draft of this config.json: the layer (Llama's
     attention or DeepSeek's MLA), the three target states it reads, and for P-EAGLE the one
