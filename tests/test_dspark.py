@@ -26,6 +26,7 @@ from draftline.drafts.dspark.train import (
     micro_batch,
     teacher_prev,
 )
+from draftline.drafts.losses import SlotWeights
 from draftline.stages.export import export_draft
 from draftline.stages.train.checkpoint import DRAFT_CONFIG_FILE, save_weights
 from draftline.stages.train.draft import build_draft
@@ -132,11 +133,13 @@ def test_the_loss_scores_biased_slots_and_the_confidence_against_acceptance():
     anchors, valid = torch.tensor([[1]]), torch.tensor([[True]])
     lm_head = torch.zeros(vocab, 8)
 
+    HALF = SlotWeights("decay", decay=0.5)  # noqa: N806 (slot j weighs 0.5 ** (j - 1))
+
     def teacher(positions):  # the target puts what the bias does on the data's next token
         return torch.log_softmax(50 * F.one_hot(ids[0, positions + 1], vocab).float(), -1)
 
     loss, counts, runs, conf = dspark_block_loss(model, states, lm_head, ids, loss_mask,
-                                                 anchors, valid, argmax, 0.5, teacher)
+                                                 anchors, valid, argmax, HALF, teacher)
     metrics = metrics_from_counts(counts)
     assert metrics["accuracy"] == [1.0, 1.0, 1.0] and runs.tolist() == [[3]]
     assert metrics["simulated_acceptance_length"] == 4.0
@@ -148,7 +151,7 @@ def test_the_loss_scores_biased_slots_and_the_confidence_against_acceptance():
     # off the path) is not scored for confidence, slot 2 is and is now wrong
     argmax[0, 2] = 9
     loss, counts, runs, conf = dspark_block_loss(model, states, lm_head, ids, loss_mask,
-                                                 anchors, valid, argmax, 0.5, teacher)
+                                                 anchors, valid, argmax, HALF, teacher)
     assert runs.tolist() == [[1]] and conf.tolist()[0] == 2 and conf.tolist()[3] == 1
 
 
@@ -385,7 +388,8 @@ def test_training_lowers_the_dspark_loss_and_evaluation_counts_every_block(draft
     model, head, cfg = build_draft(draft_inputs["target_dir"], draft_inputs["vocab_map"], 0,
                                    architecture=DSPARK)
     rt = cpu_runtime()
-    train_cfg = {"anchors": 16, "loss_decay": 0.8, "loss": "kl", "teacher_temperature": 0.5}
+    train_cfg = {"anchors": 16, "loss_decay": 0.8, "slot_weights": "acceptance",
+                 "acceptance_alpha": 0.5, "loss": "kl", "teacher_temperature": 0.5}
     data, batches = eval_batches(draft_inputs, "train")
     batch = batches[0]
     params = [p for p in model.parameters() if p.requires_grad]

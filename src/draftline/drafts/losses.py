@@ -1,10 +1,13 @@
 """The per-row losses of a draft's logits against the teacher, as custom autograd functions
-that save only the logits and the target probabilities (the backward recomputes the softmax).
+that save only the logits and the target probabilities (the backward recomputes the softmax),
+and how the slots of a block weigh in its loss (``SlotWeights``).
 
-Shape legend: B samples, n rows, D draft vocab.
+Shape legend: B samples, n rows, D draft vocab, K a block's draft slots.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 
@@ -72,3 +75,59 @@ class DraftLK(torch.autograd.Function):
 
 
 LOSSES = ("kl", "lk")
+
+
+def acceptance_weights(confidence: torch.Tensor, scored: torch.Tensor,
+                       alpha: float) -> torch.Tensor:
+    """``[..., K]``: the weight of each slot of a block in the loss, by how much the block's
+    expected accepted run depends on it (D-PACE).
+
+    With q_i the draft's probability of the target's token at slot i (``confidence``), a
+    round accepts sum_k prod_{i <= k} q_i tokens in expectation; its derivative in log q_j is
+    sum_{k >= j} prod_{i <= k} q_i: a slot weighs the expected run it opens, so a slot behind
+    one the draft gets wrong weighs little. q is smoothed to alpha + (1 - alpha) q, so that
+    early in training (q near 0) the later slots still learn; a slot that is not scored
+    (``scored`` false: past the answer) weighs 0 and counts as 1 in the products. No gradient.
+    """
+    with torch.no_grad():
+        scored = scored.to(confidence.dtype)
+        smooth = torch.where(scored > 0, alpha + (1 - alpha) * confidence,
+                             torch.ones_like(confidence))
+        reached = torch.cumprod(smooth, dim=-1) * scored  # [..., K]: prod_{i <= k} q_i
+        return reached.flip(-1).cumsum(-1).flip(-1) * scored
+
+
+@dataclass(frozen=True)
+class SlotWeights:
+    """How a block's slots weigh in its loss (``train.slot_weights``): "acceptance" weighs
+    slot j by :func:`acceptance_weights` (``alpha``: ``train.acceptance_alpha``) and divides
+    by the scored slots; "decay" weighs it ``decay`` ** (j - 1) (``train.loss_decay``, the
+    DFlash paper's exp(-(j - 1) / gamma)) and divides by the weights."""
+
+    kind: str = "acceptance"
+    decay: float = 0.8
+    alpha: float = 0.5
+
+    @classmethod
+    def of(cls, train: dict) -> SlotWeights:
+        return cls(train["slot_weights"], train["loss_decay"], train["acceptance_alpha"])
+
+    def loss(self, losses: torch.Tensor, scored: torch.Tensor,
+             confidence: torch.Tensor) -> torch.Tensor:
+        """The blocks' loss from their slots' ``losses`` ``[..., K]`` (zero where not
+        ``scored``) and the draft's probability of the target's token there
+        (``confidence``)."""
+        scored = scored.to(losses.dtype)
+        if self.kind == "acceptance":
+            weights = acceptance_weights(confidence, scored, self.alpha)
+            return (losses * weights).sum() / scored.sum().clamp(min=1)
+        steps = torch.arange(losses.shape[-1], device=losses.device, dtype=losses.dtype)
+        weights = self.decay ** steps * scored
+        return (losses * weights).sum() / weights.sum().clamp(min=1)
+
+
+def probability_of(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+    """``[...]``: softmax(logits ``[..., V]``) at ``tokens`` ``[...]``, fp32, no gradient."""
+    with torch.no_grad():
+        picked = logits.gather(-1, tokens.unsqueeze(-1)).squeeze(-1).float()
+        return torch.exp(picked - torch.logsumexp(logits.float(), dim=-1))

@@ -36,9 +36,10 @@ then B - 1 masks).
 Training (the paper's objective): for each sample, anchors a are drawn among the generated
 positions (``train.anchors`` per sample and step; evaluation takes every one). Each anchor is one
 block ``[x_a, MASK, ...]`` that sees the target's states of positions < a, as the server's
-draft sees the accepted context. The loss is the cross entropy of slot j against the answer's
-token at a + j, weighted by ``train.loss_decay`` ** (j - 1) (the paper's exp(-(j-1)/gamma)),
-over slots whose token is a generated one. All of a sample's blocks run in one pass: the
+draft sees the accepted context. Slot j learns the target's distribution of the token at a + j
+(``train.loss``, at ``train.teacher_temperature``), over slots whose token is a generated one,
+each slot weighed by the expected accepted run it opens (``train.slot_weights``; the paper's
+fixed exp(-(j-1)/gamma) is ``decay``). All of a sample's blocks run in one pass: the
 attention below scores each block against the context ``[A, B, S]`` and against its own block
 ``[A, B, B]``, never against the other blocks.
 

@@ -23,7 +23,7 @@ from draftline.drafts.acceptance import (
 )
 from draftline.drafts.dflash.config import DFlashConfig, with_live_mask_token
 from draftline.drafts.dflash.model import DFlashDraft, init
-from draftline.drafts.losses import DraftKL, DraftLK
+from draftline.drafts.losses import DraftKL, DraftLK, SlotWeights, probability_of
 from draftline.drafts.teacher import TargetHead
 
 
@@ -82,8 +82,8 @@ def slot_loss(logits: torch.Tensor, target_logp: torch.Tensor, objective: str) -
 
 def block_loss(states: torch.Tensor, lm_head: torch.Tensor, input_ids: torch.Tensor,
                loss_mask: torch.Tensor, anchors: torch.Tensor, valid: torch.Tensor,
-               target_argmax: torch.Tensor, decay: float, teacher, objective: str = "kl",
-               with_runs: bool = False):
+               target_argmax: torch.Tensor, weights: SlotWeights, teacher,
+               objective: str = "kl", with_runs: bool = False):
     """The DFlash objective and the acceptance counts of its blocks.
 
     states ``[Bs, A, B, H]`` (``DFlashDraft``'s), lm_head ``[V, H]`` (the target's),
@@ -91,7 +91,7 @@ def block_loss(states: torch.Tensor, lm_head: torch.Tensor, input_ids: torch.Ten
     (the target's choice of the token after each position), teacher (:func:`teacher_at`).
     Slot j >= 1 is scored when the answer's token at a + j is a generated one, against the
     target's distribution of that token (at a + j - 1, after the answer's tokens up to it):
-    :func:`slot_loss`, weighted by ``decay`` ** (j - 1), averaged over the weights. The whole
+    :func:`slot_loss`, the slots weighed by ``weights`` (``train.slot_weights``). The whole
     distribution teaches more than the one token an answer sampled at T > 0 holds there.
 
     Counts (``[len(COUNT_KEYS), K]``, as ``draftline.drafts.eagle3.train.ttt_loss``'s, so that
@@ -108,9 +108,7 @@ def block_loss(states: torch.Tensor, lm_head: torch.Tensor, input_ids: torch.Ten
     on_path = torch.zeros_like(loss_mask, dtype=torch.bool)  # token p is argmax at p - 1
     on_path[:, 1:] = input_ids[:, 1:] == target_argmax[:, :-1]
     chain = valid & on_path.gather(1, anchors)  # [Bs, A]: the anchor is the bonus token
-    loss_sum = states.new_zeros((), dtype=torch.float32)
-    weight_sum = states.new_zeros((), dtype=torch.float32)
-    per_slot = []
+    losses, scored_all, greedy_p, per_slot = [], [], [], []
     alive = valid.clone()  # slots 1..j-1 of the block all right
     runs = torch.zeros_like(anchors)
     for j in range(1, block):
@@ -118,10 +116,11 @@ def block_loss(states: torch.Tensor, lm_head: torch.Tensor, input_ids: torch.Ten
         scored = valid & (anchors + j < length) & loss_mask.gather(1, where).bool()
         logits = F.linear(states[:, :, j], lm_head.to(states.dtype))  # [Bs, A, V]
         ce = slot_loss(logits, teacher(where - 1), objective) * scored  # [Bs, A]
-        weight = decay ** (j - 1)
-        loss_sum = loss_sum + weight * ce.sum()
-        weight_sum = weight_sum + weight * scored.sum()
-        correct = scored & (logits.argmax(-1) == target_argmax.gather(1, where - 1))
+        greedy = target_argmax.gather(1, where - 1)  # [Bs, A]
+        losses.append(ce)
+        scored_all.append(scored)
+        greedy_p.append(probability_of(logits, greedy))
+        correct = scored & (logits.argmax(-1) == greedy)
         eligible = scored & chain
         chain = eligible & correct & on_path.gather(1, where)
         alive = alive & correct
@@ -131,7 +130,8 @@ def block_loss(states: torch.Tensor, lm_head: torch.Tensor, input_ids: torch.Ten
         per_slot.append(torch.stack([s.double() for s in stats]))
     counts = torch.stack(per_slot, dim=1).cpu()  # [len(COUNT_KEYS), K]
     assert counts.shape[0] == len(COUNT_KEYS)
-    loss = loss_sum / weight_sum.clamp(min=1)
+    loss = weights.loss(torch.stack(losses, -1), torch.stack(scored_all, -1),
+                        torch.stack(greedy_p, -1))
     return (loss, counts, runs) if with_runs else (loss, counts)
 
 
@@ -195,7 +195,8 @@ def block_micro_batch(model, head, batch: dict, cfg: dict, rt, anchors_per_sampl
             states = model(aux, input_ids, anchors[:, part])  # [Bs, a, B, H]
             loss, c, run = block_loss(states, head.lm_head, input_ids, loss_mask,
                                       anchors[:, part], valid[:, part], target_argmax,
-                                      cfg["loss_decay"], teacher, cfg["loss"], with_runs=True)
+                                      SlotWeights.of(cfg), teacher, cfg["loss"],
+                                      with_runs=True)
             counts = counts + c
             if every_anchor:
                 ok = valid[:, part] & (anchors[:, part] > 0)

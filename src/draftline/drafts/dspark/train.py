@@ -1,8 +1,8 @@
 """The DSpark objective, its micro-batch and its evaluation.
 
 The loss is DFlash's block loss (``draftline.drafts.dflash.train.block_loss``: slot j against
-the target's distribution of the token at a + j, weighted ``train.loss_decay`` ** (j - 1)) on
-the Markov-biased logits, plus ``train.confidence_weight`` times the confidence head's binary
+the target's distribution of the token at a + j, the slots weighed by ``train.slot_weights``)
+on the Markov-biased logits, plus ``train.confidence_weight`` times the confidence head's binary
 cross entropy.
 
 Teacher forcing: slot j's bias reads the data's token at a + j - 1 (the anchor for j = 1). At
@@ -40,6 +40,7 @@ from draftline.drafts.dflash.train import check_inputs as dflash_check_inputs
 from draftline.drafts.dflash.train import sample_anchors, slot_loss, teacher_at
 from draftline.drafts.dspark.config import DSparkConfig
 from draftline.drafts.dspark.model import DSparkDraft, init
+from draftline.drafts.losses import SlotWeights, probability_of
 from draftline.drafts.teacher import TargetHead
 
 # the confidence loss's weight against the block loss when train.confidence_weight is absent
@@ -58,7 +59,7 @@ def teacher_prev(input_ids: torch.Tensor, anchors: torch.Tensor, block: int) -> 
 
 def dspark_block_loss(model: DSparkDraft, states: torch.Tensor, lm_head: torch.Tensor,
                       input_ids: torch.Tensor, loss_mask: torch.Tensor, anchors: torch.Tensor,
-                      valid: torch.Tensor, target_argmax: torch.Tensor, decay: float,
+                      valid: torch.Tensor, target_argmax: torch.Tensor, weights: SlotWeights,
                       teacher, objective: str = "kl",
                       confidence_weight: float = CONFIDENCE_WEIGHT):
     """(loss, counts ``[len(COUNT_KEYS), K]``, runs ``[Bs, A]``, confidence sums
@@ -77,18 +78,16 @@ def dspark_block_loss(model: DSparkDraft, states: torch.Tensor, lm_head: torch.T
     path = valid.clone()  # tokens a + 1 .. a + j - 1 on the target's greedy path
     alive = valid.clone()
     runs = torch.zeros_like(anchors)
-    loss_sum = logits.new_zeros(())
-    weight_sum = logits.new_zeros(())
-    correct_all, scored_all, path_all, per_slot = [], [], [], []
+    losses, greedy_p, correct_all, scored_all, path_all, per_slot = [], [], [], [], [], []
     for j in range(1, block):
         where = (anchors + j).clamp(max=length - 1)  # [Bs, A]
         scored = valid & (anchors + j < length) & loss_mask.gather(1, where).bool()
         slot = logits[:, :, j - 1]  # [Bs, A, V]
         ce = slot_loss(slot, teacher(where - 1), objective) * scored  # [Bs, A]
-        weight = decay ** (j - 1)
-        loss_sum = loss_sum + weight * ce.sum()
-        weight_sum = weight_sum + weight * scored.sum()
-        correct = scored & (slot.argmax(-1) == target_argmax.gather(1, where - 1))
+        greedy = target_argmax.gather(1, where - 1)  # [Bs, A]
+        losses.append(ce)
+        greedy_p.append(probability_of(slot, greedy))
+        correct = scored & (slot.argmax(-1) == greedy)
         eligible = scored & chain
         chain = eligible & correct & on_path.gather(1, where)
         alive = alive & correct
@@ -102,7 +101,8 @@ def dspark_block_loss(model: DSparkDraft, states: torch.Tensor, lm_head: torch.T
         per_slot.append(torch.stack([s.double() for s in stats]))
     counts = torch.stack(per_slot, dim=1).cpu()
     assert counts.shape[0] == len(COUNT_KEYS)
-    loss = loss_sum / weight_sum.clamp(min=1)
+    loss = weights.loss(torch.stack(losses, -1), torch.stack(scored_all, -1),
+                        torch.stack(greedy_p, -1))
     confidence = torch.zeros(len(CONFIDENCE_KEYS), dtype=torch.float64)
     if model.confidence_head is not None:
         conf = model.confidence_logits(states, embed)  # [Bs, A, K]
@@ -142,7 +142,7 @@ def _pass(model, head, batch: dict, cfg: dict, rt, anchors_per_sample: int | Non
             states = model(aux, input_ids, anchors[:, part])  # [Bs, a, B, H]
             loss, c, run, conf = dspark_block_loss(
                 draft, states, head.lm_head, input_ids, loss_mask, anchors[:, part],
-                valid[:, part], target_argmax, cfg["loss_decay"], teacher, cfg["loss"],
+                valid[:, part], target_argmax, SlotWeights.of(cfg), teacher, cfg["loss"],
                 cfg.get("confidence_weight", CONFIDENCE_WEIGHT))
             counts = counts + c
             confidence = confidence + conf
@@ -160,7 +160,8 @@ def micro_batch(model, head, batch: dict, cfg: dict, rt, walk: bool = False):
     """Training's micro-batch (``train.anchors`` blocks of each sample): (loss, counts ``[6,
     B - 1]``, None); with ``walk`` evaluation's, every anchor: (None, counts, walk counts ``[2,
     B - 1]``), in passes of ``train.anchors`` blocks, as DFlash's. ``cfg`` reads ``anchors``,
-    ``loss_decay`` and (optional) ``confidence_weight``."""
+    the slot weights' keys (``draftline.drafts.losses.SlotWeights.of``) and (optional)
+    ``confidence_weight``."""
     loss, counts, walked, _ = _pass(model, head, batch, cfg, rt, None if walk else cfg["anchors"])
     return loss, counts, walked
 
