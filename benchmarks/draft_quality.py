@@ -145,6 +145,9 @@ ROWS: dict[str, dict] = {
     "dspark": {"draft.drafting": "dspark", "draft.block_size": 4},
     # the peer: its CLI's defaults (Muon, norms before fc and residual, norm_output, frozen
     # lm_head, decay 1.0, linear schedule, packing) at several rates, same tokens a step
+    # the real target's best rate is lower than the toy's (SmolLM2: 5e-3 above 2e-2)
+    "peer lr=1e-3": {"trainer": PEER, "lr": 0.001, "optimizer": "muon"},
+    "peer lr=2e-3": {"trainer": PEER, "lr": 0.002, "optimizer": "muon"},
     "peer lr=5e-3": {"trainer": PEER, "lr": 0.005, "optimizer": "muon"},
     "peer lr=1e-2": {"trainer": PEER, "lr": 0.01, "optimizer": "muon"},
     "peer lr=2e-2": {"trainer": PEER, "lr": 0.02, "optimizer": "muon"},
@@ -163,9 +166,11 @@ ROWS: dict[str, dict] = {
     # its 1-layer DFlash with the mask token draftline's takes on the toy (2,047, the highest id
     # whose embedding is not zero): on the toy its own choice is the padding token, whose
     # embedding is zero, so that every mask slot of a block drafts the same token
-    "peer dflash 1 layer lr=2e-2 mask 2047": {"trainer": PEER, "lr": 0.02, "optimizer": "muon",
-                                              **PEER_SHAPES["dflash 1 layer"],
-                                              "mask_token_id": 2047},
+    **{f"peer dflash 1 layer lr={lr} mask 2047": {"trainer": PEER, "lr": float(lr),
+                                                  "optimizer": "muon",
+                                                  **PEER_SHAPES["dflash 1 layer"],
+                                                  "mask_token_id": 2047}
+       for lr in ("1e-2", "2e-2", "5e-2")},
 }
 
 SCHEMA = "draftline.draft_quality/1"
