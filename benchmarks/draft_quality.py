@@ -41,6 +41,9 @@ draftline row each is compared with, ``PEER_SHAPES``).
   peer rows: what the peer reports, if anything; its own validation figures in
   ``train_eval``), training seconds and optimizer steps. Per row: the median over seeds with
   every seed's value, and the ratio of the row's median to the best peer row's of its family.
+* ``--k K``: the same drafts served proposing K tokens a round (rows ``"<row> K=<K>"``): each
+  cell is trained and measured at 3 first (or reused), then served again at K; nothing is
+  trained for K. What the draft's later positions add on a target, at the verify cost of K.
 
 Resumable: each cell is stored in ``<out>/cells/<row>/seed-<n>/cell.json`` with a fingerprint of
 everything that determines it (the row's overrides, the resolved train config or peer settings,
@@ -355,9 +358,8 @@ class Context:
     def server_cfg(self) -> dict:
         return {**self.config["server"], "mode": "managed"}
 
-    def server_spec(self, checkpoint: str):
-        return server_spec(self.server_cfg, self.target, checkpoint,
-                           num_speculative_tokens=NUM_SPECULATIVE_TOKENS,
+    def server_spec(self, checkpoint: str, k: int = NUM_SPECULATIVE_TOKENS):
+        return server_spec(self.server_cfg, self.target, checkpoint, num_speculative_tokens=k,
                            target_cfg=self.config["target"])
 
 
@@ -466,13 +468,15 @@ def acceptance_summary(counters: dict, output_tokens: int, requests: int,
                 "tokens_al": round((output_tokens - requests) / drafts, 4) if drafts else None}}
 
 
-def serve_and_measure(ctx: Context, checkpoint: str, log_path: Path, log) -> dict:
-    """The run's target with this draft: every eval prompt once, T=0, CONCURRENCY in flight."""
+def serve_and_measure(ctx: Context, checkpoint: str, log_path: Path, log,
+                      k: int = NUM_SPECULATIVE_TOKENS) -> dict:
+    """The run's target with this draft proposing ``k`` tokens a round: every eval prompt
+    once, T=0, CONCURRENCY in flight."""
     from draftline.serving.loadgen import run_requests
     from draftline.serving.server import served_version
 
     started = time.perf_counter()
-    with serve(ctx.server_spec(checkpoint), log_path) as server:
+    with serve(ctx.server_spec(checkpoint, k), log_path) as server:
         start_s = time.perf_counter() - started
         log(f"server up in {start_s:.0f} s; {len(ctx.prompts)} prompts, {CONCURRENCY} in flight")
         started = time.perf_counter()
@@ -482,7 +486,7 @@ def serve_and_measure(ctx: Context, checkpoint: str, log_path: Path, log) -> dic
         version = served_version(server.endpoint)
     counters = run.server.get("counters") or {}
     ok = [r for r in run.results if r.ok]
-    return {**acceptance_summary(counters, sum(r.output_tokens for r in ok), len(ok)),
+    return {**acceptance_summary(counters, sum(r.output_tokens for r in ok), len(ok), k),
             "requests": len(run.results), "errors": run.stats["errors"],
             "error_examples": run.stats.get("error_examples") or [],
             "output_tokens": sum(r.output_tokens for r in ok),
@@ -497,11 +501,15 @@ def cell_dir_of(out: Path, row: str, seed: int) -> Path:
     return out / "cells" / slug(row) / f"seed-{seed}"
 
 
-def read_cell(cell_dir: Path) -> dict | None:
+def _read_json(path: Path) -> dict | None:
     try:
-        return json.loads((cell_dir / "cell.json").read_text())
+        return json.loads(path.read_text())
     except (OSError, ValueError):
         return None
+
+
+def read_cell(cell_dir: Path) -> dict | None:
+    return _read_json(cell_dir / "cell.json")
 
 
 def cell_plan(ctx: Context, overrides: dict, seed: int) -> tuple[dict, dict | ConfigError]:
@@ -580,6 +588,35 @@ def run_cell(ctx: Context, row: str, overrides: dict, seed: int, out: Path, log)
     write_json(cell_dir / "cell.json", cell, indent=1)
     return {**cell, "reused": False}
 
+
+
+def serve_cell_at_k(ctx: Context, cell: dict, k: int, out: Path, log) -> dict:
+    """A done cell's draft served proposing ``k`` tokens a round instead of 3 (the same draft:
+    nothing is trained), as the row ``"<row> K=<k>"``. Stored beside the cell in
+    ``served-k<k>.json``, fingerprinted by the cell's fingerprint and ``k``."""
+    at_k = {"row": f"{cell['row']} K={k}", "seed": cell["seed"], "overrides": cell["overrides"],
+            "trainer": cell["trainer"], "settings": cell.get("settings"), "k": k,
+            "fingerprint": digest({"cell": cell.get("fingerprint"), "k": k})}
+    if cell["status"] != "done":
+        return {**at_k, "status": "skipped", "reused": False,
+                "error": f"its draft at {NUM_SPECULATIVE_TOKENS} tokens is {cell['status']}"}
+    path = cell_dir_of(out, cell["row"], cell["seed"]) / f"served-k{k}.json"
+    stored = _read_json(path)
+    if stored and stored.get("fingerprint") == at_k["fingerprint"] and stored["status"] == "done":
+        log(f"K={k}: stored, fingerprint matches: reused")
+        return {**stored, "reused": True}
+    at_k.update({key: cell[key] for key in TRAINED_KEYS if key in cell})
+    started = time.perf_counter()
+    try:
+        log(f"serving its draft at K={k}")
+        at_k.update(serve_and_measure(ctx, cell["checkpoint"], path.with_suffix(".log"), log, k),
+                    status="done")
+    except Exception as exc:  # noqa: BLE001 (one cell's failure must not stop the others)
+        at_k.update(status="failed", error=f"{type(exc).__name__}: {exc}")
+        traceback.print_exc()
+    at_k["wall_s"] = round(time.perf_counter() - started, 1)
+    write_json(path, at_k, indent=1)
+    return {**at_k, "reused": False}
 
 
 def stored_done(ctx: Context, row: str, overrides: dict, seeds: list[int], out: Path) -> list:
@@ -699,7 +736,10 @@ def _clock(seconds: float) -> str:
     return f"{int(seconds // 60)}:{int(seconds % 60):02d}"
 
 
-def run(ctx: Context, rows: dict[str, dict], seeds: list[int], out: Path) -> dict:
+def run(ctx: Context, rows: dict[str, dict], seeds: list[int], out: Path,
+        k: int = NUM_SPECULATIVE_TOKENS) -> dict:
+    """Every (row, seed) cell, its drafts served at ``k`` tokens a round (trained, and
+    measured, at NUM_SPECULATIVE_TOKENS first: another ``k`` serves the same drafts)."""
     cells, started = [], time.perf_counter()
     total = len(rows) * len(seeds)
     for i, (row, seed) in enumerate(((r, s) for r in rows for s in seeds), 1):
@@ -711,20 +751,26 @@ def run(ctx: Context, rows: dict[str, dict], seeds: list[int], out: Path) -> dic
                   f"total {_clock(now - started)}] {msg}", file=sys.stderr, flush=True)
 
         cell = run_cell(ctx, row, rows[row], seed, out, log)
+        if k != NUM_SPECULATIVE_TOKENS:
+            cell = serve_cell_at_k(ctx, cell, k, out, log)
         log(f"{cell['status']}: served AL {cell.get('acceptance_length')}, simulated "
             f"{cell.get('simulated_acceptance_length')}" if cell["status"] == "done"
             else f"{cell['status']}: {cell.get('error')}")
         cells.append(cell)
-    summary = [summarise_row(r, rows[r], [c for c in cells if c["row"] == r]) for r in rows]
+    named = {r: r if k == NUM_SPECULATIVE_TOKENS else f"{r} K={k}" for r in rows}
+    summary = [summarise_row(named[r], rows[r], [c for c in cells if c["row"] == named[r]])
+               for r in rows]
     families = {family_of(o) for o in rows.values()}
+    # stored peer rows were served at NUM_SPECULATIVE_TOKENS: a reference at that k only
     reference = [summarise_row(r, o, stored_done(ctx, r, o, seeds, out))
                  for r, o in ROWS.items()
-                 if is_peer(o) and r not in rows and family_of(o) in families]
+                 if is_peer(o) and r not in rows and family_of(o) in families
+                 and k == NUM_SPECULATIVE_TOKENS]
     best = add_peer_ratios(summary, reference)
     return {"schema": SCHEMA, "results": str(ctx.layout.root), "target": ctx.target,
             "num_prompts": len(ctx.prompts), "concurrency": CONCURRENCY,
             "max_tokens": ctx.sampling.max_tokens,
-            "num_speculative_tokens": NUM_SPECULATIVE_TOKENS, "epochs": ctx.epochs,
+            "num_speculative_tokens": k, "epochs": ctx.epochs,
             "ttt_steps": ctx.ttt_steps, "seeds": seeds, "inputs": ctx.inputs,
             "wall_s": round(time.perf_counter() - started, 1), "best_peer": best,
             "rows": summary, "cells": cells}
@@ -746,6 +792,9 @@ def main() -> None:
                         help="epochs of both trainers (default: the config's train.epochs)")
     parser.add_argument("--ttt-steps", type=int, default=None,
                         help="unroll of both trainers (default: the config's train.ttt_steps)")
+    parser.add_argument("--k", type=int, default=NUM_SPECULATIVE_TOKENS,
+                        help="serve the drafts proposing K tokens a round (rows '<row> K=<K>'; "
+                             f"trained and measured at {NUM_SPECULATIVE_TOKENS} first)")
     parser.add_argument("--out", type=Path, default=None,
                         help="default: <results>/bench/draft_quality")
     args = parser.parse_args()
@@ -758,7 +807,9 @@ def main() -> None:
     ctx = make_context(config, args.epochs, args.ttt_steps)
     out = args.out or ctx.layout.bench / "draft_quality"
     out.mkdir(parents=True, exist_ok=True)
-    result = run(ctx, rows, seeds, out)
+    if args.k < 1:
+        parser.error(f"--k {args.k}: a draft proposes at least 1 token a round")
+    result = run(ctx, rows, seeds, out, args.k)
     write_json(out / "results.json", result, indent=1)
     text = markdown(result)
     write_text(out / "summary.md", text)

@@ -144,6 +144,45 @@ def test_cells_are_reused_only_when_their_fingerprint_matches(tmp_path, monkeypa
     assert "# Draft quality" in dq.markdown(third)
 
 
+def test_another_k_serves_the_same_drafts_without_training_them(tmp_path, monkeypatch):
+    ctx = _context(tmp_path)
+    trained, served = [], []
+
+    def fake_train(ctx, settings, cell_dir):
+        trained.append(settings["seed"])
+        (cell_dir / "checkpoint").mkdir(parents=True)
+        return {"checkpoint": str(cell_dir / "checkpoint"), "train_s": 1.0, "steps": 9,
+                "simulated_acceptance_length": 2.0}
+
+    def fake_serve(ctx, checkpoint, log_path, log, k=dq.NUM_SPECULATIVE_TOKENS):
+        served.append((Path(checkpoint).parent.name, k))
+        per_position = [0.8, 0.5, 0.2, 0.1, 0.05][:k]
+        return {"acceptance_length": 1 + sum(per_position),
+                "accepted_per_position": per_position, "checks": {"tokens_al": 1.0}}
+
+    monkeypatch.setattr(dq, "train_ours", fake_train)
+    monkeypatch.setattr(dq, "serve_and_measure", fake_serve)
+    out = tmp_path / "out"
+    first = dq.run(ctx, {"default": {}}, [0, 1], out, k=5)
+    # trained and measured at 3 once per seed, then the same draft served at 5
+    assert trained == [0, 1]
+    assert served == [("seed-0", 3), ("seed-0", 5), ("seed-1", 3), ("seed-1", 5)]
+    assert first["num_speculative_tokens"] == 5
+    (row,) = first["rows"]
+    assert row["row"] == "default K=5" and row["seeds"] == [0, 1]
+    assert row["acceptance_length"] == pytest.approx(2.65)
+    assert row["accepted_per_position"] == [0.8, 0.5, 0.2, 0.1, 0.05]
+    assert (out / "cells" / "default" / "seed-0" / "served-k5.json").is_file()
+    # a rerun reuses both; K=1 serves the stored drafts again, still without training
+    again = dq.run(ctx, {"default": {}}, [0, 1], out, k=5)
+    assert [c["reused"] for c in again["cells"]] == [True, True] and len(served) == 4
+    at_1 = dq.run(ctx, {"default": {}}, [0], out, k=1)
+    assert trained == [0, 1] and served[4:] == [("seed-0", 1)]
+    assert at_1["rows"][0]["acceptance_length"] == pytest.approx(1.8)
+    # the plain K=3 run still reads the cell itself
+    assert dq.run(ctx, {"default": {}}, [0], out)["rows"][0]["acceptance_length"] == 2.5
+
+
 def test_ratio_to_the_best_peer_row():
     def row(name, trainer, al):
         return {"row": name, "trainer": trainer, "acceptance_length": al, "seeds": [0]}
