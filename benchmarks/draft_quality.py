@@ -4,7 +4,9 @@ On the stored hidden states of one draftline results folder (``hidden/``, ``voca
 ``target/``, ``responses/``; the default toy run's ``results``), every (row, seed) cell trains
 a draft, serves it in vLLM beside the run's target and measures its acceptance. A row is a
 name and overrides of the ``train`` config section (``ROWS`` below; dotted keys reach into
-``train.draft``); ``trainer: speculators`` rows train with the peer trainer instead
+``train.draft``; ``vocab.draft_vocab_size``, the one key outside it, trains on a draft
+vocabulary of that size, chosen in the cell as the vocab stage chooses); ``trainer:
+speculators`` rows train with the peer trainer instead
 (``benchmarks/benchlib/peer.py``, ``train_peer``). A row's family: draftline's
 ``draft.drafting`` (autoregressive EAGLE-3, parallel P-EAGLE, dflash, dspark), a peer row's
 ``family`` (eagle3 by default, peagle, dflash, dspark: the peer's same families, shaped as the
@@ -92,6 +94,9 @@ PEER = "speculators"
 BEFORE_2026_12_05 = {"momentum": 0.95, "schedule": "cosine", "warmup_steps": 20,
                      "teacher_temperature": 1.0}
 NUM_SPECULATIVE_TOKENS = 3
+# the one row key outside `train`: the draft vocabulary's size, its map built in the cell as
+# the vocab stage builds it (the run's own map otherwise)
+VOCAB_SIZE_KEY = "vocab.draft_vocab_size"
 # the peer family rows' shapes: those of draftline's p-eagle (1 layer, trained for the
 # benchmark's 3 drafts), dflash and dspark (block 4 = the bonus token and 3 masks; 3 layers,
 # draftline's default) and dflash 1 layer rows
@@ -130,6 +135,8 @@ ROWS: dict[str, dict] = {
     "loss decay 1.0": {"loss_decay": 1.0},
     "lk loss": {"loss": "lk"},
     "frozen lm_head": {"lm_head": "frozen"},
+    # the draft vocabulary (SmolLM2's run chose 32,000 of 49,152 by eval coverage)
+    **{f"draft vocab {size}": {VOCAB_SIZE_KEY: size} for size in (8192, 16384)},
     # the teacher from the draft vocabulary's lm_head rows only (every generated row in the loss)
     "teacher draft rows": {"teacher_head": "draft_rows"},
     # the draft families vLLM serves: P-EAGLE drafts every token in one pass
@@ -261,7 +268,8 @@ def with_overrides(section: dict, overrides: dict) -> dict:
 def train_config(base: dict, overrides: dict, seed: int) -> dict:
     """The train section a draftline row trains with, validated and defaulted by the schema
     (``ConfigError`` naming the key, e.g. one the schema does not know yet)."""
-    return resolve_section("train", with_overrides(base, {**overrides, "seed": seed}))
+    train = {k: v for k, v in overrides.items() if k != VOCAB_SIZE_KEY}
+    return resolve_section("train", with_overrides(base, {**train, "seed": seed}))
 
 
 def peer_settings(overrides: dict, seed: int, epochs: int, ttt_steps: int,
@@ -397,17 +405,31 @@ def make_context(config: dict, epochs: int | None, ttt_steps: int | None) -> Con
 # ----------------------------------------------------------------------------- training
 
 
-def train_ours(ctx: Context, train_cfg: dict, cell_dir: Path) -> dict:
-    """train_draft then export_draft; the checkpoint vLLM serves and the training figures."""
+def cell_vocab_map(ctx: Context, draft_vocab_size: int, cell_dir: Path) -> Path:
+    """A draft vocabulary of ``draft_vocab_size`` tokens chosen as the run's vocab stage
+    chooses (the train split's most frequent answer tokens), written into the cell."""
+    from draftline.stages.vocab import build_vocab_map, target_vocab_size
+
+    out = cell_dir / "vocab"
+    build_vocab_map(ctx.layout.dataset, target_vocab_size(ctx.target), draft_vocab_size, out)
+    return out / ctx.layout.vocab_map.name
+
+
+def train_ours(ctx: Context, train_cfg: dict, cell_dir: Path,
+               draft_vocab_size: int | None = None) -> dict:
+    """train_draft then export_draft; the checkpoint vLLM serves and the training figures.
+    The run's draft vocabulary, or one of ``draft_vocab_size`` tokens built for the cell."""
     from draftline.stages.bench import simulated_acceptance
     from draftline.stages.export import export_draft
     from draftline.stages.train import train_draft
 
     lay = ctx.layout
+    vocab_map = (lay.vocab_map if draft_vocab_size is None
+                 else cell_vocab_map(ctx, draft_vocab_size, cell_dir))
     started = time.perf_counter()
-    record = train_draft(lay.hidden, lay.vocab_map, ctx.target, cell_dir / "draft", train_cfg)
+    record = train_draft(lay.hidden, vocab_map, ctx.target, cell_dir / "draft", train_cfg)
     train_s = time.perf_counter() - started
-    checkpoint = export_draft(cell_dir / "draft" / "best", ctx.target, lay.vocab_map,
+    checkpoint = export_draft(cell_dir / "draft" / "best", ctx.target, vocab_map,
                               record["layer_ids"], cell_dir / "checkpoint")
     state = cell_dir / "draft" / "state"  # optimizer and checkpoints; best/ are hard links
     if state.is_dir() and folder_bytes(state) > STATE_KEEP_BYTES:
@@ -567,8 +589,10 @@ def run_cell(ctx: Context, row: str, overrides: dict, seed: int, out: Path, log)
             log("draft exported before (same fingerprint): serving it")
         else:
             log("training")
+            vocab = ({"draft_vocab_size": overrides[VOCAB_SIZE_KEY]}
+                     if VOCAB_SIZE_KEY in overrides else {})
             cell.update((train_theirs if is_peer(overrides) else train_ours)(ctx, settings,
-                                                                             cell_dir))
+                                                                             cell_dir, **vocab))
             write_json(cell_dir / "cell.json", {**cell, "status": "trained"}, indent=1)
             log(f"trained in {cell['train_s']:.0f} s, {cell['steps']} steps; serving")
         refusal = refusal_of_checkpoint(cell["checkpoint"], on_gpu)

@@ -183,6 +183,45 @@ def test_another_k_serves_the_same_drafts_without_training_them(tmp_path, monkey
     assert dq.run(ctx, {"default": {}}, [0], out)["rows"][0]["acceptance_length"] == 2.5
 
 
+def test_a_draft_vocabulary_row_trains_on_a_map_of_its_size(tmp_path, monkeypatch):
+    import json
+
+    from datasets import Dataset, DatasetDict
+    from safetensors.torch import load_file
+
+    ctx = _context(tmp_path)
+    # answer tokens 5 (x3), 9 (x2), 2 (x1) of a 16-token target; eval answers hold 5 and 7
+    rows = {"train": ([1, 5, 5, 5, 9, 9, 2], [0, 1, 1, 1, 1, 1, 1]), "eval": ([1, 5, 7], [0, 1, 1])}
+    DatasetDict({s: Dataset.from_dict({"input_ids": [r[0]], "loss_mask": [r[1]]})
+                 for s, r in rows.items()}).save_to_disk(str(ctx.layout.dataset))
+    Path(ctx.target).mkdir()
+    (Path(ctx.target) / "config.json").write_text(json.dumps({"vocab_size": 16}))
+    assert dq.train_config(ctx.config["train"], {dq.VOCAB_SIZE_KEY: 2}, 0)["seed"] == 0
+    assert dq.digest(dq.cell_plan(ctx, {dq.VOCAB_SIZE_KEY: 2}, 0)[0]) != \
+        dq.digest(dq.cell_plan(ctx, {}, 0)[0])
+    sizes = []
+
+    def fake_train(ctx, settings, cell_dir, draft_vocab_size=None):
+        sizes.append(draft_vocab_size)
+        if draft_vocab_size is not None:
+            t2d = load_file(str(dq.cell_vocab_map(ctx, draft_vocab_size, cell_dir)))["t2d"]
+            chosen = t2d.nonzero().flatten().tolist()
+            # the two most frequent answer tokens; 8,192 covers the whole 16-token target
+            assert chosen == ([5, 9] if draft_vocab_size == 2 else list(range(16)))
+        (cell_dir / "checkpoint").mkdir(parents=True)
+        return {"checkpoint": str(cell_dir / "checkpoint"), "train_s": 1.0, "steps": 9}
+
+    monkeypatch.setattr(dq, "train_ours", fake_train)
+    monkeypatch.setattr(dq, "serve_and_measure", lambda *a, **k: {
+        "acceptance_length": 2.0, "accepted_per_position": [0.5, 0.3, 0.2],
+        "checks": {"tokens_al": 2.0}})
+    result = dq.run(ctx, dq.pick_rows("default,draft vocab 8192"), [0], tmp_path / "out")
+    assert sizes == [None, 8192]
+    assert [c["status"] for c in result["cells"]] == ["done", "done"]
+    dq.run(ctx, {"two tokens": {dq.VOCAB_SIZE_KEY: 2}}, [0], tmp_path / "out")
+    assert sizes[-1] == 2
+
+
 def test_ratio_to_the_best_peer_row():
     def row(name, trainer, al):
         return {"row": name, "trainer": trainer, "acceptance_length": al, "seeds": [0]}
