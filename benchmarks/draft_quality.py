@@ -162,6 +162,9 @@ ROWS: dict[str, dict] = {
     "peer lr=1e-2": {"trainer": PEER, "lr": 0.01, "optimizer": "muon"},
     "peer lr=2e-2": {"trainer": PEER, "lr": 0.02, "optimizer": "muon"},
     "peer lr=5e-2": {"trainer": PEER, "lr": 0.05, "optimizer": "muon"},
+    # SmolLM2's best peer rate on a draft vocabulary of 8,192 (the "draft vocab 8192" row's)
+    "peer lr=5e-3 draft vocab 8192": {"trainer": PEER, "lr": 0.005, "optimizer": "muon",
+                                      VOCAB_SIZE_KEY: 8192},
     "peer adamw lr=5e-3": {"trainer": PEER, "lr": 0.005, "optimizer": "adamw"},
     # its CLI's own packing (8,192 tokens a step: 2 steps an epoch on the toy)
     "peer lr=2e-2 packed 8192": {"trainer": PEER, "lr": 0.02, "optimizer": "muon",
@@ -276,7 +279,7 @@ def peer_settings(overrides: dict, seed: int, epochs: int, ttt_steps: int,
                   batch_tokens: int) -> dict:
     """The keyword arguments of ``train_peer`` (lr and optimizer only where the row sets them;
     total_seq_len: the row's, else ``batch_tokens``)."""
-    extra = sorted(set(overrides) - {"trainer", *PEER_KEYS})
+    extra = sorted(set(overrides) - {"trainer", VOCAB_SIZE_KEY, *PEER_KEYS})
     if extra:
         raise ConfigError(f"peer row: the peer trainer takes {', '.join(PEER_KEYS)}, not "
                           f"{', '.join(extra)}")
@@ -441,10 +444,28 @@ def train_ours(ctx: Context, train_cfg: dict, cell_dir: Path,
                                                      "simulated_acceptance_length")}}
 
 
-def train_theirs(ctx: Context, settings: dict, cell_dir: Path) -> dict:
+def results_with_vocab(ctx: Context, vocab_map: Path, cell_dir: Path) -> Path:
+    """The run's results folder as the peer reads it, its ``vocab/`` replaced by the folder of
+    ``vocab_map`` (links to every other entry): the same states, another draft vocabulary."""
+    root = cell_dir / "results"
+    shutil.rmtree(root, ignore_errors=True)
+    root.mkdir(parents=True)
+    for entry in ctx.layout.root.iterdir():
+        if entry.name != ctx.layout.vocab_map.parent.name:
+            (root / entry.name).symlink_to(entry.resolve())
+    (root / ctx.layout.vocab_map.parent.name).symlink_to(vocab_map.parent.resolve())
+    return root
+
+
+def train_theirs(ctx: Context, settings: dict, cell_dir: Path,
+                 draft_vocab_size: int | None = None) -> dict:
+    """train_peer on the run's stored states (and its draft vocabulary, or one of
+    ``draft_vocab_size`` tokens chosen as for draftline's rows)."""
     from benchlib.peer import train_peer
 
-    result = train_peer(ctx.layout.root, cell_dir / "peer", **settings)
+    results = (ctx.layout.root if draft_vocab_size is None else results_with_vocab(
+        ctx, cell_vocab_map(ctx, draft_vocab_size, cell_dir), cell_dir))
+    result = train_peer(results, cell_dir / "peer", **settings)
     data = cell_dir / "peer" / "data"  # the peer's copy of the stored states, in its format
     if data.is_dir() and folder_bytes(data) > STATE_KEEP_BYTES:
         shutil.rmtree(data)

@@ -220,6 +220,14 @@ def test_a_draft_vocabulary_row_trains_on_a_map_of_its_size(tmp_path, monkeypatc
     assert [c["status"] for c in result["cells"]] == ["done", "done"]
     dq.run(ctx, {"two tokens": {dq.VOCAB_SIZE_KEY: 2}}, [0], tmp_path / "out")
     assert sizes[-1] == 2
+    # the peer reads the same results folder but for its vocab/: the cell's map
+    assert dq.peer_settings({"trainer": dq.PEER, "lr": 0.005, dq.VOCAB_SIZE_KEY: 2}, 0, 2, 3,
+                            1024)["lr"] == 0.005
+    cell = tmp_path / "peer-cell"
+    seen = dq.results_with_vocab(ctx, dq.cell_vocab_map(ctx, 2, cell), cell)
+    assert (seen / "dataset").resolve() == ctx.layout.dataset.resolve()
+    assert (seen / "vocab").resolve() == (cell / "vocab").resolve()
+    assert load_file(str(seen / "vocab" / "vocab_map.safetensors"))["d2t"].numel() == 2
 
 
 def test_ratio_to_the_best_peer_row():
