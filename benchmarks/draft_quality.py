@@ -135,7 +135,7 @@ ROWS: dict[str, dict] = {
     "loss decay 1.0": {"loss_decay": 1.0},
     "lk loss": {"loss": "lk"},
     "frozen lm_head": {"lm_head": "frozen"},
-    # the draft vocabulary (SmolLM2's run chose 32,000 of 49,152 by eval coverage)
+    # the draft vocabulary (SmolLM2's run keeps the default 32,000 of its 49,152 tokens)
     **{f"draft vocab {size}": {VOCAB_SIZE_KEY: size} for size in (8192, 16384)},
     # the teacher from the draft vocabulary's lm_head rows only (every generated row in the loss)
     "teacher draft rows": {"teacher_head": "draft_rows"},
