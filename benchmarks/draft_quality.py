@@ -188,6 +188,7 @@ ROWS: dict[str, dict] = {
 
 SCHEMA = "draftline.draft_quality/1"
 PEER_FILE = REPO / "benchmarks" / "benchlib" / "peer.py"  # the peer trainer's code
+WALK_FILE = REPO / "benchmarks" / "benchlib" / "walk.py"  # a checkpoint walked on stored text
 CONCURRENCY = 4
 # what a peer row may set besides seed, epochs and unroll; total_seq_len (the tokens its
 # packing puts in one optimizer step) defaults to the run's train.batch_tokens, so that both
@@ -664,6 +665,41 @@ def serve_cell_at_k(ctx: Context, cell: dict, k: int, out: Path, log) -> dict:
     return {**at_k, "reused": False}
 
 
+def walk_cell(ctx: Context, cell: dict, out: Path, log) -> dict:
+    """A done EAGLE-3 cell's exported draft, the peer's too, walked over the run's stored eval
+    answers (``benchlib.walk``): one fixed text for every row, beside the served text that
+    moves with the draft. Stored beside the cell in ``walk.json``, fingerprinted by the cell's
+    fingerprint and the walk's code; the cell gains ``walked`` (None where not walkable)."""
+    from benchlib.walk import WalkError, walk_checkpoint
+
+    if cell["status"] != "done" or family_of(cell["overrides"]) != "eagle3":
+        return {**cell, "walked": None}
+    path = cell_dir_of(out, cell["row"], cell["seed"]) / "walk.json"
+    fingerprint = digest({"cell": cell["fingerprint"], "walk": file_sha(WALK_FILE)})
+    stored = _read_json(path)
+    if not (stored and stored.get("fingerprint") == fingerprint):
+        log("walking its draft over the stored eval answers")
+        try:
+            train_cfg = resolve_section("train", {**ctx.config["train"],
+                                                  "ttt_steps": ctx.ttt_steps,
+                                                  "eval_temperatures": []})
+            metrics = walk_checkpoint(Path(cell["checkpoint"]), ctx.layout.hidden, ctx.target,
+                                      ctx.layout.vocab_map, train_cfg)
+            stored = {"fingerprint": fingerprint, "status": "done", **metrics}
+        except WalkError as exc:
+            stored = {"fingerprint": fingerprint, "status": "refused", "error": str(exc)}
+        except Exception as exc:  # noqa: BLE001 (a walk's failure must not stop the others)
+            stored = {"fingerprint": fingerprint, "status": "failed",
+                      "error": f"{type(exc).__name__}: {exc}"}
+            traceback.print_exc()
+        if stored["status"] != "failed":  # a failure is tried again on the next run
+            write_json(path, stored, indent=1)
+    by_drafts = stored.get("walked_acceptance_length_by_num_drafts") or []
+    k = cell.get("k", NUM_SPECULATIVE_TOKENS)
+    return {**cell, "walked": by_drafts[k - 1] if len(by_drafts) >= k else None,
+            "walk_error": stored.get("error")}
+
+
 def stored_done(ctx: Context, row: str, overrides: dict, seeds: list[int], out: Path) -> list:
     """The done cells of a row stored with matching fingerprints (nothing is run)."""
     cells = []
@@ -698,6 +734,9 @@ def summarise_row(row: str, overrides: dict, cells: list[dict]) -> dict:
                                                 for c in done]),
         "simulated_by_seed": {str(c["seed"]): c.get("simulated_acceptance_length")
                               for c in done},
+        "walked": _median([c.get("walked") for c in done]),
+        "walked_by_seed": {str(c["seed"]): c.get("walked") for c in done},
+        "output_tokens_by_seed": {str(c["seed"]): c.get("output_tokens") for c in done},
         "train_s": _median([c["train_s"] for c in done]),
         "steps": _median([c["steps"] for c in done]),
         "not_done": [{"seed": c["seed"], "status": c["status"], "error": c.get("error")}
@@ -740,27 +779,31 @@ def markdown(result: dict) -> str:
         f"in flight, max_tokens {result['max_tokens']}; {result['num_speculative_tokens']} "
         f"speculative tokens; epochs {result['epochs']}, unroll {result['ttt_steps']}. Served AL: "
         "1 + accepted / drafts from vLLM's counters; median over seeds (each seed's value). "
-        "Simulated: training's evaluation at 3 drafts. `vs peer`: the row's median over the best "
-        "peer row's of its family"
+        "Simulated: training's evaluation at 3 drafts. Walked: the exported draft (either "
+        "trainer's) walked over the stored eval answers, one fixed text for every row. "
+        "`vs peer`: the row's median over the best peer row's of its family"
         + (" (" + "; ".join(f"{family}: {b['row']}, {b['acceptance_length']:.3f}"
                             for family, b in best.items()) + ")." if best else
            " (no peer row measured)."), "",
         "| row | trainer | family | settings | served AL | by seed | per position | simulated "
-        "| vs peer | train s | steps | notes |", "|---" * 12 + "|"]
+        "| walked | walked by seed | vs peer | train s | steps | notes |", "|---" * 14 + "|"]
     for r in result["rows"]:
         seeds = " ".join(f"{s}:{v:.3f}" for s, v in r["acceptance_length_by_seed"].items())
         positions = " / ".join(_fmt(p, ".2f") for p in r["accepted_per_position"]) or "-"
         notes = "; ".join(f"seed {n['seed']} {n['status']}: {n['error']}" for n in r["not_done"])
+        walked = " ".join(f"{s}:{_fmt(v)}" for s, v in r["walked_by_seed"].items()
+                          if v is not None)
         lines.append(
             f"| {r['row']} | {r['trainer']} | {r['family']} | {_settings(r['overrides'])} | "
             f"{_fmt(r['acceptance_length'])} | {seeds or '-'} | {positions} | "
-            f"{_fmt(r['simulated_acceptance_length'])} | {_fmt(r['vs_best_peer'])} | "
+            f"{_fmt(r['simulated_acceptance_length'])} | {_fmt(r['walked'])} | "
+            f"{walked or '-'} | {_fmt(r['vs_best_peer'])} | "
             f"{_fmt(r['train_s'], '.0f')} | {_fmt(r['steps'], '.0f')} | "
             f"{notes.replace('|', '/') or ''} |")
     lines += ["", "## Cells", "",
-              "| row | seed | status | served AL | per position | tokens AL | simulated | "
-              "train s | steps | server start s | measure s | cell s |",
-              "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+              "| row | seed | status | served AL | per position | tokens AL | output tokens | "
+              "simulated | walked | train s | steps | server start s | measure s | cell s |",
+              "|---" * 14 + "|"]
     for c in result["cells"]:
         done = c["status"] == "done"
         positions = " / ".join(_fmt(p, ".2f") for p in c.get("accepted_per_position") or [])
@@ -768,7 +811,8 @@ def markdown(result: dict) -> str:
             f"| {c['row']} | {c['seed']} | {c['status']}{' (stored)' if c['reused'] else ''} | "
             f"{_fmt(c.get('acceptance_length'))} | {positions or '-'} | "
             f"{_fmt(c['checks']['tokens_al']) if done else '-'} | "
-            f"{_fmt(c.get('simulated_acceptance_length'))} | {_fmt(c.get('train_s'), '.0f')} | "
+            f"{c.get('output_tokens', '-')} | {_fmt(c.get('simulated_acceptance_length'))} | "
+            f"{_fmt(c.get('walked'))} | {_fmt(c.get('train_s'), '.0f')} | "
             f"{c.get('steps', '-')} | {_fmt(c.get('server_start_s'), '.0f')} | "
             f"{_fmt(c.get('measure_s'), '.0f')} | {_fmt(c.get('wall_s'), '.0f')} |")
     return "\n".join(lines) + "\n"
@@ -798,9 +842,10 @@ def run(ctx: Context, rows: dict[str, dict], seeds: list[int], out: Path,
         cell = run_cell(ctx, row, rows[row], seed, out, log)
         if k != NUM_SPECULATIVE_TOKENS:
             cell = serve_cell_at_k(ctx, cell, k, out, log)
+        cell = walk_cell(ctx, cell, out, log)
         log(f"{cell['status']}: served AL {cell.get('acceptance_length')}, simulated "
-            f"{cell.get('simulated_acceptance_length')}" if cell["status"] == "done"
-            else f"{cell['status']}: {cell.get('error')}")
+            f"{cell.get('simulated_acceptance_length')}, walked {cell.get('walked')}"
+            if cell["status"] == "done" else f"{cell['status']}: {cell.get('error')}")
         cells.append(cell)
     named = {r: r if k == NUM_SPECULATIVE_TOKENS else f"{r} K={k}" for r in rows}
     summary = [summarise_row(named[r], rows[r], [c for c in cells if c["row"] == named[r]])

@@ -386,3 +386,63 @@ def test_train_peer_refuses_a_shape_its_family_does_not_take(tmp_path):
         train_peer(tmp_path, tmp_path / "out", seed=0, lr=0.01, family="peagle", block_size=4)
     with pytest.raises(ValueError, match="family must be one of"):
         train_peer(tmp_path, tmp_path / "out", seed=0, lr=0.01, family="medusa")
+
+
+def _as_peer_checkpoint(checkpoint: Path, out: Path, **changes) -> Path:
+    """``checkpoint`` (draftline's export) as speculators saves an EAGLE-3 draft: its decoder
+    layer under ``layers.0.``, the layer's sizes in ``transformer_layer_config`` with rotary in
+    ``rope_parameters``, the target's embedding and verifier head beside the weights."""
+    import json
+
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    own = json.loads((checkpoint / "config.json").read_text())
+    tensors = {name.replace("midlayer.", "layers.0."): t
+               for name, t in load_file(str(checkpoint / "model.safetensors")).items()}
+    hidden = own["hidden_size"]
+    tensors.update({"embed_tokens.weight": torch.zeros(own["vocab_size"], hidden),
+                    "verifier_norm.weight": torch.ones(hidden)})
+    tensors.update(changes)
+    layer = {k: own[k] for k in ("hidden_size", "intermediate_size", "num_attention_heads",
+                                 "num_key_value_heads", "head_dim", "rms_norm_eps")}
+    layer.update(num_hidden_layers=1, model_type="llama",
+                 rope_parameters={**(own["rope_scaling"] or {}), "rope_theta": own["rope_theta"]})
+    config = {"architectures": ["Eagle3Speculator"], "speculators_model_type": "eagle3",
+              "transformer_layer_config": layer, "draft_vocab_size": own["draft_vocab_size"],
+              **{flag: own[flag] for flag in ("norm_before_fc", "fc_norm",
+                                              "norm_before_residual", "norm_output")}}
+    out.mkdir()
+    (out / "config.json").write_text(json.dumps(config))
+    save_file({n: t.contiguous() for n, t in tensors.items()}, str(out / "model.safetensors"))
+    return out
+
+
+def test_a_checkpoint_walks_the_stored_answers_as_its_training_scored_them(
+        trained_toy_draft, toy_target, config, tmp_path):
+    """The walk of an exported draft equals the one its training recorded for those weights
+    (exported in bf16, so to within the rounding); the same draft saved as the peer saves it
+    walks identically; a draft of another vocabulary map is refused by name."""
+    import torch
+    from benchlib.walk import WalkError, walk_checkpoint
+    from safetensors.torch import load_file
+
+    from draftline.core.config import resolve_section
+
+    draft = trained_toy_draft
+    cfg = resolve_section("train", {**config["train"], "eval_temperatures": []})
+
+    def walk(checkpoint):
+        return walk_checkpoint(checkpoint, draft["root"] / "hidden", toy_target,
+                               draft["vocab_map"], cfg)
+
+    own = walk(draft["checkpoint"])
+    recorded = draft["record"]["walked_acceptance_length"]
+    assert recorded > 1.5  # a trained draft: the check below is not one of two untrained ones
+    assert own["walked_acceptance_length"] == pytest.approx(recorded, abs=0.02)
+    peer = walk(_as_peer_checkpoint(draft["checkpoint"], tmp_path / "peer"))
+    assert peer["walked_acceptance_length_by_num_drafts"] == \
+        own["walked_acceptance_length_by_num_drafts"]
+    d2t = torch.zeros_like(load_file(str(draft["vocab_map"]))["d2t"])
+    with pytest.raises(WalkError, match="its d2t is not the vocab map"):
+        walk(_as_peer_checkpoint(draft["checkpoint"], tmp_path / "other-map", d2t=d2t))
