@@ -415,8 +415,11 @@ def test_evaluation_scores_every_anchor_in_passes_of_train_anchors(draft_inputs)
                                               rt, None)
         _, parts, walked_parts = dflash_micro_batch(model, head, batch, {**cfg, "anchors": 3},
                                                     rt, None)
-    torch.testing.assert_close(parts, whole)
-    torch.testing.assert_close(walked_parts, walked)
+    # the counts are exact; the KL sum (the last row) adds float32 block sums in the order
+    # the passes make, so it agrees to float32 rounding only
+    torch.testing.assert_close(parts[:-1], whole[:-1], rtol=0, atol=0)
+    torch.testing.assert_close(parts[-1], whole[-1], rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(walked_parts, walked, rtol=0, atol=0)
     assert whole[0].sum() > 3 * 3  # more blocks than one pass of 3 holds
     # the walk: a round per answer at least, and at most a block's tokens a round
     answers = int((batch["loss_mask"].sum(1) > 2).sum())
