@@ -189,6 +189,7 @@ ROWS: dict[str, dict] = {
 SCHEMA = "draftline.draft_quality/1"
 PEER_FILE = REPO / "benchmarks" / "benchlib" / "peer.py"  # the peer trainer's code
 WALK_FILE = REPO / "benchmarks" / "benchlib" / "walk.py"  # a checkpoint walked on stored text
+WALK_PARTS = ("ended", "capped")  # the eval answers walked apart too (eval_answers_by_ending)
 CONCURRENCY = 4
 # what a peer row may set besides seed, epochs and unroll; total_seq_len (the tokens its
 # packing puts in one optimizer step) defaults to the run's train.batch_tokens, so that both
@@ -665,17 +666,37 @@ def serve_cell_at_k(ctx: Context, cell: dict, k: int, out: Path, log) -> dict:
     return {**at_k, "reused": False}
 
 
+def eval_answers_by_ending(ctx: Context) -> dict[str, set[str]]:
+    """The ids of the run's stored eval answers that end (the model stopped) and of those cut
+    at ``generate.max_tokens`` (``capped``: at T = 0 a small target loops to the cap, and a
+    few such answers weigh as much as the rest), as the walk splits them."""
+    from draftline.core.split import split_of
+    from draftline.stages.dataset import UNFINISHED_REASONS
+    from draftline.stages.responses import iter_response_records
+
+    parts: dict[str, set[str]] = {"ended": set(), "capped": set()}
+    shards = ctx.layout.response_shards(ctx.config["prompts"]["num_shards"])
+    for _, record in iter_response_records(shards):
+        if split_of(record["id"], ctx.config["dataset"]["eval_fraction"]) == "eval":
+            capped = record.get("finish_reason") in UNFINISHED_REASONS
+            parts["capped" if capped else "ended"].add(record["id"])
+    return parts
+
+
 def walk_cell(ctx: Context, cell: dict, out: Path, log) -> dict:
     """A done EAGLE-3 cell's exported draft, the peer's too, walked over the run's stored eval
     answers (``benchlib.walk``): one fixed text for every row, beside the served text that
     moves with the draft. Stored beside the cell in ``walk.json``, fingerprinted by the cell's
-    fingerprint and the walk's code; the cell gains ``walked`` (None where not walkable)."""
+    fingerprint and the walk's code; the cell gains ``walked`` (None where not walkable) and
+    the walk over the answers that end and over those cut at the cap apart
+    (``walked_ended``, ``walked_capped``: eval_answers_by_ending)."""
     from benchlib.walk import WalkError, walk_checkpoint
 
     if cell["status"] != "done" or family_of(cell["overrides"]) != "eagle3":
-        return {**cell, "walked": None}
+        return {**cell, "walked": None, **{f"walked_{name}": None for name in WALK_PARTS}}
     path = cell_dir_of(out, cell["row"], cell["seed"]) / "walk.json"
-    fingerprint = digest({"cell": cell["fingerprint"], "walk": file_sha(WALK_FILE)})
+    fingerprint = digest({"cell": cell["fingerprint"], "walk": file_sha(WALK_FILE),
+                          "parts": WALK_PARTS})
     stored = _read_json(path)
     if not (stored and stored.get("fingerprint") == fingerprint):
         log("walking its draft over the stored eval answers")
@@ -684,7 +705,8 @@ def walk_cell(ctx: Context, cell: dict, out: Path, log) -> dict:
                                                   "ttt_steps": ctx.ttt_steps,
                                                   "eval_temperatures": []})
             metrics = walk_checkpoint(Path(cell["checkpoint"]), ctx.layout.hidden, ctx.target,
-                                      ctx.layout.vocab_map, train_cfg)
+                                      ctx.layout.vocab_map, train_cfg,
+                                      eval_answers_by_ending(ctx))
             stored = {"fingerprint": fingerprint, "status": "done", **metrics}
         except WalkError as exc:
             stored = {"fingerprint": fingerprint, "status": "refused", "error": str(exc)}
@@ -694,10 +716,19 @@ def walk_cell(ctx: Context, cell: dict, out: Path, log) -> dict:
             traceback.print_exc()
         if stored["status"] != "failed":  # a failure is tried again on the next run
             write_json(path, stored, indent=1)
-    by_drafts = stored.get("walked_acceptance_length_by_num_drafts") or []
     k = cell.get("k", NUM_SPECULATIVE_TOKENS)
-    return {**cell, "walked": by_drafts[k - 1] if len(by_drafts) >= k else None,
+    parts = stored.get("parts") or {}
+    return {**cell, "walked": walked_at(stored, k),
+            **{f"walked_{name}": walked_at(parts.get(name), k) for name in WALK_PARTS},
+            "walked_answers": {name: (parts.get(name) or {}).get("answers", 0)
+                               for name in WALK_PARTS},
             "walk_error": stored.get("error")}
+
+
+def walked_at(walk: dict | None, k: int) -> float | None:
+    """A walk's acceptance length after ``k`` drafts (None: not walked, or fewer drafts)."""
+    by_drafts = (walk or {}).get("walked_acceptance_length_by_num_drafts") or []
+    return by_drafts[k - 1] if len(by_drafts) >= k else None
 
 
 def stored_done(ctx: Context, row: str, overrides: dict, seeds: list[int], out: Path) -> list:
@@ -736,6 +767,12 @@ def summarise_row(row: str, overrides: dict, cells: list[dict]) -> dict:
                               for c in done},
         "walked": _median([c.get("walked") for c in done]),
         "walked_by_seed": {str(c["seed"]): c.get("walked") for c in done},
+        **{f"walked_{name}": _median([c.get(f"walked_{name}") for c in done])
+           for name in WALK_PARTS},
+        **{f"walked_{name}_by_seed": {str(c["seed"]): c.get(f"walked_{name}") for c in done}
+           for name in WALK_PARTS},
+        "walked_answers": next((c["walked_answers"] for c in done if c.get("walked_answers")),
+                               None),
         "output_tokens_by_seed": {str(c["seed"]): c.get("output_tokens") for c in done},
         "train_s": _median([c["train_s"] for c in done]),
         "steps": _median([c["steps"] for c in done]),
@@ -771,6 +808,17 @@ def _settings(overrides: dict) -> str:
                      if k not in ("trainer", "family")) or "-"
 
 
+def _with_seeds(row: dict, key: str) -> str:
+    """A row's median of ``key`` and each seed's value: ``1.500 (0:1.500 1:1.529)``."""
+    seeds = " ".join(f"{s}:{v:.3f}" for s, v in row[f"{key}_by_seed"].items() if v is not None)
+    return f"{_fmt(row[key])} ({seeds})" if seeds else "-"
+
+
+def _part_sizes(rows: list[dict]) -> str:
+    sizes = next((r["walked_answers"] for r in rows if r.get("walked_answers")), None)
+    return f" ({sizes['ended']} / {sizes['capped']} answers)" if sizes else ""
+
+
 def markdown(result: dict) -> str:
     best = result["best_peer"]
     lines = [
@@ -780,13 +828,16 @@ def markdown(result: dict) -> str:
         f"speculative tokens; epochs {result['epochs']}, unroll {result['ttt_steps']}. Served AL: "
         "1 + accepted / drafts from vLLM's counters; median over seeds (each seed's value). "
         "Simulated: training's evaluation at 3 drafts. Walked: the exported draft (either "
-        "trainer's) walked over the stored eval answers, one fixed text for every row. "
+        "trainer's) walked over the stored eval answers, one fixed text for every row; "
+        "walked ended / capped: over the answers that end and those cut at max_tokens apart"
+        + _part_sizes(result["rows"]) + ". "
         "`vs peer`: the row's median over the best peer row's of its family"
         + (" (" + "; ".join(f"{family}: {b['row']}, {b['acceptance_length']:.3f}"
                             for family, b in best.items()) + ")." if best else
            " (no peer row measured)."), "",
         "| row | trainer | family | settings | served AL | by seed | per position | simulated "
-        "| walked | walked by seed | vs peer | train s | steps | notes |", "|---" * 14 + "|"]
+        "| walked | walked by seed | walked ended | walked capped | vs peer | train s | steps "
+        "| notes |", "|---" * 16 + "|"]
     for r in result["rows"]:
         seeds = " ".join(f"{s}:{v:.3f}" for s, v in r["acceptance_length_by_seed"].items())
         positions = " / ".join(_fmt(p, ".2f") for p in r["accepted_per_position"]) or "-"
@@ -797,13 +848,14 @@ def markdown(result: dict) -> str:
             f"| {r['row']} | {r['trainer']} | {r['family']} | {_settings(r['overrides'])} | "
             f"{_fmt(r['acceptance_length'])} | {seeds or '-'} | {positions} | "
             f"{_fmt(r['simulated_acceptance_length'])} | {_fmt(r['walked'])} | "
-            f"{walked or '-'} | {_fmt(r['vs_best_peer'])} | "
+            f"{walked or '-'} | {_with_seeds(r, 'walked_ended')} | "
+            f"{_with_seeds(r, 'walked_capped')} | {_fmt(r['vs_best_peer'])} | "
             f"{_fmt(r['train_s'], '.0f')} | {_fmt(r['steps'], '.0f')} | "
             f"{notes.replace('|', '/') or ''} |")
     lines += ["", "## Cells", "",
               "| row | seed | status | served AL | per position | tokens AL | output tokens | "
-              "simulated | walked | train s | steps | server start s | measure s | cell s |",
-              "|---" * 14 + "|"]
+              "simulated | walked | walked ended | walked capped | train s | steps | "
+              "server start s | measure s | cell s |", "|---" * 16 + "|"]
     for c in result["cells"]:
         done = c["status"] == "done"
         positions = " / ".join(_fmt(p, ".2f") for p in c.get("accepted_per_position") or [])
@@ -812,7 +864,8 @@ def markdown(result: dict) -> str:
             f"{_fmt(c.get('acceptance_length'))} | {positions or '-'} | "
             f"{_fmt(c['checks']['tokens_al']) if done else '-'} | "
             f"{c.get('output_tokens', '-')} | {_fmt(c.get('simulated_acceptance_length'))} | "
-            f"{_fmt(c.get('walked'))} | {_fmt(c.get('train_s'), '.0f')} | "
+            f"{_fmt(c.get('walked'))} | {_fmt(c.get('walked_ended'))} | "
+            f"{_fmt(c.get('walked_capped'))} | {_fmt(c.get('train_s'), '.0f')} | "
             f"{c.get('steps', '-')} | {_fmt(c.get('server_start_s'), '.0f')} | "
             f"{_fmt(c.get('measure_s'), '.0f')} | {_fmt(c.get('wall_s'), '.0f')} |")
     return "\n".join(lines) + "\n"

@@ -230,6 +230,23 @@ def test_a_draft_vocabulary_row_trains_on_a_map_of_its_size(tmp_path, monkeypatc
     assert load_file(str(seen / "vocab" / "vocab_map.safetensors"))["d2t"].numel() == 2
 
 
+def test_each_part_of_the_walk_is_summarised_with_its_seeds():
+    """The walk over the answers that end and over those cut at the cap: each a median with
+    every seed's value, and how many answers each part holds."""
+    def cell(seed, whole, ended, capped):
+        return {"seed": seed, "status": "done", "acceptance_length": 1.5,
+                "accepted_per_position": [0.3], "walked": whole, "walked_ended": ended,
+                "walked_capped": capped, "walked_answers": {"ended": 32, "capped": 4},
+                "train_s": 1.0, "steps": 9, "output_tokens": 10}
+
+    row = dq.summarise_row("default", {}, [cell(0, 1.4, 1.5, 1.2), cell(1, 1.5, 1.6, 1.4),
+                                           cell(2, 1.45, 1.55, 1.3)])
+    assert (row["walked"], row["walked_ended"], row["walked_capped"]) == (1.45, 1.55, 1.3)
+    assert row["walked_capped_by_seed"] == {"0": 1.2, "1": 1.4, "2": 1.3}
+    assert dq._with_seeds(row, "walked_ended") == "1.550 (0:1.500 1:1.600 2:1.550)"
+    assert dq._part_sizes([row]) == " (32 / 4 answers)"
+
+
 def test_ratio_to_the_best_peer_row():
     def row(name, trainer, al):
         return {"row": name, "trainer": trainer, "acceptance_length": al, "seeds": [0]}
@@ -444,5 +461,30 @@ def test_a_checkpoint_walks_the_stored_answers_as_its_training_scored_them(
     assert peer["walked_acceptance_length_by_num_drafts"] == \
         own["walked_acceptance_length_by_num_drafts"]
     d2t = torch.zeros_like(load_file(str(draft["vocab_map"]))["d2t"])
+    _assert_parts_walk_apart(walk_checkpoint, draft, toy_target, cfg, own)
     with pytest.raises(WalkError, match="its d2t is not the vocab map"):
         walk(_as_peer_checkpoint(draft["checkpoint"], tmp_path / "other-map", d2t=d2t))
+
+
+def _assert_parts_walk_apart(walk_checkpoint, draft, toy_target, cfg, whole):
+    """Parts of the eval answers walk on their own: every answer is the whole walk, no answer
+    is None, and two halves walk to figures on either side of the whole (a weighted mean)."""
+    from draftline.stages.hidden.store import HiddenStates
+
+    store = HiddenStates(draft["root"] / "hidden")
+    try:
+        ids = sorted(ref.sample_id for ref in store.samples["eval"])
+    finally:
+        store.close()
+    halves = {"first": set(ids[::2]), "second": set(ids[1::2])}
+    walked = walk_checkpoint(draft["checkpoint"], draft["root"] / "hidden", toy_target,
+                             draft["vocab_map"], cfg,
+                             {"all": set(ids), "none": {"not-an-id"}, **halves})
+    parts = walked["parts"]
+    assert parts["all"] == {"answers": len(ids), "walked_acceptance_length_by_num_drafts":
+                            whole["walked_acceptance_length_by_num_drafts"]}
+    assert parts["none"] is None
+    assert parts["first"]["answers"] + parts["second"]["answers"] == len(ids)
+    figures = sorted(parts[h]["walked_acceptance_length_by_num_drafts"][-1] for h in halves)
+    assert figures[0] < figures[1]  # the halves differ, so the check below can fail
+    assert figures[0] <= whole["walked_acceptance_length"] <= figures[1]

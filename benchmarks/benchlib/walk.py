@@ -112,10 +112,12 @@ def load_walkable(checkpoint: Path, target_dir: Path, vocab_map: Path):
 
 
 def walk_checkpoint(checkpoint: Path, hidden_dir: Path, target_dir: Path, vocab_map: Path,
-                    train_cfg: dict) -> dict:
+                    train_cfg: dict, parts: dict[str, set[str]] | None = None) -> dict:
     """The checkpoint's evaluation on the store's eval split, as draftline's training scores its
     own draft (``walked_acceptance_length`` after ``train.ttt_steps`` drafts, and the
-    per-position figures); ``train_cfg`` is a resolved ``train`` section."""
+    per-position figures); ``train_cfg`` is a resolved ``train`` section. ``parts`` names
+    subsets of the eval answers by sample id (the answers that end, those cut at the cap):
+    each is walked on its own too, under ``parts`` (None where the split holds none of it)."""
     from draftline.drafts.eagle3.train import evaluate
     from draftline.stages.hidden.store import HiddenStates
     from draftline.stages.train.data import StoredBatches
@@ -123,8 +125,27 @@ def walk_checkpoint(checkpoint: Path, hidden_dir: Path, target_dir: Path, vocab_
 
     model, head, _ = load_walkable(Path(checkpoint), Path(target_dir), Path(vocab_map))
     store = HiddenStates(Path(hidden_dir))
+    rt = init_runtime()
     try:
         data = StoredBatches(store, train_cfg, 0, 1, 0)
-        return evaluate(model, head, data, train_cfg, init_runtime(), lambda t: t)
+        metrics = evaluate(model, head, data, train_cfg, rt, lambda t: t)
+        every_answer = data.eval_refs
+        metrics["parts"] = {}
+        for name, ids in (parts or {}).items():
+            data.eval_refs = [ref for ref in every_answer if ref.sample_id in ids]
+            metrics["parts"][name] = walk_part(model, head, data, train_cfg, rt)
+        return metrics
     finally:
         store.close()
+
+
+def walk_part(model, head, data, train_cfg: dict, rt) -> dict | None:
+    """The walk over the eval answers ``data`` holds now: how many, and their walked
+    acceptance after 1..K drafts (None for no answers)."""
+    from draftline.drafts.eagle3.train import evaluate
+
+    if not data.eval_refs:
+        return None
+    metrics = evaluate(model, head, data, train_cfg, rt, lambda t: t)
+    return {"answers": len(data.eval_refs), "walked_acceptance_length_by_num_drafts":
+            metrics["walked_acceptance_length_by_num_drafts"]}
