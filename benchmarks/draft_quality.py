@@ -43,6 +43,11 @@ draftline row each is compared with, ``PEER_SHAPES``).
   peer rows: what the peer reports, if anything; its own validation figures in
   ``train_eval``), training seconds and optimizer steps. Per row: the median over seeds with
   every seed's value, and the ratio of the row's median to the best peer row's of its family.
+* Walked (EAGLE-3 cells, the peer's too; ``benchlib.walk``): the exported draft walked over
+  the run's stored eval answers the way a temperature-0 server drafts them, one fixed text
+  for every row; and over the answers that end and those cut at ``generate.max_tokens``
+  apart (at T = 0 a small target loops to the cap on a few prompts, and those few answers
+  can hold half the tokens). Stored in ``walk.json`` beside the cell: nothing retrains.
 * ``--k K``: the same drafts served proposing K tokens a round (rows ``"<row> K=<K>"``): each
   cell is trained and measured at 3 first (or reused), then served again at K; nothing is
   trained for K. What the draft's later positions add on a target, at the verify cost of K.
