@@ -272,3 +272,20 @@ def test_real_toy_tokenizer(tmp_path):
     # The generation prompt opened the thinking block; the model's part closes it and the turn.
     assert text.startswith("2+2 is 4.") and "</think>" in text and text.endswith("<|end|>")
     assert stats["mismatch"] == 0
+
+
+def test_an_answer_after_the_first_falls_in_its_prompts_split(tmp_path, targets):
+    """Records naming their prompt (``prompt_id``, generate.answers_per_prompt) are split by
+    that prompt's id, not their own: no prompt is both trained on and evaluated on."""
+    prompts = [f"s{i}" for i in range(30)]
+    answers = [record(f"{p}#1", prompt_id=p) for p in prompts]
+    # the check can fail: some answers' own ids hash into the other split than their prompt's
+    assert any(split_of(r["id"], 0.3) != split_of(r["prompt_id"], 0.3) for r in answers)
+    stats, ds = build(tmp_path, targets["a"], [record(p) for p in prompts] + answers,
+                      eval_fraction=0.3)
+    for split in ("train", "eval"):
+        assert {i.split("#")[0] for i in ds[split]["id"]} == \
+            {p for p in prompts if split_of(p, 0.3) == split}
+    assert sum(stats["samples_out"].values()) == 60
+    with pytest.raises(RecordError, match="prompt_id"):
+        build(tmp_path / "bad", targets["a"], [record("s0#1", prompt_id=3)])

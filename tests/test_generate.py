@@ -12,7 +12,7 @@ import pytest
 from conftest import default_config, requires_vllm
 from fault_proxy import FaultProxy
 
-from draftline.core.records import Prompt
+from draftline.core.records import Prompt, RecordError
 from draftline.serving.endpoint_clients import StatusError
 from draftline.serving.loadgen import request_seed
 from draftline.serving.server import Endpoint
@@ -21,6 +21,7 @@ from draftline.stages.generate import (
     EndpointsDown,
     GenerateSettings,
     ShardFiles,
+    answer_samples,
     failure_kind,
     generate_shard,
     generate_shards,
@@ -695,3 +696,62 @@ def test_a_new_eval_temperature_asks_the_eval_prompts_again_and_keeps_the_rest()
     changed = {p.id for p in prompts if greedy[p.id] != sampled[p.id]}
     assert changed and changed == {p.id for p in prompts if is_eval(p.id, 0.3)}
     assert fingerprints(0.7) == sampled  # the eval split sampled as the rest: the same answers
+
+
+def test_a_training_prompt_is_asked_answers_per_prompt_times_an_eval_prompt_once():
+    """Answer n of prompt a is the sample a#n: its own seed, its prompt's split and
+    temperature (though its own id may hash into the other split); eval prompts once."""
+    from draftline.core.split import is_eval
+
+    settings = GenerateSettings.from_config(
+        {"temperature": 0.7, "eval_temperature": 0.0, "answers_per_prompt": 3}, 4,
+        eval_fraction=0.3)
+    prompts = [Prompt(f"p{i}", [{"role": "user", "content": f"q{i}"}]) for i in range(40)]
+    samples = answer_samples(prompts, settings)
+    evals = [p.id for p in prompts if is_eval(p.id, 0.3)]
+    assert 0 < len(evals) < 40
+    assert len(samples) == len(evals) + 3 * (40 - len(evals))
+    assert [s.id for s in samples[:3]] == (["p0", "p0#1", "p0#2"] if "p0" not in evals
+                                          else ["p0", "p1", "p1#1"])
+    answers = [s for s in samples if s.prompt_id is not None]
+    assert {s.prompt_id for s in answers} == {p.id for p in prompts} - set(evals)
+    assert all(s.id.startswith(s.prompt_id + "#") and s.split_id == s.prompt_id
+               for s in answers)
+    bodies = {s.id: request_body(s.messages, settings, s.id, "m", s.split_id) for s in samples}
+    assert len({b["seed"] for b in bodies.values()}) == len(samples)
+    assert {bodies[s.id]["temperature"] for s in answers} == {0.7}
+    assert any(is_eval(s.id, 0.3) for s in answers)  # the check above can fail
+    fingerprints = prompt_fingerprints(samples, settings, [Endpoint("http://h/v1", "m")],
+                                       {"model": "m"})
+    assert {fingerprints[s.id] for s in answers} <= \
+        {fingerprints[p.id] for p in prompts if p.id not in evals}  # sampled like the rest
+    single = GenerateSettings.from_config({"temperature": 0.7}, 4, eval_fraction=0.3)
+    assert answer_samples(prompts, single) == prompts
+    clash = prompts + [Prompt("p0#1", [{"role": "user", "content": "other"}])]
+    with pytest.raises(RecordError, match="'p0#1' is also answer 1 of prompt 'p0'"):
+        answer_samples(clash, GenerateSettings.from_config({"answers_per_prompt": 2}, 4))
+
+
+@requires_vllm
+@pytest.mark.vllm
+def test_more_answers_per_prompt_asks_only_the_new_ones(tmp_path, vllm_server, toy_target):
+    """Raising generate.answers_per_prompt keeps every answer already asked and asks the new
+    ones, each a sampled answer of its own that names its prompt."""
+    prompt_file = _prompts(tmp_path, 6)
+    endpoints = [vllm_server.endpoint]
+
+    def run(n):
+        settings = GenerateSettings(concurrency=6, max_tokens=24, temperature=1.0,
+                                    answers_per_prompt=n)
+        return _run(tmp_path, prompt_file, endpoints, settings, str(toy_target))
+
+    out, first = run(2)
+    records = _lines(out)
+    assert [r["id"] for r in records[:2]] == ["p000", "p000#1"] and len(records) == 12
+    assert all(r.get("prompt_id") == r["id"].split("#")[0] for r in records if "#" in r["id"])
+    assert not any("prompt_id" in r for r in records if "#" not in r["id"])
+    by_id = _outputs(out)
+    assert sum(by_id[f"p{i:03d}"] != by_id[f"p{i:03d}#1"] for i in range(6)) >= 4
+    out, second = run(3)
+    assert second["resumed"] == 12 and sum(second["requests_by_endpoint"].values()) == 6
+    assert {k: v for k, v in _outputs(out).items() if not k.endswith("#2")} == by_id

@@ -39,6 +39,14 @@ class Prompt:
     # full sha256 hex digest of the canonical messages; set when built from a source (it finds
     # duplicates), not kept in the shards
     content_hash: str | None = None
+    # the prompt this is one more answer to (generate.answers_per_prompt), its split's and its
+    # temperature's; None: the prompt itself
+    prompt_id: str | None = None
+
+    @property
+    def split_id(self) -> str:
+        """The id its split is decided by (``draftline.core.split``): its prompt's."""
+        return self.prompt_id or self.id
 
 
 def write_shard(path: str | Path, prompts: Iterable[Prompt]) -> None:

@@ -150,12 +150,12 @@ CONCURRENCY_REASON = (
 
 def eval_prompts(response_files: list[Path], eval_fraction: float, limit: int) -> list[Prompt]:
     """Prompts of the eval split (never trained on), in a stable order."""
-    from draftline.core.split import split_of
+    from draftline.core.split import split_key, split_of
     from draftline.stages.responses import iter_response_records
 
     prompts = [Prompt(id=rec["id"], messages=rec["messages"][:-1])
                for _, rec in iter_response_records(sorted(Path(p) for p in response_files))
-               if split_of(rec["id"], eval_fraction) == "eval"]
+               if split_of(split_key(rec), eval_fraction) == "eval"]
     prompts.sort(key=lambda p: p.id)
     if not prompts:
         raise ValueError("no eval-split prompts in the responses: raise dataset.eval_fraction")

@@ -89,6 +89,7 @@ class Response:
     prompt_token_ids: list[int] | None
     output_token_ids: list[int] | None
     where: str  # "file:line", for messages
+    prompt_id: str | None = None  # an answer after the first to that prompt: its split's
 
     @property
     def finished(self) -> bool:
@@ -137,8 +138,13 @@ def parse_response(raw: dict, where: str) -> Response:
     if messages[-1]["role"] != "assistant":
         raise RecordError("no_assistant_turn",
                           f"{where}: the last message must be the generated assistant turn")
+    prompt_id = raw.get("prompt_id")
+    if prompt_id is not None and (not isinstance(prompt_id, str) or not prompt_id):
+        raise RecordError("bad_prompt_id", f"{where}: 'prompt_id' must be a non-empty string "
+                          f"(the prompt this answer is one more answer to)")
     return Response(
         id=sample_id,
+        prompt_id=prompt_id,
         prompt_messages=messages[:-1],
         assistant=_normalise_assistant(messages[-1]),
         finish_reason=raw.get("finish_reason"),
@@ -495,7 +501,8 @@ def build_dataset(
             for response, rendering in zip(batch, rendered, strict=True):
                 sample = _process(response, rendering, eot_ids, seen, stats)
                 if sample is not None:
-                    writers[split_of(sample.id, eval_fraction)].add(sample)
+                    writers[split_of(response.prompt_id or response.id,
+                                     eval_fraction)].add(sample)
             progress.update(len(batch))
         progress.close()
         for writer in writers.values():
@@ -527,7 +534,7 @@ def _process(
         stats.drop("duplicate_id", response.id)
         return None
     seen.add(response.id)
-    split = split_of(response.id, stats.eval_fraction)
+    split = split_of(response.prompt_id or response.id, stats.eval_fraction)
     stats.samples_in[split] += 1
     assembled = assemble_sample(response, rendering, eot_ids, stats)
     if assembled is None:

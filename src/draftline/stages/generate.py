@@ -1,4 +1,5 @@
-"""Synthetic responses: every prompt answered exactly once by the served target.
+"""Synthetic responses: every prompt answered by the served target, a training-split prompt
+``generate.answers_per_prompt`` times (``answer_samples``), an eval-split prompt once.
 
 Kept whole (about 750 lines): settings, the request and its retry policy, the run and the
 shard summaries are one stage read in order; the endpoint clients
@@ -59,7 +60,7 @@ from tqdm import tqdm
 from draftline.core.atomic import write_json, write_jsonl
 from draftline.core.hub import hub_revision
 from draftline.core.machine import serving_machine
-from draftline.core.records import Prompt, read_shard
+from draftline.core.records import Prompt, RecordError, read_shard
 from draftline.core.split import is_eval
 from draftline.serving.endpoint_clients import EndpointPool, ServerSampler, StatusError
 from draftline.serving.loadgen import request_seed
@@ -104,6 +105,7 @@ class GenerateSettings:
     top_p: float = 0.95
     max_tokens: int = 2048
     seed: int = 0
+    answers_per_prompt: int = 1
     chat_template_kwargs: dict = field(default_factory=dict)
     multi_turn: bool = False
     max_retries: int = 6
@@ -116,25 +118,28 @@ class GenerateSettings:
     def from_config(cls, gen_cfg: dict, concurrency: int,
                     eval_fraction: float = 0.0) -> GenerateSettings:
         keys = ("temperature", "eval_temperature", "top_p", "max_tokens", "seed",
-                "chat_template_kwargs", "multi_turn", "max_retries", "request_timeout_s",
-                "endpoint_down_timeout_s")
+                "answers_per_prompt", "chat_template_kwargs", "multi_turn", "max_retries",
+                "request_timeout_s", "endpoint_down_timeout_s")
         return cls(concurrency=concurrency, eval_fraction=eval_fraction,
                    **{k: gen_cfg[k] for k in keys if k in gen_cfg})
 
     def temperature_for(self, prompt_id: str) -> float:
-        """The temperature of this prompt's answer: ``eval_temperature`` in the eval split."""
+        """The temperature of this prompt's answer: ``eval_temperature`` in the eval split
+        (``prompt_id``: the prompt's, ``Prompt.split_id``)."""
         if self.eval_temperature is not None and is_eval(prompt_id, self.eval_fraction):
             return self.eval_temperature
         return self.temperature
 
 
 def request_body(messages: list[dict], settings: GenerateSettings, prompt_id: str,
-                 model: str) -> dict:
-    """The chat completion request as vLLM receives it (``return_token_ids``: exact ids)."""
+                 model: str, split_id: str | None = None) -> dict:
+    """The chat completion request as vLLM receives it (``return_token_ids``: exact ids).
+    ``prompt_id`` is the answer's own id (its seed), ``split_id`` its prompt's (its
+    temperature; default the same)."""
     body = {
         "model": model,
         "messages": messages,
-        "temperature": settings.temperature_for(prompt_id),
+        "temperature": settings.temperature_for(split_id or prompt_id),
         "top_p": settings.top_p,
         "max_tokens": settings.max_tokens,
         "seed": request_seed(settings.seed, prompt_id),  # as the profile and benchmark seed
@@ -371,7 +376,7 @@ class GenerationRun:
             messages = await self._regenerate_history(shard, item, messages)
             if messages is None:
                 return True
-        outcome = await self._complete(shard, item.id, messages)
+        outcome = await self._complete(shard, item, messages)
         if outcome is not None:
             self._record(shard, item, messages, *outcome)
         return True
@@ -384,7 +389,7 @@ class GenerationRun:
             if msg["role"] != "assistant":
                 history.append(msg)
                 continue
-            outcome = await self._complete(shard, item.id, history)
+            outcome = await self._complete(shard, item, history)
             if outcome is None:
                 return None
             history.append(assistant_message(outcome[0]))
@@ -394,6 +399,7 @@ class GenerationRun:
                 latency: float, endpoint: str) -> None:
         record = {
             "id": item.id,
+            **({"prompt_id": item.prompt_id} if item.prompt_id else {}),
             "messages": messages + [assistant_message(parsed)],
             "prompt_token_ids": parsed["prompt_token_ids"],
             "output_token_ids": parsed["output_token_ids"],
@@ -420,14 +426,15 @@ class GenerationRun:
                              errors=sum(s.stats.errors for s in self.shards), refresh=False)
         self.bar.update(1)
 
-    async def _complete(self, shard: ShardWork, prompt_id: str, messages: list[dict]):
+    async def _complete(self, shard: ShardWork, item: Prompt, messages: list[dict]):
         """One chat completion with retries; None when it ended in the errors file."""
         stats = shard.stats
         attempt = 0
         while True:
             index = await self._endpoint()
             endpoint = self.pool.endpoints[index]
-            body = request_body(messages, self.settings, prompt_id, endpoint.model)
+            body = request_body(messages, self.settings, item.id, endpoint.model,
+                                item.split_id)
             self.pool.in_flight[index] += 1
             self.pool.sent[index] += 1
             sent = time.time()
@@ -455,7 +462,7 @@ class GenerationRun:
                 self.open_requests = (count - 1, sent_sum - sent) if count > 1 else (0, 0.0)
                 self.pool.in_flight[index] -= 1
             kind = failure_kind(error)
-            if kind == "refused" or self._server_down(index, prompt_id, error):
+            if kind == "refused" or self._server_down(index, item.id, error):
                 if kind == "refused":
                     self.pool.set_aside(index)
                 stats.set_asides += 1
@@ -471,7 +478,7 @@ class GenerationRun:
                 await asyncio.sleep(backoff_delay(attempt, self.settings, self.rng))
                 attempt += 1
                 continue
-            self._fail(shard, prompt_id, error, attempt + 1, kind)
+            self._fail(shard, item.id, error, attempt + 1, kind)
             return None
 
     def _server_down(self, index: int, prompt_id: str, error: BaseException) -> bool:
@@ -537,7 +544,7 @@ class PreparedShard:
 def prepare_shard(files: ShardFiles, settings: GenerateSettings, endpoints: list[Endpoint],
                   target: dict) -> PreparedShard:
     """Read a shard's prompts and what an earlier run left valid; what is left to ask."""
-    prompts = read_shard(files.prompts)
+    prompts = answer_samples(read_shard(files.prompts), settings, files.prompts)
     fingerprints = prompt_fingerprints(prompts, settings, endpoints, target)
     kept = resume_shard(*partial_paths(files.responses), fingerprints)
     # every prompt without a kept answer, those an earlier run filed as errors included
@@ -549,6 +556,33 @@ def prepare_shard(files: ShardFiles, settings: GenerateSettings, endpoints: list
           f"(without token ids), {len(todo)} to ask ({failed_before} of them failed in an "
           f"earlier run)")
     return PreparedShard(files, prompts, fingerprints, kept, todo)
+
+
+def answer_samples(prompts: list[Prompt], settings: GenerateSettings,
+                   where: Path | str = "prompts") -> list[Prompt]:
+    """What a shard asks for: each prompt, and a training-split prompt's further answers
+    (``settings.answers_per_prompt``), answer n >= 1 of prompt ``a`` as ``a#<n>`` (the
+    closed-loop client's spelling of a repeat) with ``prompt_id`` ``a``: its own seed
+    (``request_seed`` of its id), its prompt's split and temperature. An eval-split prompt is
+    answered once (at ``eval_temperature`` 0 every answer would be the same greedy text).
+    Adding answers keeps those already asked: answer 0 keeps the prompt's id."""
+    if settings.answers_per_prompt == 1:
+        return prompts
+    ids = {p.id for p in prompts}
+    samples = []
+    for prompt in prompts:
+        samples.append(prompt)
+        if is_eval(prompt.id, settings.eval_fraction):
+            continue
+        for n in range(1, settings.answers_per_prompt):
+            answer = Prompt(f"{prompt.id}#{n}", prompt.messages, prompt_id=prompt.id)
+            if answer.id in ids:
+                raise RecordError("duplicate_id", f"{where}: prompt id {answer.id!r} is also "
+                                  f"answer {n} of prompt {prompt.id!r} (generate."
+                                  f"answers_per_prompt {settings.answers_per_prompt}): "
+                                  f"rename that prompt")
+            samples.append(answer)
+    return samples
 
 
 def generate_shards(shards: list[ShardFiles], endpoints: list[Endpoint],
@@ -682,7 +716,7 @@ def finish_shard(shard: PreparedShard, stats: ShardStats, settings: GenerateSett
     write_jsonl(files.errors, sorted(errors.values(), key=lambda r: order[r["id"]]))
     fill = stats.fill_seconds
     summary = {
-        "prompts": len(shard.prompts),
+        "prompts": len(shard.prompts),  # answers asked: a prompt asked N times counts N
         "responses": len(done),
         "errors": len(errors),
         "unanswered": len(shard.prompts) - len(done) - len(errors),

@@ -163,7 +163,7 @@ def prompt_fingerprints(prompts: list[Prompt], settings: AnswerSettings,
     by_temperature = {}
     fingerprints = {}
     for p in prompts:
-        temperature = settings.temperature_for(p.id)
+        temperature = settings.temperature_for(p.split_id)
         if temperature not in by_temperature:
             by_temperature[temperature] = settings_fingerprint(settings, served, target,
                                                                temperature)
