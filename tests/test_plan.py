@@ -42,6 +42,18 @@ def test_production_hidden_state_bytes():
     assert "57,344 B/token of states (56.0 KiB)" in text
 
 
+def test_more_answers_per_prompt_plans_more_samples_but_as_many_prompts():
+    config, measured = production_example()
+    once = by_stage(plan(config, measured))
+    config["generate"]["answers_per_prompt"] = 3
+    thrice = by_stage(plan(config, measured))
+    share = config["dataset"]["eval_fraction"]
+    answers = round(10_000 * (share + (1 - share) * 3))  # the eval prompts answered once
+    assert thrice["hidden"]["disk_bytes"] == once["hidden"]["disk_bytes"] * answers // 10_000
+    assert f"{answers:,} samples" in thrice["hidden"]["basis"]
+    assert thrice["prompts"]["disk_bytes"] == once["prompts"]["disk_bytes"]
+
+
 def test_toy_plan_has_every_stage_and_a_total():
     rows = plan(default_config(), None)
     assert [r["stage"] for r in rows] == STAGES

@@ -147,6 +147,13 @@ def draft_params(dims: dict, draft_vocab: int, architecture: dict | None = None)
     return registry.trainable_params(dims, draft_vocab, architecture)
 
 
+def expected_answers(config: dict) -> int:
+    """Answers the run asks for: ``prompts.max_samples``, a training prompt's
+    ``generate.answers_per_prompt`` times (the eval split's once)."""
+    prompts, share = config["prompts"]["max_samples"], config["dataset"]["eval_fraction"]
+    return round(prompts * (share + (1 - share) * config["generate"]["answers_per_prompt"]))
+
+
 def _token_counts(config: dict, measured: dict) -> tuple[int, int, int, str]:
     """(samples, tokens, output tokens) of the dataset, measured or as an upper bound."""
     stats = measured.get("dataset") or {}
@@ -156,7 +163,7 @@ def _token_counts(config: dict, measured: dict) -> tuple[int, int, int, str]:
                       or config["prompts"]["max_samples"])
         supervised = int(sum(stats.get("supervised_tokens", {}).values()) or tokens)
         return samples, tokens, supervised, "dataset/stats.json"
-    samples = config["prompts"]["max_samples"]
+    samples = expected_answers(config)
     out = config["generate"]["max_tokens"]
     per_sample = min(config["dataset"]["max_length"], PROMPT_TOKENS + out)
     basis = (f"upper bound: {samples:,} samples x {per_sample:,} tokens "
@@ -182,10 +189,11 @@ def plan(config: dict, measured: dict | None = None) -> list[dict]:
     kind = "cpu" if builtin_target(config["target"]["model"]) else "gpu"
     dims = target_dims(config, measured)
     samples, tokens, out_tokens, token_basis = _token_counts(config, measured)
+    prompts = config["prompts"]["max_samples"]
     rows = [
         _target_row(config, dims, kind),
-        _row("prompts", samples * PROMPT_RECORD_BYTES, 1.0,
-             f"{samples:,} prompts x ~{PROMPT_RECORD_BYTES} B (assumed)"),
+        _row("prompts", prompts * PROMPT_RECORD_BYTES, 1.0,
+             f"{prompts:,} prompts x ~{PROMPT_RECORD_BYTES} B (assumed)"),
         _profile_row(config, kind),
         _generate_row(config, measured, kind, tokens, out_tokens, token_basis),
         _row("dataset", tokens * ARROW_BYTES_PER_TOKEN, tokens / 200_000,
