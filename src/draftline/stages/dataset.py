@@ -92,6 +92,11 @@ class Response:
     prompt_id: str | None = None  # an answer after the first to that prompt: its split's
 
     @property
+    def split_id(self) -> str:
+        """The id its split is decided by (``draftline.core.split.split_key``)."""
+        return self.prompt_id or self.id
+
+    @property
     def finished(self) -> bool:
         return self.finish_reason not in UNFINISHED_REASONS
 
@@ -501,8 +506,7 @@ def build_dataset(
             for response, rendering in zip(batch, rendered, strict=True):
                 sample = _process(response, rendering, eot_ids, seen, stats)
                 if sample is not None:
-                    writers[split_of(response.prompt_id or response.id,
-                                     eval_fraction)].add(sample)
+                    writers[split_of(response.split_id, eval_fraction)].add(sample)
             progress.update(len(batch))
         progress.close()
         for writer in writers.values():
@@ -534,7 +538,7 @@ def _process(
         stats.drop("duplicate_id", response.id)
         return None
     seen.add(response.id)
-    split = split_of(response.prompt_id or response.id, stats.eval_fraction)
+    split = split_of(response.split_id, stats.eval_fraction)
     stats.samples_in[split] += 1
     assembled = assemble_sample(response, rendering, eot_ids, stats)
     if assembled is None:
