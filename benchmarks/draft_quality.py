@@ -675,14 +675,14 @@ def eval_answers_by_ending(ctx: Context) -> dict[str, set[str]]:
     """The ids of the run's stored eval answers that end (the model stopped) and of those cut
     at ``generate.max_tokens`` (``capped``: at T = 0 a small target loops to the cap, and a
     few such answers weigh as much as the rest), as the walk splits them."""
-    from draftline.core.split import split_of
+    from draftline.core.split import split_key, split_of
     from draftline.stages.dataset import UNFINISHED_REASONS
     from draftline.stages.responses import iter_response_records
 
     parts: dict[str, set[str]] = {"ended": set(), "capped": set()}
     shards = ctx.layout.response_shards(ctx.config["prompts"]["num_shards"])
     for _, record in iter_response_records(shards):
-        if split_of(record["id"], ctx.config["dataset"]["eval_fraction"]) == "eval":
+        if split_of(split_key(record), ctx.config["dataset"]["eval_fraction"]) == "eval":
             capped = record.get("finish_reason") in UNFINISHED_REASONS
             parts["capped" if capped else "ended"].add(record["id"])
     return parts
