@@ -4,9 +4,11 @@ On the stored hidden states of one draftline results folder (``hidden/``, ``voca
 ``target/``, ``responses/``; the default toy run's ``results``), every (row, seed) cell trains
 a draft, serves it in vLLM beside the run's target and measures its acceptance. A row is a
 name and overrides of the ``train`` config section (``ROWS`` below; dotted keys reach into
-``train.draft``; ``vocab.draft_vocab_size``, the one key outside it, trains on a draft
-vocabulary of that size, chosen in the cell as the vocab stage chooses); ``trainer:
-speculators`` rows train with the peer trainer instead
+``train.draft``). Two keys outside it give the cell inputs of its own (``DATA_KEYS``, for
+either trainer): ``vocab.draft_vocab_size`` trains on a draft vocabulary of that size, chosen
+in the cell as the vocab stage chooses; ``generate.max_tokens`` on the stored training answers
+cut after that many tokens, as a generation with that cap would have stored them (the eval
+answers stay whole). ``trainer: speculators`` rows train with the peer trainer instead
 (``benchmarks/benchlib/peer.py``, ``train_peer``). A row's family: draftline's
 ``draft.drafting`` (autoregressive EAGLE-3, parallel P-EAGLE, dflash, dspark), a peer row's
 ``family`` (eagle3 by default, peagle, dflash, dspark: the peer's same families, shaped as the
@@ -99,9 +101,12 @@ PEER = "speculators"
 BEFORE_2026_12_05 = {"momentum": 0.95, "schedule": "cosine", "warmup_steps": 20,
                      "teacher_temperature": 1.0}
 NUM_SPECULATIVE_TOKENS = 3
-# the one row key outside `train`: the draft vocabulary's size, its map built in the cell as
-# the vocab stage builds it (the run's own map otherwise)
+# the row keys outside `train`, each building the cell's own inputs (the run's otherwise): the
+# draft vocabulary's size (its map built as the vocab stage builds it) and the training answers'
+# length (the stored answers cut as a generation with that max_tokens would have cut them)
 VOCAB_SIZE_KEY = "vocab.draft_vocab_size"
+ANSWER_TOKENS_KEY = "generate.max_tokens"
+DATA_KEYS = (VOCAB_SIZE_KEY, ANSWER_TOKENS_KEY)
 # the peer family rows' shapes: those of draftline's p-eagle (1 layer, trained for the
 # benchmark's 3 drafts), dflash and dspark (block 4 = the bonus token and 3 masks; 3 layers,
 # draftline's default) and dflash 1 layer rows
@@ -130,6 +135,10 @@ ROWS: dict[str, dict] = {
     "lr=1e-2": {"lr": 0.01},
     "lr=2e-2": {"lr": 0.02},
     "lr=4e-2": {"lr": 0.04},
+    # SmolLM2's fixed rate (its lr auto: 0.0046) with one setting changed
+    "lr=5e-3 teacher temperature 1": {"lr": 0.005, "teacher_temperature": 1.0},
+    "lr=5e-3 loss decay 1.0": {"lr": 0.005, "loss_decay": 1.0},
+    "lr=5e-3 lk loss": {"lr": 0.005, "loss": "lk"},
     # norm placements vLLM serves
     "no norm_before_fc": {"draft.norm_before_fc": False},
     "eagle3.1 norms": {"draft.norm_before_fc": False, "draft.fc_norm": True,
@@ -142,6 +151,11 @@ ROWS: dict[str, dict] = {
     "frozen lm_head": {"lm_head": "frozen"},
     # the draft vocabulary (SmolLM2's run keeps the default 32,000 of its 49,152 tokens)
     **{f"draft vocab {size}": {VOCAB_SIZE_KEY: size} for size in (8192, 16384)},
+    # the training answers' length (SmolLM2's run: up to 1,024 tokens; at T 0.7 4% of them loop
+    # to that cap), at SmolLM2's fixed rate, for both trainers
+    **{f"{trainer}lr=5e-3 answers {n}": {**({"trainer": PEER, "optimizer": "muon"} if trainer
+                                           else {}), "lr": 0.005, ANSWER_TOKENS_KEY: n}
+       for n in (256, 512) for trainer in ("", "peer ")},
     # the teacher from the draft vocabulary's lm_head rows only (every generated row in the loss)
     "teacher draft rows": {"teacher_head": "draft_rows"},
     # the draft families vLLM serves: P-EAGLE drafts every token in one pass
@@ -278,7 +292,7 @@ def with_overrides(section: dict, overrides: dict) -> dict:
 def train_config(base: dict, overrides: dict, seed: int) -> dict:
     """The train section a draftline row trains with, validated and defaulted by the schema
     (``ConfigError`` naming the key, e.g. one the schema does not know yet)."""
-    train = {k: v for k, v in overrides.items() if k != VOCAB_SIZE_KEY}
+    train = {k: v for k, v in overrides.items() if k not in DATA_KEYS}
     return resolve_section("train", with_overrides(base, {**train, "seed": seed}))
 
 
@@ -286,7 +300,7 @@ def peer_settings(overrides: dict, seed: int, epochs: int, ttt_steps: int,
                   batch_tokens: int) -> dict:
     """The keyword arguments of ``train_peer`` (lr and optimizer only where the row sets them;
     total_seq_len: the row's, else ``batch_tokens``)."""
-    extra = sorted(set(overrides) - {"trainer", VOCAB_SIZE_KEY, *PEER_KEYS})
+    extra = sorted(set(overrides) - {"trainer", *DATA_KEYS, *PEER_KEYS})
     if extra:
         raise ConfigError(f"peer row: the peer trainer takes {', '.join(PEER_KEYS)}, not "
                           f"{', '.join(extra)}")
@@ -425,19 +439,79 @@ def cell_vocab_map(ctx: Context, draft_vocab_size: int, cell_dir: Path) -> Path:
     return out / ctx.layout.vocab_map.name
 
 
-def train_ours(ctx: Context, train_cfg: dict, cell_dir: Path,
-               draft_vocab_size: int | None = None) -> dict:
-    """train_draft then export_draft; the checkpoint vLLM serves and the training figures.
-    The run's draft vocabulary, or one of ``draft_vocab_size`` tokens built for the cell."""
+def cut_answers(hidden_dir: Path, max_tokens: int, out: Path) -> Path:
+    """The stored states with every training answer cut after ``max_tokens`` answer tokens,
+    written to ``out``: what a generation with that ``max_tokens`` would have stored (the
+    target is causal, so a prefix's states are the prefix of the whole answer's). The eval
+    split's parts are the run's own (linked): every row is scored on one text."""
+    import itertools
+
+    import torch
+    from safetensors import safe_open
+
+    from draftline.core.layout import HIDDEN_INDEX
+    from draftline.stages.hidden.store import read_index, write_safetensors
+
+    index = read_index(hidden_dir)
+    shutil.rmtree(out, ignore_errors=True)
+    files = []
+    for entry in index["files"]:
+        src, dest = hidden_dir / entry["path"], out / entry["path"]
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        if entry["split"] != "train":
+            dest.symlink_to(src.resolve())
+            files.append(entry)
+            continue
+        with safe_open(str(src), framework="pt") as fh:
+            tensors = {name: fh.get_tensor(name) for name in fh.keys()}
+            metadata = fh.metadata()
+        offsets = tensors["offsets"].tolist()
+        kept = []  # (start, end) rows of each sample, in file order
+        for start, end in itertools.pairwise(offsets):
+            answered = tensors["loss_mask"][start:end].long().cumsum(0)  # answer tokens so far
+            if int(answered[-1]) > max_tokens:  # end after the max_tokens-th answer token
+                end = start + int(torch.searchsorted(answered, max_tokens)) + 1
+            kept.append((start, end))
+        rows = torch.cat([torch.arange(start, end) for start, end in kept])
+        cut = {name: tensors[name][rows] for name in ("aux", "final", "input_ids", "loss_mask")}
+        cut["offsets"] = torch.tensor([0, *itertools.accumulate(e - s for s, e in kept)])
+        size, sha = write_safetensors(dest, cut, metadata)
+        files.append({**entry, "num_tokens": len(rows), "bytes": size, "sha256": sha})
+    write_json(out / HIDDEN_INDEX, {**index, "files": files,
+                                    "num_tokens": sum(f["num_tokens"] for f in files),
+                                    "bytes": sum(f["bytes"] for f in files)}, indent=1)
+    return out
+
+
+@dataclass(frozen=True)
+class CellInputs:
+    """The stored states and draft vocabulary a cell trains on: the run's, or the cell's own
+    (``DATA_KEYS``)."""
+
+    hidden: Path
+    vocab_map: Path
+
+
+def cell_inputs(ctx: Context, overrides: dict, cell_dir: Path) -> CellInputs:
+    lay = ctx.layout
+    vocab_map, hidden = lay.vocab_map, lay.hidden
+    if VOCAB_SIZE_KEY in overrides:
+        vocab_map = cell_vocab_map(ctx, overrides[VOCAB_SIZE_KEY], cell_dir)
+    if ANSWER_TOKENS_KEY in overrides:
+        hidden = cut_answers(lay.hidden, overrides[ANSWER_TOKENS_KEY], cell_dir / "hidden")
+    return CellInputs(hidden, vocab_map)
+
+
+def train_ours(ctx: Context, train_cfg: dict, cell_dir: Path, inputs: CellInputs) -> dict:
+    """train_draft then export_draft on the cell's ``inputs``; the checkpoint vLLM serves and
+    the training figures."""
     from draftline.stages.bench import simulated_acceptance
     from draftline.stages.export import export_draft
     from draftline.stages.train import train_draft
 
-    lay = ctx.layout
-    vocab_map = (lay.vocab_map if draft_vocab_size is None
-                 else cell_vocab_map(ctx, draft_vocab_size, cell_dir))
+    vocab_map = inputs.vocab_map
     started = time.perf_counter()
-    record = train_draft(lay.hidden, vocab_map, ctx.target, cell_dir / "draft", train_cfg)
+    record = train_draft(inputs.hidden, vocab_map, ctx.target, cell_dir / "draft", train_cfg)
     train_s = time.perf_counter() - started
     checkpoint = export_draft(cell_dir / "draft" / "best", ctx.target, vocab_map,
                               record["layer_ids"], cell_dir / "checkpoint")
@@ -451,28 +525,28 @@ def train_ours(ctx: Context, train_cfg: dict, cell_dir: Path,
                                                      "simulated_acceptance_length")}}
 
 
-def results_with_vocab(ctx: Context, vocab_map: Path, cell_dir: Path) -> Path:
-    """The run's results folder as the peer reads it, its ``vocab/`` replaced by the folder of
-    ``vocab_map`` (links to every other entry): the same states, another draft vocabulary."""
+def results_with(ctx: Context, inputs: CellInputs, cell_dir: Path) -> Path:
+    """The run's results folder as the peer reads it, with the cell's ``inputs``: its
+    ``hidden/`` and ``vocab/`` those of ``inputs`` (links to every entry); the run's own folder
+    where they are the run's."""
+    lay = ctx.layout
+    if inputs == CellInputs(lay.hidden, lay.vocab_map):
+        return lay.root
     root = cell_dir / "results"
     shutil.rmtree(root, ignore_errors=True)
     root.mkdir(parents=True)
-    for entry in ctx.layout.root.iterdir():
-        if entry.name != ctx.layout.vocab_map.parent.name:
-            (root / entry.name).symlink_to(entry.resolve())
-    (root / ctx.layout.vocab_map.parent.name).symlink_to(vocab_map.parent.resolve())
+    replaced = {lay.hidden.name: inputs.hidden, lay.vocab_map.parent.name: inputs.vocab_map.parent}
+    for entry in lay.root.iterdir():
+        (root / entry.name).symlink_to(replaced.get(entry.name, entry).resolve())
     return root
 
 
-def train_theirs(ctx: Context, settings: dict, cell_dir: Path,
-                 draft_vocab_size: int | None = None) -> dict:
-    """train_peer on the run's stored states (and its draft vocabulary, or one of
-    ``draft_vocab_size`` tokens chosen as for draftline's rows)."""
+def train_theirs(ctx: Context, settings: dict, cell_dir: Path, inputs: CellInputs) -> dict:
+    """train_peer on the cell's ``inputs`` (the run's stored states and draft vocabulary, or the
+    cell's own as for draftline's rows)."""
     from benchlib.peer import train_peer
 
-    results = (ctx.layout.root if draft_vocab_size is None else results_with_vocab(
-        ctx, cell_vocab_map(ctx, draft_vocab_size, cell_dir), cell_dir))
-    result = train_peer(results, cell_dir / "peer", **settings)
+    result = train_peer(results_with(ctx, inputs, cell_dir), cell_dir / "peer", **settings)
     data = cell_dir / "peer" / "data"  # the peer's copy of the stored states, in its format
     if data.is_dir() and folder_bytes(data) > STATE_KEEP_BYTES:
         shutil.rmtree(data)
@@ -617,10 +691,9 @@ def run_cell(ctx: Context, row: str, overrides: dict, seed: int, out: Path, log)
             log("draft exported before (same fingerprint): serving it")
         else:
             log("training")
-            vocab = ({"draft_vocab_size": overrides[VOCAB_SIZE_KEY]}
-                     if VOCAB_SIZE_KEY in overrides else {})
-            cell.update((train_theirs if is_peer(overrides) else train_ours)(ctx, settings,
-                                                                             cell_dir, **vocab))
+            train = train_theirs if is_peer(overrides) else train_ours
+            cell.update(train(ctx, settings, cell_dir, cell_inputs(ctx, overrides, cell_dir)))
+            shutil.rmtree(cell_dir / "hidden", ignore_errors=True)  # a cell's own states
             write_json(cell_dir / "cell.json", {**cell, "status": "trained"}, indent=1)
             log(f"trained in {cell['train_s']:.0f} s, {cell['steps']} steps; serving")
         refusal = refusal_of_checkpoint(cell["checkpoint"], on_gpu)

@@ -102,7 +102,7 @@ def test_cells_are_reused_only_when_their_fingerprint_matches(tmp_path, monkeypa
     ctx = _context(tmp_path)
     trained, served = [], []
 
-    def fake_train(ctx, settings, cell_dir):
+    def fake_train(ctx, settings, cell_dir, inputs):
         trained.append((settings["seed"], settings["lr"]))
         (cell_dir / "checkpoint").mkdir(parents=True)
         return {"checkpoint": str(cell_dir / "checkpoint"), "train_s": 1.0, "steps": 9,
@@ -148,7 +148,7 @@ def test_another_k_serves_the_same_drafts_without_training_them(tmp_path, monkey
     ctx = _context(tmp_path)
     trained, served = [], []
 
-    def fake_train(ctx, settings, cell_dir):
+    def fake_train(ctx, settings, cell_dir, inputs):
         trained.append(settings["seed"])
         (cell_dir / "checkpoint").mkdir(parents=True)
         return {"checkpoint": str(cell_dir / "checkpoint"), "train_s": 1.0, "steps": 9,
@@ -201,13 +201,14 @@ def test_a_draft_vocabulary_row_trains_on_a_map_of_its_size(tmp_path, monkeypatc
         dq.digest(dq.cell_plan(ctx, {}, 0)[0])
     sizes = []
 
-    def fake_train(ctx, settings, cell_dir, draft_vocab_size=None):
-        sizes.append(draft_vocab_size)
-        if draft_vocab_size is not None:
-            t2d = load_file(str(dq.cell_vocab_map(ctx, draft_vocab_size, cell_dir)))["t2d"]
-            chosen = t2d.nonzero().flatten().tolist()
-            # the two most frequent answer tokens; 8,192 covers the whole 16-token target
-            assert chosen == ([5, 9] if draft_vocab_size == 2 else list(range(16)))
+    def fake_train(ctx, settings, cell_dir, inputs):
+        assert inputs.hidden == ctx.layout.hidden
+        t2d = load_file(str(inputs.vocab_map))["t2d"]
+        chosen = t2d.nonzero().flatten().tolist()
+        sizes.append(None if inputs.vocab_map == ctx.layout.vocab_map else len(chosen))
+        # the two most frequent answer tokens; 8,192 covers the whole 16-token target
+        assert inputs.vocab_map == ctx.layout.vocab_map or chosen == (
+            [5, 9] if len(chosen) == 2 else list(range(16)))
         (cell_dir / "checkpoint").mkdir(parents=True)
         return {"checkpoint": str(cell_dir / "checkpoint"), "train_s": 1.0, "steps": 9}
 
@@ -215,8 +216,9 @@ def test_a_draft_vocabulary_row_trains_on_a_map_of_its_size(tmp_path, monkeypatc
     monkeypatch.setattr(dq, "serve_and_measure", lambda *a, **k: {
         "acceptance_length": 2.0, "accepted_per_position": [0.5, 0.3, 0.2],
         "checks": {"tokens_al": 2.0}})
+    assert dq.cell_vocab_map(ctx, 16, tmp_path) == ctx.layout.vocab_map  # the run's own map
     result = dq.run(ctx, dq.pick_rows("default,draft vocab 8192"), [0], tmp_path / "out")
-    assert sizes == [None, 8192]
+    assert sizes == [None, 16]
     assert [c["status"] for c in result["cells"]] == ["done", "done"]
     dq.run(ctx, {"two tokens": {dq.VOCAB_SIZE_KEY: 2}}, [0], tmp_path / "out")
     assert sizes[-1] == 2
@@ -224,10 +226,90 @@ def test_a_draft_vocabulary_row_trains_on_a_map_of_its_size(tmp_path, monkeypatc
     assert dq.peer_settings({"trainer": dq.PEER, "lr": 0.005, dq.VOCAB_SIZE_KEY: 2}, 0, 2, 3,
                             1024)["lr"] == 0.005
     cell = tmp_path / "peer-cell"
-    seen = dq.results_with_vocab(ctx, dq.cell_vocab_map(ctx, 2, cell), cell)
+    seen = dq.results_with(ctx, dq.CellInputs(ctx.layout.hidden,
+                                              dq.cell_vocab_map(ctx, 2, cell)), cell)
     assert (seen / "dataset").resolve() == ctx.layout.dataset.resolve()
     assert (seen / "vocab").resolve() == (cell / "vocab").resolve()
     assert load_file(str(seen / "vocab" / "vocab_map.safetensors"))["d2t"].numel() == 2
+
+
+def _write_store(hidden: Path, answers: dict[str, list[int]], hidden_size: int = 4) -> None:
+    """A hidden-state store of one part a split: sample i of a split has a 3-token prompt and
+    ``answers[split][i]`` answer tokens; every state row holds its token's position."""
+    import json
+
+    import torch
+
+    from draftline.stages.hidden.store import write_safetensors
+
+    files = []
+    for split, lengths in answers.items():
+        sizes = [3 + n for n in lengths]
+        ids = [f"{split}-{i}" for i in range(len(lengths))]
+        rows = torch.arange(sum(sizes), dtype=torch.float32)
+        tensors = {"aux": rows[:, None].repeat(1, 3 * hidden_size).bfloat16(),
+                   "final": rows[:, None].repeat(1, hidden_size).bfloat16(),
+                   "input_ids": rows.long(),
+                   "loss_mask": torch.cat([torch.tensor([0, 0, 0] + [1] * n, dtype=torch.uint8)
+                                           for n in lengths]),
+                   "offsets": torch.tensor([0, *torch.tensor(sizes).cumsum(0).tolist()])}
+        path = hidden / split / "part-00000.safetensors"
+        path.parent.mkdir(parents=True)
+        size, sha = write_safetensors(path, tensors, {"sample_ids": json.dumps(ids)})
+        files.append({"path": f"{split}/part-00000.safetensors", "split": split,
+                      "sample_ids": ids, "num_tokens": sum(sizes), "bytes": size,
+                      "sha256": sha})
+    (hidden / "index.json").write_text(json.dumps({
+        "hidden_size": hidden_size, "layer_ids": [1, 2, 3], "files": files}))
+
+
+def test_an_answer_length_row_trains_on_answers_cut_as_generation_would(tmp_path,
+                                                                           monkeypatch):
+    """``generate.max_tokens`` rows train on the stored training answers cut after that many
+    tokens (each kept row the run's own), the eval answers whole; the peer reads them too."""
+    from draftline.stages.hidden.store import HiddenStates, verify_index
+
+    ctx = _context(tmp_path)
+    _write_store(ctx.layout.hidden, {"train": [2, 5, 9], "eval": [7]})
+    cut = dq.cut_answers(ctx.layout.hidden, 4, tmp_path / "cut")
+    assert verify_index(cut) == []
+    whole, store = HiddenStates(ctx.layout.hidden), HiddenStates(cut)
+    kept = {}
+    for split in ("train", "eval"):
+        for before, after in zip(whole.samples[split], store.samples[split], strict=True):
+            a, b = whole.read(before), store.read(after)
+            kept[after.sample_id] = int(b["loss_mask"].sum())
+            assert after.sample_id == before.sample_id
+            for name in ("aux", "final", "input_ids", "loss_mask"):
+                assert (b[name] == a[name][:after.length]).all()  # a prefix of the whole
+    assert kept == {"train-0": 2, "train-1": 4, "train-2": 4, "eval-0": 7}
+    # a row with the key trains on such a store; the plain row on the run's own
+    seen = []
+
+    def fake_train(ctx, settings, cell_dir, inputs):
+        answers = HiddenStates(inputs.hidden)
+        seen.append(sum(int(answers.read(r)["loss_mask"].sum()) for r in answers.samples["train"]))
+        (cell_dir / "checkpoint").mkdir(parents=True)
+        return {"checkpoint": str(cell_dir / "checkpoint"), "train_s": 1.0, "steps": 9}
+
+    monkeypatch.setattr(dq, "train_ours", fake_train)
+    monkeypatch.setattr(dq, "serve_and_measure", lambda *a, **k: {
+        "acceptance_length": 2.0, "accepted_per_position": [0.5, 0.3, 0.2],
+        "checks": {"tokens_al": 2.0}})
+    rows = {"whole": {}, "cut at 4": {dq.ANSWER_TOKENS_KEY: 4}}
+    result = dq.run(ctx, rows, [0], tmp_path / "out")
+    assert seen == [16, 10] and [c["status"] for c in result["cells"]] == ["done", "done"]
+    assert not (tmp_path / "out" / "cells" / "cut_at_4" / "seed-0" / "hidden").exists()
+    assert dq.pick_rows("lr=5e-3 answers 512,peer lr=5e-3 answers 512") == {
+        "lr=5e-3 answers 512": {"lr": 0.005, dq.ANSWER_TOKENS_KEY: 512},
+        "peer lr=5e-3 answers 512": {"trainer": dq.PEER, "optimizer": "muon", "lr": 0.005,
+                                     dq.ANSWER_TOKENS_KEY: 512}}
+    # the peer's results folder: the cell's states, every other entry the run's
+    inputs = dq.CellInputs(cut, ctx.layout.vocab_map)
+    peer_results = dq.results_with(ctx, inputs, tmp_path / "peer-cell")
+    assert (peer_results / "hidden").resolve() == cut.resolve()
+    assert dq.results_with(ctx, dq.CellInputs(ctx.layout.hidden, ctx.layout.vocab_map),
+                           tmp_path / "peer-cell") == ctx.layout.root
 
 
 def test_each_part_of_the_walk_is_summarised_with_its_seeds():
@@ -344,7 +426,7 @@ def test_a_dflash_draft_with_differing_k_norms_is_refused_after_training(tmp_pat
 
     ctx = _context(tmp_path)
     monkeypatch.setattr(dq, "has_gpu", lambda: False)
-    monkeypatch.setattr(dq, "train_theirs", lambda ctx, settings, cell_dir: {
+    monkeypatch.setattr(dq, "train_theirs", lambda ctx, settings, cell_dir, inputs: {
         "checkpoint": str(differing), "train_s": 1.0, "steps": 3})
     monkeypatch.setattr(dq, "serve_and_measure", lambda *a: pytest.fail("served"))
     cell = dq.run(ctx, {"peer dflash lr=2e-2": dq.ROWS["peer dflash lr=2e-2"]}, [0],
