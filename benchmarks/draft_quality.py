@@ -137,7 +137,6 @@ ROWS: dict[str, dict] = {
     "lr=4e-2": {"lr": 0.04},
     # SmolLM2's fixed rate (its lr auto: 0.0046) with one setting changed
     "lr=5e-3 teacher temperature 1": {"lr": 0.005, "teacher_temperature": 1.0},
-    "lr=5e-3 loss decay 1.0": {"lr": 0.005, "loss_decay": 1.0},
     "lr=5e-3 lk loss": {"lr": 0.005, "loss": "lk"},
     # norm placements vLLM serves
     "no norm_before_fc": {"draft.norm_before_fc": False},
@@ -155,7 +154,7 @@ ROWS: dict[str, dict] = {
     # to that cap), at SmolLM2's fixed rate, for both trainers
     **{f"{trainer}lr=5e-3 answers {n}": {**({"trainer": PEER, "optimizer": "muon"} if trainer
                                            else {}), "lr": 0.005, ANSWER_TOKENS_KEY: n}
-       for n in (256, 512) for trainer in ("", "peer ")},
+       for n in (512,) for trainer in ("", "peer ")},
     # the teacher from the draft vocabulary's lm_head rows only (every generated row in the loss)
     "teacher draft rows": {"teacher_head": "draft_rows"},
     # the draft families vLLM serves: P-EAGLE drafts every token in one pass
@@ -493,6 +492,8 @@ class CellInputs:
 
 
 def cell_inputs(ctx: Context, overrides: dict, cell_dir: Path) -> CellInputs:
+    """The run's stored states and vocabulary, each replaced by the cell's own where a row's
+    ``DATA_KEYS`` ask for it (built in ``cell_dir``)."""
     lay = ctx.layout
     vocab_map, hidden = lay.vocab_map, lay.hidden
     if VOCAB_SIZE_KEY in overrides:
