@@ -7,9 +7,11 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 from conftest import default_config
 
 from draftline.plan import (
+    expected_answers,
     format_plan,
     measured_from_results,
     plan,
@@ -52,6 +54,24 @@ def test_more_answers_per_prompt_plans_more_samples_but_as_many_prompts():
     assert thrice["hidden"]["disk_bytes"] == once["hidden"]["disk_bytes"] * answers // 10_000
     assert f"{answers:,} samples" in thrice["hidden"]["basis"]
     assert thrice["prompts"]["disk_bytes"] == once["prompts"]["disk_bytes"]
+
+
+def test_measured_dataset_of_fewer_answers_is_scaled_to_the_answers_asked_now():
+    """Dataset stats from a run with one answer a prompt, planned with two: the tokens are the
+    measured ones per answer times the answers this config asks (not the old run's)."""
+    config = default_config()
+    config["prompts"]["max_samples"], config["dataset"]["eval_fraction"] = 384, 0.1
+    stats = {"records_read": 384, "samples_out": {"train": 348, "eval": 36},
+             "tokens": {"train": 73_602, "eval": 8_300},
+             "supervised_tokens": {"train": 56_863, "eval": 6_429}}
+    same = by_stage(plan(config, {"dataset": stats}))
+    assert same["dataset"]["basis"].endswith("dataset/stats.json")
+    config["generate"]["answers_per_prompt"] = 2
+    twice = by_stage(plan(config, {"dataset": stats}))
+    answers = expected_answers(config)  # 730: the 36 eval prompts once, the rest twice
+    assert twice["hidden"]["disk_bytes"] == pytest.approx(
+        same["hidden"]["disk_bytes"] * answers / 384, rel=1e-3)
+    assert "scaled from its 384 answers to the 730" in twice["dataset"]["basis"]
 
 
 def test_toy_plan_has_every_stage_and_a_total():

@@ -154,15 +154,28 @@ def expected_answers(config: dict) -> int:
     return round(prompts * (share + (1 - share) * config["generate"]["answers_per_prompt"]))
 
 
+# measured answers within this share of the answers a config asks describe its run (the eval
+# split is drawn by hash, so its size moves by a few prompts with prompts.max_samples)
+SAME_ANSWERS = 0.02
+
+
 def _token_counts(config: dict, measured: dict) -> tuple[int, int, int, str]:
-    """(samples, tokens, output tokens) of the dataset, measured or as an upper bound."""
+    """(samples, tokens, output tokens) of the dataset, measured or as an upper bound. Stats
+    measured on a run that asked for other answers (prompts.max_samples,
+    generate.answers_per_prompt) are scaled per answer to the ones this config asks."""
     stats = measured.get("dataset") or {}
     if stats.get("tokens"):
         tokens = int(sum(stats["tokens"].values()))
         samples = int(sum(stats.get("samples_out", {}).values())
                       or config["prompts"]["max_samples"])
         supervised = int(sum(stats.get("supervised_tokens", {}).values()) or tokens)
-        return samples, tokens, supervised, "dataset/stats.json"
+        asked, expected = int(stats.get("records_read") or 0), expected_answers(config)
+        if not asked or abs(expected / asked - 1) <= SAME_ANSWERS:
+            return samples, tokens, supervised, "dataset/stats.json"
+        scale = expected / asked
+        return (round(samples * scale), round(tokens * scale), round(supervised * scale),
+                f"dataset/stats.json scaled from its {asked:,} answers to the {expected:,} "
+                "this config asks")
     samples = expected_answers(config)
     out = config["generate"]["max_tokens"]
     per_sample = min(config["dataset"]["max_length"], PROMPT_TOKENS + out)
