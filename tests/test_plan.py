@@ -148,6 +148,29 @@ def test_measured_inputs_are_read_from_the_results_root(tmp_path):
     assert rows["generate"]["tok_s"] == 2500.0 and rows["hidden"]["tok_s"] == 500.0
 
 
+def test_training_time_comes_from_an_earlier_trainings_step_rate(tmp_path):
+    """A results folder that has trained once plans training at that run's tokens/s (the
+    median over its steps' records; evaluations have none), not at the CPU assumption: on
+    SmolLM2 the assumed 3,000 tok/s planned 1.9 minutes for a 40-minute training."""
+    config = default_config(**{"results": str(tmp_path / "results")})
+    config["train"]["lr"], config["train"]["epochs"] = 0.01, 2
+    metrics = tmp_path / "results/draft/metrics.jsonl"
+    metrics.parent.mkdir(parents=True)
+    steps = [{"step": i, "tokens": 2_000, "tokens_per_s": rate}
+             for i, rate in enumerate((240.0, 250.0, 900.0), 1)]
+    metrics.write_text("".join(json.dumps(r) + "\n" for r in
+                               [*steps, {"step": 3, "walked_acceptance_length": 1.5}]))
+    stats = {"tokens": {"train": 9_000, "eval": 1_000}, "samples_out": {"train": 90, "eval": 10},
+             "supervised_tokens": {"train": 5_000, "eval": 500}}
+    (tmp_path / "results/dataset").mkdir()
+    (tmp_path / "results/dataset/stats.json").write_text(json.dumps(stats))
+    measured = measured_from_results(config)
+    assert measured["train_sample_tok_s"] == 250.0
+    train = by_stage(plan(config, measured))["train"]
+    assert train["time_s"] == pytest.approx(2 * 10_000 / 250.0)  # every token, both passes
+    assert "measured by an earlier training" in train["basis"]
+
+
 def test_plan_shows_disk_and_time_per_hidden_state_mode():
     measured = {"dataset": {"tokens": {"train": 9_000, "eval": 1_000},
                             "samples_out": {"train": 90, "eval": 10},

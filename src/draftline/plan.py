@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import json
 import shutil
+import statistics
 from pathlib import Path
 
 from draftline.core import variants
@@ -121,7 +122,26 @@ def measured_from_results(config: dict) -> dict:
                 measured[key] = json.loads(path.read_text())
             except ValueError:
                 continue
+    rate = training_step_rate(lay.train_metrics)
+    if rate:
+        measured["train_sample_tok_s"] = rate
     return measured
+
+
+def training_step_rate(metrics: Path) -> float | None:
+    """The median tokens/s of an earlier training's optimizer steps (its metrics.jsonl: one
+    record a step with ``tokens_per_s``, the evaluations without), or None."""
+    if not metrics.is_file():
+        return None
+    rates = []
+    for line in metrics.read_text().splitlines():
+        try:
+            rate = json.loads(line).get("tokens_per_s")
+        except (ValueError, AttributeError):
+            continue  # a torn last line of a running training
+        if rate:
+            rates.append(float(rate))
+    return statistics.median(rates) if rates else None
 
 
 def free_disk(config: dict) -> tuple[int | None, str]:
@@ -213,7 +233,7 @@ def plan(config: dict, measured: dict | None = None) -> list[dict]:
              f"{tokens:,} tokens x {ARROW_BYTES_PER_TOKEN} B (input id + mask); {token_basis}"),
         _vocab_row(config, dims),
         _hidden_row(config, measured, dims, kind, tokens, token_basis),
-        *_train_rows(config, measured, dims, kind, out_tokens, tokens / max(samples, 1)),
+        *_train_rows(config, measured, dims, kind, out_tokens, tokens, tokens / max(samples, 1)),
     ]
     modes = hidden_modes(config, rows)
     if modes and config["hidden"]["mode"] == "online":  # the extraction moves into training
@@ -354,15 +374,15 @@ def _hidden_row(config: dict, measured: dict, dims: dict | None, kind: str, toke
 
 
 def _train_rows(config: dict, measured: dict, dims: dict | None, kind: str,
-                out_tokens: int, sample_tokens: float) -> list[dict]:
+                out_tokens: int, tokens: int, sample_tokens: float) -> list[dict]:
     """The main draft's training, each variant's (train.variants: the same loop on the same
     states, its own draft), the benchmark, and the bundle that holds every checkpoint."""
     if not dims:
         return [_row("train", None, None, "target dimensions unknown")]
     trains = [_train_row("train", variants.main_train(config["train"]), config, measured,
-                         dims, kind, out_tokens, sample_tokens)]
+                         dims, kind, out_tokens, tokens, sample_tokens)]
     trains += [_train_row(f"train {name}", variants.variant_train(config["train"], name),
-                          config, measured, dims, kind, out_tokens, sample_tokens)
+                          config, measured, dims, kind, out_tokens, tokens, sample_tokens)
                for name in variants.variant_names(config["train"])]
     checkpoints = sum(r["checkpoint_bytes"] for r in trains)
     return [*trains, _bench_row(config, measured, kind),
@@ -371,16 +391,21 @@ def _train_rows(config: dict, measured: dict, dims: dict | None, kind: str,
 
 
 def _train_row(stage: str, train: dict, config: dict, measured: dict, dims: dict, kind: str,
-               out_tokens: int, sample_tokens: float) -> dict:
+               out_tokens: int, tokens: int, sample_tokens: float) -> dict:
     params = draft_params(dims, draft_vocab_size(config, dims), train.get("draft"))
     checkpoint = params * 2  # bf16 export
     # fp32 weights and gradients plus the optimizer's moments (AdamW 2; Muon's matrices, nearly
     # all of the draft, 1), one state kept
     state = params * (12 if train["optimizer"] == "muon" else 16)
-    rate = measured.get("train_tok_s")
-    rate_basis = "measured" if rate else "assumed"
     passes, passes_basis = draft_passes(train, sample_tokens)
-    rate = rate or TRAIN_TOK_S[kind] * 3 / passes  # cost ~ linear in the draft's passes
+    rate, rate_basis = measured.get("train_tok_s"), "measured"
+    if not rate and measured.get("train_sample_tok_s"):
+        # a step's tokens/s counts every token of its samples; the estimate counts supervised
+        rate = measured["train_sample_tok_s"] * out_tokens / max(tokens, 1)
+        rate_basis = ("measured by an earlier training (draft/metrics.jsonl), "
+                      f"{measured['train_sample_tok_s']:,.0f} tok/s of whole samples")
+    if not rate:
+        rate, rate_basis = TRAIN_TOK_S[kind] * 3 / passes, "assumed"  # ~ linear in passes
     probes = lr_probe_share(train)
     seconds = train["epochs"] * out_tokens / rate * (1 + probes)
     probe_note = (f"; lr auto: {len(train['lr_search']['candidates'])} probes of "
