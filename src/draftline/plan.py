@@ -2,9 +2,9 @@
 
 ``plan(config, measured)`` runs nothing. It sizes every stage from the config, the target's
 dimensions and either measured rates (the concurrency profile's peak throughput, dataset token
-counts, a previous extraction's tokens/s) or the stated assumptions below, and says which one
-each row used. ``format_plan`` prints the table. ``python -m draftline.plan --production``
-prints the plan of the production case (Kimi-K2.5, 10,000 samples).
+counts, a previous extraction's and training's tokens/s) or the stated assumptions below, and
+says which one each row used. ``format_plan`` prints the table. ``python -m draftline.plan
+--production`` prints the plan of the production case (Kimi-K2.5, 10,000 samples).
 
 The numbers that matter most are exact given the token count: hidden states take
 ``(3 + 1) * H * dtype_size`` bytes per token (aux + final; Kimi-K2.5: 4 * 7168 * 2 = 57,344 B
@@ -214,7 +214,8 @@ def plan(config: dict, measured: dict | None = None) -> list[dict]:
 
     ``config`` is a validated config (defaults filled). ``measured`` may hold ``profile``
     (concurrency.json), ``dataset`` (dataset/stats.json), ``hidden`` (extract_stats.json),
-    ``target`` (dimensions) and rates ``generate_tok_s``, ``hidden_tok_s``, ``train_tok_s``.
+    ``target`` (dimensions) and rates ``generate_tok_s``, ``hidden_tok_s``, ``train_tok_s``
+    (supervised tokens) or ``train_sample_tok_s`` (an earlier training's steps, every token).
     The last row is the total, with the free disk and whether it suffices.
     """
     measured = dict(measured or {})
