@@ -11,6 +11,7 @@ import pytest
 import yaml
 from conftest import REPO
 
+from draftline.cli import build_parser
 from draftline.core.builtin_targets import BUILTIN_TARGETS
 from draftline.core.config import ConfigError, load_config, validate_config
 from draftline.core.config_layers import target_settings
@@ -275,6 +276,23 @@ def test_the_cli_and_snakemake_resolve_the_same_config(tmp_path, monkeypatch, ca
         files = [tmp_path / "my.yaml"]
     monkeypatch.chdir(tmp_path)
     cli = load_config(files[0] if files else None)
+    assert _snakemake_config(tmp_path, *files) == json.loads(json.dumps(cli))
+
+
+def test_several_config_files_resolve_as_snakemakes_configfile_list(tmp_path, monkeypatch):
+    """`draftline plan --config A B` reads A then B, as `snakemake --configfile A B` does (the
+    README's SmolLM2 config with a file of one's own over it)."""
+    (tmp_path / "config").mkdir()
+    for name in ("config.yaml", "smollm2.yaml"):
+        shutil.copy(REPO / "config" / name, tmp_path / "config" / name)
+    (tmp_path / "mine.yaml").write_text(yaml.safe_dump(
+        {"results": "results-mine", "generate": {"answers_per_prompt": 3}}))
+    files = [tmp_path / "config" / "smollm2.yaml", tmp_path / "mine.yaml"]
+    monkeypatch.chdir(tmp_path)
+    args = build_parser().parse_args(["plan", "--config", *map(str, files)])
+    cli = load_config(args.config)
+    assert (cli["results"], cli["generate"]["answers_per_prompt"]) == ("results-mine", 3)
+    assert cli["target"]["model"] == "smollm2-135m"  # from the first file
     assert _snakemake_config(tmp_path, *files) == json.loads(json.dumps(cli))
 
 

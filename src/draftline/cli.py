@@ -210,7 +210,9 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     for name, (_, help_text) in COMMANDS.items():
         p = sub.add_parser(name, help=help_text)
-        p.add_argument("--config", "-c", default="config/config.yaml", help="YAML config file")
+        p.add_argument("--config", "-c", nargs="+", default=["config/config.yaml"],
+                       metavar="FILE", help="YAML config files, read in order (as Snakemake's "
+                                           "--configfile)")
         p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                        help="override a config key, e.g. --set generate.temperature=0")
         if name == "generate":

@@ -567,7 +567,8 @@ def production_example() -> tuple[dict, dict]:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m draftline.plan", description=__doc__.split(
         "\n")[0])
-    parser.add_argument("--config", "-c", default="config/config.yaml")
+    parser.add_argument("--config", "-c", nargs="+", default=["config/config.yaml"],
+                        metavar="FILE", help="YAML config files, read in order")
     parser.add_argument("--production", action="store_true",
                         help="plan the production case (Kimi-K2.5, 10,000 samples)")
     args = parser.parse_args(argv)

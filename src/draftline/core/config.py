@@ -8,6 +8,7 @@ gives the CLI (and tests) the same behaviour without Snakemake.
 from __future__ import annotations
 
 import copy
+from collections.abc import Sequence
 from importlib import resources
 from pathlib import Path
 from typing import Any
@@ -108,11 +109,14 @@ def read_config_file(path: str | Path) -> dict[str, Any]:
     return config
 
 
-def config_files(path: str | Path | None) -> list[Path]:
+def config_files(paths: str | Path | Sequence[str | Path] | None) -> list[Path]:
     """The files a run reads, in order: ``config/config.yaml`` (where the working directory has
-    one), then ``path`` (unless it is that file), as ``snakemake --configfile path`` does."""
+    one), then ``paths`` in their order (less that file), as ``snakemake --configfile A B``
+    does."""
     files = [DEFAULT_CONFIG] if DEFAULT_CONFIG.is_file() else []
-    if path is not None:
+    if paths is None:
+        return files
+    for path in [paths] if isinstance(paths, (str, Path)) else paths:
         path = Path(path)
         if not path.exists():
             raise FileNotFoundError(f"config file not found: {path}")
@@ -121,12 +125,14 @@ def config_files(path: str | Path | None) -> list[Path]:
     return files
 
 
-def load_config(path: str | Path | None = None, overrides: dict | None = None) -> dict[str, Any]:
+def load_config(paths: str | Path | Sequence[str | Path] | None = None,
+                overrides: dict | None = None) -> dict[str, Any]:
     """The configuration a run uses, resolved as Snakemake resolves it
-    (``draftline.core.config_layers``): ``config/config.yaml``, then ``path``, then the dotted
-    ``overrides``, over the target's built-in settings; validated, defaults filled."""
+    (``draftline.core.config_layers``): ``config/config.yaml``, then the files of ``paths``,
+    then the dotted ``overrides``, over the target's built-in settings; validated, defaults
+    filled."""
     config: dict[str, Any] = {}
-    for file in config_files(path):
+    for file in config_files(paths):
         config = merge(config, read_config_file(file))
     for key, value in (overrides or {}).items():
         _set_dotted(config, key, value)
