@@ -138,6 +138,10 @@ ROWS: dict[str, dict] = {
     # SmolLM2's fixed rate (its lr auto: 0.0046) with one setting changed
     "lr=5e-3 teacher temperature 1": {"lr": 0.005, "teacher_temperature": 1.0},
     "lr=5e-3 lk loss": {"lr": 0.005, "loss": "lk"},
+    # noise on the target's states the draft reads (train.feature_noise, relative to their RMS)
+    **{f"lr=5e-3 feature noise {s}": {"lr": 0.005, "feature_noise": float(s)}
+       for s in ("0.05", "0.1", "0.2")},
+    "feature noise 0.1": {"feature_noise": 0.1},
     # norm placements vLLM serves
     "no norm_before_fc": {"draft.norm_before_fc": False},
     "eagle3.1 norms": {"draft.norm_before_fc": False, "draft.fc_norm": True,

@@ -75,6 +75,30 @@ def test_micro_batches_respect_the_token_budget():
     assert batches != plan_micro_batches(lengths, batch_tokens=64, seed=4)
 
 
+def test_feature_noise_is_relative_to_each_layers_rms_and_drawn_from_the_seed():
+    """train.feature_noise: noise on the draft's input states only, scaled per token and per
+    captured layer (their scales differ by orders), none on padding; the same seed draws the
+    same noise (a resumed step equals the uninterrupted one)."""
+    from draftline.stages.train.data import with_feature_noise
+
+    gen = torch.Generator().manual_seed(0)
+    scales = torch.tensor([0.01, 1.0, 100.0]).repeat_interleave(64)  # three layers, Ht 64
+    aux = torch.randn(4, 50, 192, generator=gen) * scales  # [B, T, 3Ht]
+    aux[:, 40:] = 0  # padding
+    batch = {"aux": aux, "final": torch.randn(4, 50, 64, generator=gen), "tokens": 160}
+    assert with_feature_noise(batch, 0.0, seed=1) is batch
+    noisy = with_feature_noise(batch, 0.1, seed=1)
+    assert noisy["final"] is batch["final"] and noisy["tokens"] == 160
+    assert torch.equal(noisy["aux"][:, 40:], aux[:, 40:])
+    per_layer = (noisy["aux"] - aux)[:, :40].unflatten(-1, (3, 64))  # [B, 40, 3, Ht]
+    rms = aux[:, :40].unflatten(-1, (3, 64)).square().mean(-1, keepdim=True).sqrt()
+    relative = per_layer / rms
+    assert torch.allclose(relative.std(dim=(0, 1, 3)), torch.full((3,), 0.1), rtol=0.05)
+    assert abs(float(relative.mean())) < 0.01
+    assert torch.equal(with_feature_noise(batch, 0.1, seed=1)["aux"], noisy["aux"])
+    assert not torch.equal(with_feature_noise(batch, 0.1, seed=2)["aux"], noisy["aux"])
+
+
 def test_training_learns_and_writes_its_outputs(draft_inputs, tmp_path):
     cfg = {**SMALL, "max_steps": 24}
     record = run(draft_inputs, tmp_path, cfg)
@@ -186,8 +210,9 @@ def remove_outputs(out: Path) -> None:
 
 @pytest.mark.parametrize("optimizer", ["adamw", "muon"])
 def test_resume_after_kill_equals_uninterrupted_run(draft_inputs, tmp_path, optimizer):
+    # with feature noise: a resumed step draws the noise the uninterrupted one drew
     cfg = {**SMALL, "max_steps": 16, "checkpoint_every": 3, "eval_every": 5,
-           "optimizer": optimizer}
+           "optimizer": optimizer, "feature_noise": 0.1}
     reference = run(draft_inputs, tmp_path / "reference", cfg)
 
     out = tmp_path / "killed"

@@ -79,6 +79,22 @@ def collate(samples: list[dict]) -> dict:
     return batch
 
 
+def with_feature_noise(batch: dict, scale: float, seed: int) -> dict:
+    """``batch`` with Gaussian noise on ``aux`` (``train.feature_noise``): each captured
+    layer's state at each token gets noise of ``scale`` times its own RMS, drawn from
+    ``seed``. ``final`` (the teacher's input) and padding (RMS 0) stay as they are."""
+    if scale == 0:
+        return batch
+    aux = batch["aux"]  # [B, T, L * Ht]
+    layers = aux.shape[-1] // batch["final"].shape[-1]
+    per_layer = aux.float().unflatten(-1, (layers, -1))  # [B, T, L, Ht]
+    rms = per_layer.square().mean(-1, keepdim=True).sqrt()  # [B, T, L, 1]
+    gen = torch.Generator(device=aux.device).manual_seed(seed)
+    noise = torch.randn(per_layer.shape, generator=gen, device=aux.device)
+    noisy = (per_layer + scale * rms * noise).flatten(-2).to(aux.dtype)
+    return {**batch, "aux": noisy}
+
+
 class MicroBatches:
     """Map-style dataset: item i is micro-batch i, read and collated (picklable for workers)."""
 

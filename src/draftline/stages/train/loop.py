@@ -33,7 +33,7 @@ from draftline.stages.train.checkpoint import (
     save_best,
     save_checkpoint,
 )
-from draftline.stages.train.data import ProducedBatches, StoredBatches
+from draftline.stages.train.data import ProducedBatches, StoredBatches, with_feature_noise
 from draftline.stages.train.distributed import (
     Runtime,
     all_reduce_sum,
@@ -188,7 +188,8 @@ def run(rt: Runtime, store, vocab_map: Path, target_dir: Path, out_dir: Path,
                 started = time.perf_counter()
                 loss_sum, counts, tokens = 0.0, 0, 0
                 for a in range(accum):
-                    batch = next(batches)
+                    batch = with_feature_noise(next(batches), cfg["feature_noise"],
+                                               noise_seed(cfg["seed"], step, rt, a, accum))
                     with gradient_sync(wrapped, cfg["strategy"], rt, a == accum - 1):
                         loss, c = run_micro_batch(wrapped, head, batch, cfg, rt)
                         (loss / accum).backward()
@@ -258,6 +259,12 @@ def online_machine(store, rt: Runtime) -> dict:
 
         return {"backend": "vllm", **engine_machine(store.server_cfg or {})}
     return {"backend": "hf", **torch_machine(torch, rt.device, rt.world)}
+
+
+def noise_seed(seed: int, step: int, rt: Runtime, micro: int, accum: int) -> int:
+    """The seed of one micro-batch's feature noise: its own on every rank and step, the same
+    when a resumed run takes that step again."""
+    return (seed * 1_000_003 + step) * rt.world * accum + rt.rank * accum + micro
 
 
 def run_micro_batch(model, head, batch: dict, cfg: dict, rt: Runtime):
