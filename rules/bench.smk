@@ -28,7 +28,7 @@ rule bench:
             category="Deployment benchmark",
         ),
     log:
-        "logs/bench/bench.log",
+        LAYOUT.log("bench", "bench.log"),
     conda:
         "../envs/draftline.yaml"
     container:

@@ -43,7 +43,7 @@ rule bundle:
             category="Bundle",
         ),
     log:
-        "logs/bundle/bundle.log",
+        LAYOUT.log("bundle", "bundle.log"),
     conda:
         "../envs/draftline.yaml"
     params:
@@ -69,7 +69,7 @@ if config["bundle"]["publish_to"]:
             manifest=publish_target("manifest"),
             sha256=publish_target("sha256"),
         log:
-            "logs/publish_bundle/publish.log",
+            LAYOUT.log("publish_bundle", "publish.log"),
         conda:
             "../envs/draftline.yaml"
         script:
@@ -85,7 +85,7 @@ if config["bundle"]["hf_repo"]:
         output:
             LAYOUT.bundle_hub_record,
         log:
-            "logs/push_bundle_to_hub/push.log",
+            LAYOUT.log("push_bundle_to_hub", "push.log"),
         conda:
             "../envs/draftline.yaml"
         params:

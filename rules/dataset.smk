@@ -5,7 +5,7 @@ rule dataset:
     output:
         dataset=directory(LAYOUT.dataset),
     log:
-        "logs/dataset/build.log",
+        LAYOUT.log("dataset", "build.log"),
     conda:
         "../envs/draftline.yaml"
     params:
@@ -28,7 +28,7 @@ rule vocab_map:
         vocab_map=LAYOUT.vocab_map,
         coverage=LAYOUT.vocab_coverage,
     log:
-        "logs/vocab_map/build.log",
+        LAYOUT.log("vocab_map", "build.log"),
     conda:
         "../envs/draftline.yaml"
     params:

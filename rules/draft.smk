@@ -8,7 +8,7 @@ rule train_draft:
         metrics=LAYOUT.train_metrics,
         eval=LAYOUT.train_eval,
     log:
-        "logs/train_draft/train.log",
+        LAYOUT.log("train_draft", "train.log"),
     conda:
         "../envs/draftline.yaml"
     threads: workflow.cores
@@ -36,7 +36,7 @@ rule export_draft:
         config=LAYOUT.checkpoint_config,
         weights=LAYOUT.checkpoint_weights,
     log:
-        "logs/export_draft/export.log",
+        LAYOUT.log("export_draft", "export.log"),
     conda:
         "../envs/draftline.yaml"
     params:
@@ -53,7 +53,7 @@ use rule train_draft as train_variant with:
         metrics=LAYOUT.variant_metrics("{variant}"),
         eval=LAYOUT.variant_eval("{variant}"),
     log:
-        "logs/train_variant/{variant}.log",
+        LAYOUT.log("train_variant", "{variant}.log"),
     params:
         train=variant_train_params,
 
@@ -68,4 +68,4 @@ use rule export_draft as export_variant with:
         config=LAYOUT.variant_checkpoint_config("{variant}"),
         weights=LAYOUT.variant_checkpoint_weights("{variant}"),
     log:
-        "logs/export_variant/{variant}.log",
+        LAYOUT.log("export_variant", "{variant}.log"),

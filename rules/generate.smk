@@ -10,7 +10,7 @@ rule generate:
         errors=expand(LAYOUT.response_errors("{i}"), i=SHARDS),
         summaries=expand(LAYOUT.response_summary("{i}"), i=SHARDS),
     log:
-        "logs/generate/generate.log",
+        LAYOUT.log("generate", "generate.log"),
     conda:
         "../envs/draftline.yaml"
     container:
@@ -40,7 +40,7 @@ rule generation_summary:
             category="Generation",
         ),
     log:
-        "logs/generation_summary/summary.log",
+        LAYOUT.log("generation_summary", "summary.log"),
     conda:
         "../envs/draftline.yaml"
     params:

@@ -5,7 +5,7 @@ rule hidden_states:
     output:
         index=LAYOUT.hidden_index,
     log:
-        "logs/hidden_states/extract.log",
+        LAYOUT.log("hidden_states", "extract.log"),
     conda:
         "../envs/draftline.yaml"
     container:

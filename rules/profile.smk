@@ -10,7 +10,7 @@ rule concurrency_profile:
             category="Concurrency profile",
         ),
     log:
-        "logs/concurrency_profile/profile.log",
+        LAYOUT.log("concurrency_profile", "profile.log"),
     conda:
         "../envs/draftline.yaml"
     container:

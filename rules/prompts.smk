@@ -6,7 +6,7 @@ rule prompt_shards:
         rejected=LAYOUT.prompts_rejected,
         summary=LAYOUT.prompts_summary,
     log:
-        "logs/prompt_shards/build.log",
+        LAYOUT.log("prompt_shards", "build.log"),
     conda:
         "../envs/draftline.yaml"
     params:

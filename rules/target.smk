@@ -8,7 +8,7 @@ if config["target"]["model"] == "toy":
         output:
             target=directory(LAYOUT.target),
         log:
-            "logs/toy_target/build.log",
+            LAYOUT.log("toy_target", "build.log"),
         conda:
             "../envs/draftline.yaml"
         threads: 1

@@ -139,6 +139,22 @@ def test_snakemake_dry_run_lists_the_pipeline(tmp_path):
     assert sorted(built_in) == sorted(t.rule for t in BUILTIN_TARGETS.values())
 
 
+def test_every_rules_log_lies_under_its_results_folder(tmp_path):
+    """Two runs into two results folders (the toy's and a real target's, say) keep their own
+    logs: none is written beside the checkout, where the second run would overwrite the
+    first's."""
+    config = yaml.safe_load((REPO / "config" / "config.yaml").read_text())
+    config["results"] = "runs/first"
+    config_path = tmp_path / "config.yaml"
+    config_path.write_text(yaml.safe_dump(config))
+    result = _snakemake_dry_run(config_path, tmp_path)
+    assert result.returncode == 0, result.stderr[-2000:]
+    logs = re.findall(r"^\s+log: (\S+)$", result.stdout, re.M)
+    assert len(logs) == 12  # every job but `all`
+    assert [p for p in logs if not p.startswith("runs/first/logs/")] == []
+    assert "runs/first/logs/train_draft/train.log" in logs
+
+
 def test_snakemake_builds_a_builtin_target_for_the_stages(tmp_path):
     """With target.model smollm2-135m its rule, not the toy's, makes <results>/target."""
     config = yaml.safe_load((REPO / "config" / "config.yaml").read_text())

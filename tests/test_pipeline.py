@@ -132,15 +132,15 @@ def test_complete_run_produces_every_artifact(pipeline):
     assert verify.returncode == 0, verify.stdout + verify.stderr
     # the shared server mechanism: one start served the profile and the generate job, which
     # answered both shards in one run (one client, one pool of C over both shard files)
-    logs = [workdir / "logs/concurrency_profile/profile.log",
-            workdir / "logs/generate/generate.log"]
+    logs = [results / "logs/concurrency_profile/profile.log",
+            results / "logs/generate/generate.log"]
     text = "".join(p.read_text() for p in logs)
     assert text.count("starting vLLM server") == 1
     assert text.count("reusing vLLM server") == 1
     assert "prompts to ask over 2 shard(s)" in text
     # ... and the bench's baseline, measured first while that server was still up: one start
     # for the EAGLE-3 server is all the bench needed
-    bench_log = (workdir / "logs/bench/bench.log").read_text()
+    bench_log = (results / "logs/bench/bench.log").read_text()
     assert bench_log.index("reusing vLLM server") < bench_log.index("starting vLLM server")
     assert bench_log.count("starting vLLM server") == 1
     assert not list((results / ".servers").glob("*.json")), "a shared server outlived the run"

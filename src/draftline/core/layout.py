@@ -51,6 +51,11 @@ class Layout:
     def from_config(cls, config: dict) -> Layout:
         return cls(config["results"])
 
+    def log(self, rule: str, name: str) -> Path:
+        """A rule's log: under the results root, so that runs into two results folders keep
+        their own logs."""
+        return self.root / "logs" / rule / name
+
     # ----------------------------------------------------------------------------- the target
     @property
     def target(self) -> Path:
