@@ -171,6 +171,28 @@ def test_training_time_comes_from_an_earlier_trainings_step_rate(tmp_path):
     assert "measured by an earlier training" in train["basis"]
 
 
+def test_profile_time_comes_from_an_earlier_sweeps_duration():
+    """A level waits for answers to turn over, not just its windows: SmolLM2's profile (3
+    levels requested, extended to a fourth) took 341 s, against 75 s of windows planned."""
+    config = default_config()
+    prof = config["profile"]
+    earlier = {"levels_requested": list(prof["levels"]),
+               "levels_measured": [*prof["levels"], 2 * prof["levels"][-1]],
+               "warmup_s": prof["warmup_s"], "measure_s": prof["measure_s"],
+               "duration_s": 340.0, "chosen_concurrency": prof["levels"][-1],
+               "chosen_output_tok_s": 133.0}
+    row = by_stage(plan(config, {"profile": earlier}))["profile"]
+    assert row["time_s"] == pytest.approx(340.0 + 90.0)  # the same sweep, its extension too
+    assert "measured by an earlier profile" in row["basis"]
+    fewer = default_config(**{"profile.levels": prof["levels"][:2]})
+    level_s = 340.0 / (len(prof["levels"]) + 1)
+    assert by_stage(plan(fewer, {"profile": earlier}))["profile"]["time_s"] == \
+        pytest.approx(2 * level_s + 90.0)
+    longer = default_config(**{"profile.measure_s": prof["measure_s"] * 2})
+    assumed = by_stage(plan(longer, {"profile": earlier}))["profile"]
+    assert "(assumed)" in assumed["basis"] and "earlier" not in assumed["basis"]
+
+
 def test_plan_shows_disk_and_time_per_hidden_state_mode():
     measured = {"dataset": {"tokens": {"train": 9_000, "eval": 1_000},
                             "samples_out": {"train": 90, "eval": 10},

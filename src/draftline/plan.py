@@ -228,7 +228,7 @@ def plan(config: dict, measured: dict | None = None) -> list[dict]:
         _target_row(config, dims, kind),
         _row("prompts", prompts * PROMPT_RECORD_BYTES, 1.0,
              f"{prompts:,} prompts x ~{PROMPT_RECORD_BYTES} B (assumed)"),
-        _profile_row(config, kind),
+        _profile_row(config, measured, kind),
         _generate_row(config, measured, kind, tokens, out_tokens, token_basis),
         _row("dataset", tokens * ARROW_BYTES_PER_TOKEN, tokens / 200_000,
              f"{tokens:,} tokens x {ARROW_BYTES_PER_TOKEN} B (input id + mask); {token_basis}"),
@@ -315,13 +315,34 @@ def _target_row(config: dict, dims: dict | None, kind: str) -> dict:
                 f"{TOY_TRAIN_STEP_S} s (assumed)")
 
 
-def _profile_row(config: dict, kind: str) -> dict:
+def _profile_row(config: dict, measured: dict, kind: str) -> dict:
     prof = config["profile"]
+    start = SERVER_START_S[kind]
+    earlier = measured_sweep(measured.get("profile"), prof)
+    if earlier:
+        level_s, levels = earlier
+        return _row("profile", 10_000, levels * level_s + start,
+                    f"{levels} levels x {level_s:.0f} s (measured by an earlier profile) + "
+                    f"server start {start:.0f} s (assumed)")
     levels = len(prof["levels"])
-    seconds = levels * (prof["warmup_s"] + prof["measure_s"]) + SERVER_START_S[kind]
+    seconds = levels * (prof["warmup_s"] + prof["measure_s"]) + start
     return _row("profile", 10_000, seconds,
                 f"{levels} levels x ({prof['warmup_s']} + {prof['measure_s']}) s + server start "
-                f"{SERVER_START_S[kind]:.0f} s (assumed)")
+                f"{start:.0f} s (assumed)")
+
+
+def measured_sweep(profile: dict | None, prof: dict) -> tuple[float, int] | None:
+    """(seconds a level, levels) from an earlier profile of the same windows: a level waits
+    for answers to turn over, which the windows alone do not tell. The same requested levels
+    are planned as that sweep ran them, extensions included; other levels as requested."""
+    if not profile or not profile.get("duration_s") or not profile.get("levels_measured"):
+        return None
+    if (profile.get("warmup_s"), profile.get("measure_s")) != (prof["warmup_s"],
+                                                                prof["measure_s"]):
+        return None
+    level_s = float(profile["duration_s"]) / len(profile["levels_measured"])
+    same = list(profile.get("levels_requested") or []) == list(prof["levels"])
+    return level_s, len(profile["levels_measured"]) if same else len(prof["levels"])
 
 
 def _generate_row(config: dict, measured: dict, kind: str, tokens: int, out_tokens: int,
