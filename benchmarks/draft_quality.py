@@ -60,7 +60,9 @@ the seed, the hidden index, the vocab map, the target's files, the server spec a
 the eval prompts, the training/export/serving code, the vLLM and torch versions); a rerun
 reuses only done cells whose fingerprint matches (a new row or seed trains only its cells; a
 cell whose draft was exported but not measured is served again without training). Failed and
-skipped cells are retried. Training's resumable state is deleted after export when large.
+skipped cells are retried. Training's resumable state is deleted after export when large. A
+done cell whose fingerprint no longer matches (another ``--epochs``, changed code) is kept as
+``seed-<n>@<fingerprint>`` and comes back when its settings do.
 
     python benchmarks/draft_quality.py --results results --rows default,muon --seeds 0,1,2
 
@@ -630,6 +632,33 @@ def cell_dir_of(out: Path, row: str, seed: int) -> Path:
     return out / "cells" / slug(row) / f"seed-{seed}"
 
 
+def set_aside_dir(cell_dir: Path, fingerprint: str) -> Path:
+    return cell_dir.with_name(f"{cell_dir.name}@{fingerprint}")
+
+
+def set_aside(cell_dir: Path, stored: dict, log) -> None:
+    """A cell stored under other settings (another --epochs, changed code): a done one is
+    kept beside as ``seed-<n>@<fingerprint>`` (a measurement costs up to half an hour here),
+    anything else removed."""
+    if stored.get("status") == "done" and stored.get("fingerprint"):
+        kept = set_aside_dir(cell_dir, stored["fingerprint"])
+        shutil.rmtree(kept, ignore_errors=True)
+        cell_dir.rename(kept)
+        log(f"the stored cell of other settings kept in {kept.name}")
+    else:
+        shutil.rmtree(cell_dir)
+
+
+def bring_back(cell_dir: Path, fingerprint: str, log) -> dict | None:
+    """The cell set aside under ``fingerprint``, moved back into place (None: none)."""
+    kept = set_aside_dir(cell_dir, fingerprint)
+    if not (kept / "cell.json").is_file():
+        return None
+    kept.rename(cell_dir)
+    log(f"the cell of these settings brought back from {kept.name}")
+    return read_cell(cell_dir)
+
+
 def _read_json(path: Path) -> dict | None:
     try:
         return json.loads(path.read_text())
@@ -676,11 +705,14 @@ def run_cell(ctx: Context, row: str, overrides: dict, seed: int, out: Path, log)
     payload, settings = cell_plan(ctx, overrides, seed)
     fingerprint = digest(payload)
     stored = read_cell(cell_dir)
+    if stored and stored.get("fingerprint") != fingerprint:
+        set_aside(cell_dir, stored, log)  # another setting's draft: start afresh
+        stored = bring_back(cell_dir, fingerprint, log)
+    elif stored is None:
+        stored = bring_back(cell_dir, fingerprint, log)
     if stored and stored.get("fingerprint") == fingerprint and stored["status"] == "done":
         log("stored, fingerprint matches: reused")
         return {**stored, "reused": True}
-    if stored and stored.get("fingerprint") != fingerprint:
-        shutil.rmtree(cell_dir)  # another setting's draft: start afresh
     cell = {"row": row, "seed": seed, "overrides": overrides, "fingerprint": fingerprint,
             "trainer": payload["trainer"], "settings": payload.get("settings")}
     started = time.perf_counter()

@@ -144,6 +144,40 @@ def test_cells_are_reused_only_when_their_fingerprint_matches(tmp_path, monkeypa
     assert "# Draft quality" in dq.markdown(third)
 
 
+def test_a_done_cell_of_other_settings_is_kept_and_comes_back_with_them(tmp_path,
+                                                                       monkeypatch):
+    """A rerun with another --epochs (or any setting) trains the cell afresh but loses nothing
+    measured: the done cell of the old settings is set aside, and back with those settings it
+    is reused, not trained again."""
+    ctx = _context(tmp_path)
+    trained = []
+
+    def fake_train(ctx, settings, cell_dir, inputs):
+        trained.append(settings["epochs"])
+        (cell_dir / "checkpoint").mkdir(parents=True)
+        return {"checkpoint": str(cell_dir / "checkpoint"), "train_s": 1.0, "steps": 9,
+                "simulated_acceptance_length": 2.0}
+
+    def fake_serve(ctx, checkpoint, log_path, log):
+        return {"acceptance_length": 2.0 + ctx.epochs / 10, "accepted_per_position": [0.5],
+                "checks": {}}
+
+    monkeypatch.setattr(dq, "train_ours", fake_train)
+    monkeypatch.setattr(dq, "serve_and_measure", fake_serve)
+    out = tmp_path / "out"
+    assert dq.run(ctx, {"default": {}}, [0], out)["cells"][0]["acceptance_length"] == 2.4
+    ctx.epochs = 1
+    assert dq.run(ctx, {"default": {}}, [0], out)["cells"][0]["acceptance_length"] == 2.1
+    ctx.epochs = 4
+    back = dq.run(ctx, {"default": {}}, [0], out)["cells"][0]
+    assert trained == [4, 1] and back["reused"] and back["acceptance_length"] == 2.4
+    assert Path(back["checkpoint"]).is_dir()
+    # the cell of 1 epoch is kept in its turn
+    ctx.epochs = 1
+    assert dq.run(ctx, {"default": {}}, [0], out)["cells"][0]["reused"]
+    assert trained == [4, 1]
+
+
 def test_another_k_serves_the_same_drafts_without_training_them(tmp_path, monkeypatch):
     ctx = _context(tmp_path)
     trained, served = [], []
