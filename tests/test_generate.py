@@ -28,7 +28,9 @@ from draftline.stages.generate import (
     request_body,
     resolve_concurrency,
     was_resent,
+    with_request_deadline,
 )
+from draftline.stages.profile import longest_answer_s
 from draftline.stages.responses import (
     fingerprinted_target,
     prompt_fingerprints,
@@ -228,6 +230,25 @@ def test_concurrency_auto_reads_profile(tmp_path):
     profile.write_text(json.dumps({"levels": []}))
     with pytest.raises(ValueError, match="chosen_concurrency"):
         resolve_concurrency("auto", profile)
+
+
+def test_a_slow_targets_longest_answer_gets_a_deadline_it_can_finish_in(tmp_path):
+    """SmolLM2's profile on a 2-core CPU at its chosen C = 64: p99 TTFT 2.6 s, p99 TPOT 1.085 s,
+    so a 1,024-token answer takes 1,114 s. A fixed 600 s deadline cut every such answer and
+    asked it again, to be cut again; the deadline is twice the profile's time instead, and a
+    fast target keeps generate.request_timeout_s."""
+    profile = tmp_path / "concurrency.json"
+    level = {"concurrency": 64, "ttft_ms": {"p99": 2595.453}, "tpot_ms": {"p99": 1085.101}}
+    profile.write_text(json.dumps({"chosen_concurrency": 64,
+                                   "levels": [{**level, "concurrency": 16}, level]}))
+    longest = longest_answer_s(profile, 64, 1024)
+    assert longest == pytest.approx(2.595453 + 1024 * 1.085101)
+    assert longest_answer_s(profile, 32, 1024) is None  # a level the profile did not run
+    assert longest_answer_s(None, 64, 1024) is None
+    settings = GenerateSettings(concurrency=64, max_tokens=1024, request_timeout_s=600.0)
+    assert with_request_deadline(settings, longest).request_timeout_s == round(2 * longest)
+    assert with_request_deadline(settings, 100.0) == settings  # fast: 600 s is enough
+    assert with_request_deadline(settings, None) == settings
 
 
 def test_fingerprint_changes_with_everything_that_determines_the_answer(tmp_path):

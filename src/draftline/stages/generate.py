@@ -51,7 +51,7 @@ import random
 import sys
 import time
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import aiohttp
@@ -66,7 +66,7 @@ from draftline.serving.endpoint_clients import EndpointPool, ServerSampler, Stat
 from draftline.serving.loadgen import request_seed
 from draftline.serving.server import Endpoint, served_version
 from draftline.stages.generation_report import round_or_none, server_view
-from draftline.stages.profile import resolve_concurrency
+from draftline.stages.profile import longest_answer_s, resolve_concurrency
 from draftline.stages.responses import (
     AppendLog,
     GenerationLocked,  # noqa: F401 (raised by generate_shards, defined with the kept files)
@@ -789,6 +789,27 @@ def _count(values: Iterable) -> dict:
     return counts
 
 
+# a request's deadline is this many times the profile's time for the longest answer
+DEADLINE_MARGIN = 2.0
+
+
+def with_request_deadline(settings: GenerateSettings,
+                          longest_s: float | None) -> GenerateSettings:
+    """``settings`` whose request deadline also lets the longest answer finish: twice the
+    profile's time for an answer of ``max_tokens`` at this concurrency when that is above
+    ``generate.request_timeout_s``. On a slow target (SmolLM2 on a 2-core CPU at C = 64: 1.1 s
+    a token) an answer that runs to the cap outlasts a fixed 600 s, and each retry would be
+    cut again and lost."""
+    if longest_s is None or DEADLINE_MARGIN * longest_s <= settings.request_timeout_s:
+        return settings
+    deadline = round(DEADLINE_MARGIN * longest_s)
+    print(f"request deadline {deadline} s: {DEADLINE_MARGIN:g} x {longest_s:.0f} s, the "
+          f"profile's time for a {settings.max_tokens}-token answer at concurrency "
+          f"{settings.concurrency} (generate.request_timeout_s {settings.request_timeout_s:g} "
+          f"is the least)", flush=True)
+    return replace(settings, request_timeout_s=float(deadline))
+
+
 def generate_responses(prompt_files: list, out_files: list, errors_files: list,
                        summary_files: list, gen_cfg: dict, server_cfg: dict, model: str,
                        state_dir: Path, profile_json: Path | None = None,
@@ -804,6 +825,8 @@ def generate_responses(prompt_files: list, out_files: list, errors_files: list,
     revision = hub_revision(model, revision)  # refused for a local directory, before any work
     concurrency = resolve_concurrency(gen_cfg["concurrency"], profile_json)
     settings = GenerateSettings.from_config(gen_cfg, concurrency, eval_fraction)
+    settings = with_request_deadline(settings, longest_answer_s(profile_json, concurrency,
+                                                                settings.max_tokens))
     shards = [ShardFiles.of(*files) for files in zip(prompt_files, out_files, errors_files,
                                                      summary_files, strict=True)]
     with endpoints_for(server_cfg, model, Path(state_dir), trust_remote_code,

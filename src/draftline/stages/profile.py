@@ -299,6 +299,25 @@ def resolve_concurrency(setting: int | str, profile_json: Path | str | None) -> 
                          f"({type(exc).__name__}: {exc})") from exc
 
 
+def longest_answer_s(profile_json: Path | str | None, concurrency: int,
+                     max_tokens: int) -> float | None:
+    """Seconds an answer of ``max_tokens`` tokens takes at ``concurrency`` in flight, by the
+    profile's level of that concurrency: its p99 time to the first token plus ``max_tokens``
+    tokens at its p99 time per output token (the profile asks with generation's own sampling
+    and ``max_tokens``). None without a profile, or that level, or its latencies."""
+    if profile_json is None or not Path(profile_json).exists():
+        return None
+    levels = json.loads(Path(profile_json).read_text()).get("levels") or []
+    level = next((row for row in levels if row.get("concurrency") == concurrency), None)
+    try:
+        ttft_ms, tpot_ms = level["ttft_ms"]["p99"], level["tpot_ms"]["p99"]
+    except (KeyError, TypeError):
+        return None
+    if ttft_ms is None or tpot_ms is None:
+        return None
+    return (ttft_ms + max_tokens * tpot_ms) / 1000.0
+
+
 # ----------------------------------------------------------------------------- prompts
 
 
